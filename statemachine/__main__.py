@@ -1,0 +1,42 @@
+"""Command line: ``python -m statemachine {demo,serve,check,table}``.
+
+Each subcommand lives in its own module and is imported only when used, so ``check`` does not
+pay for aiohttp and ``serve`` does not pay for the model checker.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). Each module exposes ``main(argv: list[str]) -> int``.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("statemachine.demo.cli", "end-to-end run through a prefill restart"),
+    "serve": ("statemachine.server", "run the reference bootstrap server"),
+    "check": ("statemachine.model.check", "model-check the Python mirror of the TLA+ spec"),
+    "table": ("statemachine.lifecycle", "print the lifecycle table and Mermaid diagram"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m statemachine <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    result: int = module.main(rest)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
