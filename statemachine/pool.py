@@ -1,0 +1,262 @@
+"""The shared bootstrap-info pool: which prefill ranks serve a key, one *generation* at a time.
+
+A decode process asks a prefill's bootstrap server where the ranks for
+``(address, dp rank, cp rank, tp rank)`` listen, and caches the answer here so that later
+requests skip the HTTP round trip. Rank ports are ephemeral: a prefill restart changes them
+while the key stays the same. So every cached answer is a :class:`Generation` object whose
+*identity* (not its value) names one fetch, and every removal is identity-checked:
+
+* ``publish`` is ``dict.setdefault``: the first generation wins and every later publisher
+  adopts the winner (POOL-2).
+* ``invalidate(entries)`` removes ``pool[k]`` only while it *is* ``entries[k]``, so a fresh
+  generation published concurrently by another receiver survives a stale receiver's failure
+  (POOL-3, the ``IdentitySafe`` invariant of the TLA+ model).
+
+The dictionary algorithms are module-level functions over plain dicts with PEP 316 contracts,
+so CrossHair can check them symbolically; :class:`BootstrapPool` runs them under one lock and
+keeps the statistics. See ``spec/pool.md``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from statemachine import trace
+
+
+class PoolKey(NamedTuple):
+    """What a pool entry is for. ``addr`` is compared exactly, never by prefix (POOL-5)."""
+
+    addr: str
+    dp_rank: int
+    cp_rank: int
+    tp_rank: int
+
+
+class RankInfo(NamedTuple):
+    """Where one prefill rank listens for ZMQ messages."""
+
+    ip: str
+    port: int
+    pp_rank: int
+    is_dummy: bool = False
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Generation:
+    """One fetch of the ranks behind a key. Compared by identity only (``eq=False``).
+
+    Two fetches that return the same ports are still two generations: the pool cannot know
+    whether the prefill restarted in between, so only the object a receiver actually used
+    may be removed on that receiver's behalf.
+    """
+
+    ranks: tuple[RankInfo, ...]
+    #: ``X-Bootstrap-Instance-Id`` of the server that answered, when it sent one.
+    instance_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """Counters since the pool was created (a consistent snapshot)."""
+
+    entries: int
+    hits: int
+    misses: int
+    publishes: int
+    adoptions: int
+    invalidations: int
+    #: invalidations that found a *different* generation under the key and kept it
+    kept_newer: int
+    address_invalidations: int
+
+
+# --- the algorithms, as pure functions over dicts (checked by CrossHair) ----------------------
+
+
+def publish_entry(pool: dict[PoolKey, Generation], key: PoolKey, fresh: Generation) -> Generation:
+    """Publish ``fresh`` unless ``key`` already holds a generation; return what the pool holds.
+
+    post: pool[key] is __return__
+    post: (__return__ is fresh) or (__old__.pool.get(key) is not None)
+    """
+    return pool.setdefault(key, fresh)
+
+
+def invalidate_entries(
+    pool: dict[PoolKey, Generation], entries: Mapping[PoolKey, Generation]
+) -> tuple[int, int]:
+    """Remove ``pool[k]`` for each ``k`` in ``entries`` only while it *is* ``entries[k]``.
+
+    Returns ``(removed, kept_newer)``: how many entries were removed, and how many keys held a
+    different generation that was left alone.
+
+    post: all(pool.get(k) is not g for k, g in entries.items())
+    post: all(k in pool for k in __old__.pool if k not in entries)
+    post: all(pool[k] is __old__.pool[k] for k in pool)
+    post: __return__[0] == len(__old__.pool) - len(pool)
+    """
+    removed = 0
+    kept = 0
+    for key, generation in entries.items():
+        current = pool.get(key)
+        if current is generation:
+            del pool[key]
+            removed += 1
+        elif current is not None:
+            kept += 1
+    return removed, kept
+
+
+def invalidate_address_entries(pool: dict[PoolKey, Generation], addr: str) -> int:
+    """Remove every entry whose key's address is exactly ``addr``; return how many.
+
+    post: all(k.addr != addr for k in pool)
+    post: all(k in pool for k in __old__.pool if k.addr != addr)
+    post: __return__ == len(__old__.pool) - len(pool)
+    """
+    doomed = [key for key in pool if key.addr == addr]
+    for key in doomed:
+        del pool[key]
+    return len(doomed)
+
+
+def retire_instance_entries(pool: dict[PoolKey, Generation], addr: str, instance_id: str) -> int:
+    """Remove entries of ``addr`` fetched from a server instance other than ``instance_id``.
+
+    Entries whose generation already carries ``instance_id`` were fetched from the running
+    server and survive; so do entries without an instance id (an old server that sends none).
+
+    post: all(k.addr != addr or g.instance_id in (None, instance_id) for k, g in pool.items())
+    post: all(k in pool for k in __old__.pool if k.addr != addr)
+    post: __return__ == len(__old__.pool) - len(pool)
+    """
+    doomed = [
+        key
+        for key, generation in pool.items()
+        if key.addr == addr and generation.instance_id not in (None, instance_id)
+    ]
+    for key in doomed:
+        del pool[key]
+    return len(doomed)
+
+
+# --- the thread-safe pool ---------------------------------------------------------------------
+
+
+class BootstrapPool:
+    """Thread-safe map from :class:`PoolKey` to the current :class:`Generation`.
+
+    Every operation takes the one lock for a few dictionary operations and never does I/O
+    under it: fetching and registering happen outside, between ``lookup`` and ``publish``.
+    """
+
+    __slots__ = (
+        "_address_invalidations",
+        "_adoptions",
+        "_entries",
+        "_hits",
+        "_invalidations",
+        "_kept_newer",
+        "_lock",
+        "_misses",
+        "_publishes",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[PoolKey, Generation] = {}
+        self._hits = 0
+        self._misses = 0
+        self._publishes = 0
+        self._adoptions = 0
+        self._invalidations = 0
+        self._kept_newer = 0
+        self._address_invalidations = 0
+
+    def lookup(self, key: PoolKey) -> Generation | None:
+        """The generation cached for ``key``, or ``None`` (POOL-1). Counts a hit or a miss."""
+        # The lock is held only to keep the counters exact; dict.get itself is atomic.
+        with self._lock:
+            generation = self._entries.get(key)
+            if generation is None:
+                self._misses += 1
+            else:
+                self._hits += 1
+        return generation
+
+    def publish(self, key: PoolKey, fresh: Generation) -> Generation:
+        """Publish ``fresh`` with setdefault semantics (POOL-2).
+
+        Returns the generation the pool holds afterwards: ``fresh`` itself, or a concurrent
+        winner's generation that the caller must adopt (and record in place of its own).
+        """
+        with self._lock:
+            held = publish_entry(self._entries, key, fresh)
+            if held is fresh:
+                self._publishes += 1
+            else:
+                self._adoptions += 1
+        if trace.ENABLED:
+            trace.emit("PoolPublish", key=key, generation=held, fresh=fresh)
+        return held
+
+    def invalidate(self, entries: Mapping[PoolKey, Generation]) -> int:
+        """Drop each ``entries[k]`` still in the pool by identity (POOL-3); return the count."""
+        with self._lock:
+            removed, kept = invalidate_entries(self._entries, entries)
+            self._invalidations += removed
+            self._kept_newer += kept
+        if trace.ENABLED:
+            trace.emit("PoolInvalidate", entries=entries, removed=removed)
+        return removed
+
+    def invalidate_address(self, addr: str) -> int:
+        """Node failure: drop every entry of exactly ``addr`` (POOL-5); return the count."""
+        with self._lock:
+            removed = invalidate_address_entries(self._entries, addr)
+            self._address_invalidations += removed
+        if trace.ENABLED:
+            trace.emit("PoolInvalidateAddress", addr=addr, removed=removed)
+        return removed
+
+    def observe_instance(self, addr: str, instance_id: str) -> int:
+        """A server at ``addr`` answered as ``instance_id``: drop older instances' entries.
+
+        A prefill restart behind a stable address changes the instance id before any send
+        fails, so entries fetched from the previous instance are known stale (POOL-6).
+        """
+        with self._lock:
+            removed = retire_instance_entries(self._entries, addr, instance_id)
+            self._address_invalidations += removed
+        if removed and trace.ENABLED:
+            trace.emit("PoolRetireInstance", addr=addr, instance_id=instance_id, removed=removed)
+        return removed
+
+    def get(self, key: PoolKey) -> Generation | None:
+        """Peek without counting (for tests, reports and tracing)."""
+        return self._entries.get(key)
+
+    def snapshot(self) -> dict[PoolKey, Generation]:
+        """A copy of the current entries."""
+        with self._lock:
+            return dict(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                entries=len(self._entries),
+                hits=self._hits,
+                misses=self._misses,
+                publishes=self._publishes,
+                adoptions=self._adoptions,
+                invalidations=self._invalidations,
+                kept_newer=self._kept_newer,
+                address_invalidations=self._address_invalidations,
+            )
