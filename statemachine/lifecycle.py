@@ -240,6 +240,6 @@ def main(argv: list[str]) -> int:
         print("usage: python -m statemachine table [--mermaid]", file=sys.stderr)
         return 2
     if not argv:
-        print(table_markdown())
-    print(mermaid())
+        sys.stdout.write(table_markdown() + "\n")
+    sys.stdout.write(mermaid())
     return 0
