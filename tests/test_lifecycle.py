@@ -165,3 +165,18 @@ def test_life_6_spec_table_is_current() -> None:
     """LIFE-6: the table in spec/lifecycle.md is the one derived from the Machine."""
     spec = (ROOT / "spec" / "lifecycle.md").read_text(encoding="utf-8")
     assert lifecycle.table_markdown() in spec
+
+
+def test_life_6_readme_diagram_matches_machine() -> None:
+    """LIFE-6: the README's hand-trimmed diagram shows exactly the Machine's transitions,
+    except the Abort edges (noted in the README text)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("```mermaid", 1)[1].split("```", 1)[0]
+    edges = set()
+    for line in block.splitlines():
+        line = line.strip()
+        if "-->" in line and ":" in line and not line.startswith("[*]"):
+            arrow, event = line.split(":", 1)
+            source, dest = (part.strip() for part in arrow.split("-->"))
+            edges.add((event.strip(), source, dest))
+    assert edges == {t for t in table_transitions() if t[0] != lifecycle.ABORT}
