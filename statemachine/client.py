@@ -1,0 +1,397 @@
+"""The decode side's HTTP client for prefill bootstrap servers (spec/protocol.md).
+
+Why pooled: SGLang used to call ``requests.get(url, timeout=5)`` per query, opening a TCP
+connection each time. Under load that left ~10,000 sockets in TIME-WAIT towards the bootstrap
+port and ended in ``[Errno 99] Cannot assign requested address``. Here every query - rank
+route, topology, dp-rank lookup and health probe alike - goes over one keep-alive
+``requests.Session`` per (thread, bootstrap address) whose adapter holds a single connection
+(HTTP-30..33). A ``Session`` is not thread-safe, so sessions are never shared across threads.
+
+Every failure is a typed :class:`~statemachine.errors.BootstrapHTTPError` carrying ``addr`` and
+``status`` (HTTP-40..45); after a transport failure the thread's session for that address is
+dropped so the next query starts on a fresh connection (HTTP-34).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from statemachine.errors import (
+    BootstrapHTTPError,
+    MalformedReply,
+    NotFound,
+    NotReady,
+    RequestRejected,
+    TransportFailure,
+)
+from statemachine.validation import (
+    MAX_REPLY_BYTES,
+    InvalidArgument,
+    RouteReply,
+    Topology,
+    dp_ranks_reply,
+    parse_addr,
+    parse_json_object,
+    require_index,
+    route_reply,
+    topology_reply,
+)
+
+__all__ = [
+    "INSTANCE_HEADER",
+    "BootstrapClient",
+    "ClientStats",
+    "InvalidArgument",
+    "RouteReply",
+    "Topology",
+    "register_rank",
+]
+
+INSTANCE_HEADER = "X-Bootstrap-Instance-Id"
+
+_T = TypeVar("_T")
+
+#: Error kinds counted by :meth:`BootstrapClient.stats` (a fixed set: the dict cannot grow).
+ERROR_KINDS = ("NotReady", "NotFound", "RequestRejected", "MalformedReply", "TransportFailure")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStats:
+    """Counters since the client was created, over all threads (a consistent snapshot)."""
+
+    requests: int
+    errors: Mapping[str, int]
+    sessions_opened: int
+    #: sessions dropped after a transport failure (a subset of the closed ones)
+    sessions_dropped: int
+    sessions_closed: int
+
+
+def new_session() -> requests.Session:
+    """A keep-alive session holding at most one connection, for plain http only (HTTP-31).
+
+    ``trust_env`` is off: bootstrap traffic is cluster-internal and must not go through an
+    ``HTTP_PROXY`` from the environment (and the per-request proxy lookup is costly).
+    """
+    session = requests.Session()
+    session.trust_env = False
+    session.adapters.clear()  # no https:// adapter: an https URL fails instead of pooling
+    session.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=1))
+    return session
+
+
+def _status_error(addr: str, status: int, what: str) -> BootstrapHTTPError:
+    """The typed error for a non-200 status (HTTP-40..44)."""
+    text = f"{addr}: {what} answered HTTP {status}"
+    if status == 503:
+        return NotReady(text, addr=addr, status=status)
+    if status == 404:
+        return NotFound(text, addr=addr, status=status)
+    if 400 <= status < 500:
+        return RequestRejected(text, addr=addr, status=status)
+    if status >= 500:
+        return TransportFailure(text, addr=addr, status=status)
+    # 1xx/2xx/3xx other than 200: the server does not speak this protocol.
+    return MalformedReply(text, addr=addr, status=status)
+
+
+def _read_body(response: requests.Response, addr: str) -> bytes:
+    """Read at most MAX_REPLY_BYTES; a longer reply is malformed, never buffered whole."""
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in response.iter_content(chunk_size=65536):
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            response.close()
+            raise MalformedReply(
+                f"{addr}: reply larger than {MAX_REPLY_BYTES} bytes",
+                addr=addr,
+                status=response.status_code,
+            )
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+# Exceptions that mean "no usable HTTP exchange happened": connection refused or reset,
+# timeouts, broken framing. ContentDecodingError is handled first (the exchange worked but the
+# body's encoding is bad: a malformed reply).
+_TRANSPORT_ERRORS = (requests.RequestException, http.client.HTTPException, OSError)
+
+
+class BootstrapClient:
+    """Queries prefill bootstrap servers over per-thread, per-address keep-alive sessions.
+
+    Safe to share between threads: each thread gets its own sessions. ``close()`` releases the
+    *calling* thread's sessions; a thread that exits without calling it leaves its sessions to
+    the garbage collector (``threading.local`` drops them with the thread).
+    """
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 5.0,
+        max_sessions_per_thread: int = 64,
+    ) -> None:
+        for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
+        if type(max_sessions_per_thread) is not int or max_sessions_per_thread < 1:
+            raise InvalidArgument("max_sessions_per_thread must be an int >= 1")
+        self._timeout = (float(connect_timeout), float(read_timeout))
+        self._max_sessions = max_sessions_per_thread
+        self._local = threading.local()
+        # Counters are touched by every thread; one short uncontended lock per request costs
+        # well under a microsecond against a ~100 us HTTP round trip, and keeps them exact.
+        self._stats_lock = threading.Lock()
+        self._requests = 0
+        self._errors = dict.fromkeys(ERROR_KINDS, 0)
+        self._opened = 0
+        self._dropped = 0
+        self._closed = 0
+
+    # --- sessions ------------------------------------------------------------------------------
+
+    def _sessions(self) -> dict[str, requests.Session]:
+        try:
+            sessions: dict[str, requests.Session] = self._local.sessions
+        except AttributeError:
+            sessions = self._local.sessions = {}
+        return sessions
+
+    def _session(self, addr: str) -> requests.Session:
+        sessions = self._sessions()
+        session = sessions.get(addr)
+        if session is not None:
+            return session
+        parse_addr(addr)  # validated once per (thread, address): off the hot path
+        if len(sessions) >= self._max_sessions:
+            # Addresses are few in practice; the cap only stops unbounded growth. Evict the
+            # oldest (dicts keep insertion order).
+            oldest = next(iter(sessions))
+            sessions.pop(oldest).close()
+            with self._stats_lock:
+                self._closed += 1
+        session = sessions[addr] = new_session()
+        with self._stats_lock:
+            self._opened += 1
+        return session
+
+    def _drop(self, addr: str) -> None:
+        session = self._sessions().pop(addr, None)
+        if session is not None:
+            session.close()
+            with self._stats_lock:
+                self._dropped += 1
+                self._closed += 1
+
+    def close(self) -> None:
+        """Close the calling thread's sessions (other threads' sessions are theirs to close)."""
+        sessions = self._sessions()
+        count = len(sessions)
+        for session in sessions.values():
+            session.close()
+        sessions.clear()
+        with self._stats_lock:
+            self._closed += count
+
+    def __enter__(self) -> BootstrapClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> ClientStats:
+        with self._stats_lock:
+            return ClientStats(
+                requests=self._requests,
+                errors=dict(self._errors),
+                sessions_opened=self._opened,
+                sessions_dropped=self._dropped,
+                sessions_closed=self._closed,
+            )
+
+    # --- one exchange --------------------------------------------------------------------------
+
+    def _exchange(
+        self, addr: str, method: str, url: str, what: str, body: bytes | None = None
+    ) -> tuple[bytes, str | None]:
+        """Send one request; return (200 body, instance id) or raise the typed error."""
+        session = self._session(addr)
+        with self._stats_lock:
+            self._requests += 1
+        try:
+            try:
+                response = session.request(
+                    method,
+                    url,
+                    data=body,
+                    headers=_JSON_HEADERS if body is not None else None,
+                    timeout=self._timeout,
+                    allow_redirects=False,
+                    stream=True,
+                )
+                # Drain the body even on an error status: a fully read reply leaves the
+                # connection reusable, so polling a 503 does not open a connection per poll.
+                payload = _read_body(response, addr)
+                if response.status_code != 200:
+                    raise _status_error(addr, response.status_code, what)
+            except requests.exceptions.ContentDecodingError as exc:
+                raise MalformedReply(f"{addr}: {what}: {exc}", addr=addr, status=None) from None
+            except _TRANSPORT_ERRORS as exc:
+                raise TransportFailure(f"{addr}: {what}: {exc}", addr=addr) from None
+        except BootstrapHTTPError as exc:
+            self._count_error(exc)
+            if isinstance(exc, TransportFailure):
+                self._drop(addr)
+            raise
+        return payload, response.headers.get(INSTANCE_HEADER)
+
+    def _count_error(self, exc: BootstrapHTTPError) -> None:
+        kind = type(exc).__name__
+        with self._stats_lock:
+            if kind in self._errors:
+                self._errors[kind] += 1
+
+    def _json(
+        self, addr: str, method: str, url: str, what: str, body: bytes | None = None
+    ) -> tuple[dict[str, object], str | None]:
+        payload, instance_id = self._exchange(addr, method, url, what, body)
+        try:
+            return parse_json_object(payload, addr=addr, status=200), instance_id
+        except MalformedReply as exc:
+            self._count_error(exc)
+            raise
+
+    # --- the routes ----------------------------------------------------------------------------
+
+    def get_rank(
+        self, addr: str, *, dp_rank: int, cp_rank: int, tp_rank: int, pp_rank: int
+    ) -> RouteReply:
+        """Where one prefill rank listens: ``GET /route`` (HTTP-10)."""
+        require_index("dp_rank", dp_rank)
+        require_index("cp_rank", cp_rank)
+        require_index("tp_rank", tp_rank)
+        require_index("pp_rank", pp_rank)
+        url = (
+            f"http://{addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank={cp_rank}"
+            f"&target_tp_rank={tp_rank}&target_pp_rank={pp_rank}"
+        )
+        obj, instance_id = self._json(addr, "GET", url, "GET /route")
+        return self._checked(route_reply, obj, addr, instance_id)
+
+    def get_topology(self, addr: str) -> Topology:
+        """The prefill's parallel layout: ``GET /route`` with all four ranks ``-1`` (HTTP-11)."""
+        url = (
+            f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+            "&target_tp_rank=-1&target_pp_rank=-1"
+        )
+        obj, instance_id = self._json(addr, "GET", url, "topology query")
+        return self._checked(topology_reply, obj, addr, instance_id)
+
+    def query_dp_ranks(self, addr: str, rooms: Sequence[int]) -> dict[int, int]:
+        """dp rank of each room the server knows: ``POST /query_dp_ranks`` (HTTP-13).
+
+        Rooms the server does not know are absent from the result. No request for no rooms.
+        """
+        if isinstance(rooms, (str, bytes)) or not isinstance(rooms, Sequence):
+            raise InvalidArgument(f"rooms must be a sequence of ints, got {type(rooms).__name__}")
+        asked = {str(require_index("room", room)): room for room in rooms}
+        if not asked:
+            parse_addr(addr)
+            return {}
+        body = json.dumps({"bootstrap_rooms": list(asked.values())}).encode()
+        obj, _ = self._json(addr, "POST", f"http://{addr}/query_dp_ranks", "query_dp_ranks", body)
+        try:
+            return dp_ranks_reply(obj, asked, addr=addr, status=200)
+        except MalformedReply as exc:
+            self._count_error(exc)
+            raise
+
+    def health(self, addr: str) -> str | None:
+        """Probe ``GET /health``; return the server's instance id (HTTP-14). Raises on failure."""
+        _, instance_id = self._exchange(addr, "GET", f"http://{addr}/health", "GET /health")
+        return instance_id
+
+    def _checked(
+        self,
+        parse: Callable[..., _T],
+        obj: Mapping[str, object],
+        addr: str,
+        instance_id: str | None,
+    ) -> _T:
+        try:
+            return parse(obj, addr=addr, status=200, instance_id=instance_id)
+        except MalformedReply as exc:
+            self._count_error(exc)
+            raise
+
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+# --- registration (prefill side) ---------------------------------------------------------------
+
+
+def register_rank(
+    addr: str,
+    token: str | None,
+    payload: Mapping[str, object],
+    *,
+    attempts: int = 5,
+    backoff_scale: float = 1.0,
+    connect_timeout: float = 2.0,
+    read_timeout: float = 5.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str | None:
+    """Register one prefill rank with ``PUT /route``, SGLang-style (HTTP-15).
+
+    Retries transport failures and 503 up to ``attempts`` times in all, sleeping
+    ``min(2**i, 30) * backoff_scale`` seconds times a jitter in [0.5, 1) between tries so that
+    ranks restarted together do not retry in lock-step. A 4xx (wrong token, bad payload,
+    topology conflict) is permanent and raised at once. Returns the server's instance id.
+    """
+    parse_addr(addr)
+    if type(attempts) is not int or attempts < 1:
+        raise InvalidArgument(f"attempts must be an int >= 1, got {attempts!r}")
+    if not isinstance(payload, Mapping):
+        raise InvalidArgument(f"payload must be a mapping, got {type(payload).__name__}")
+    try:
+        body = json.dumps(dict(payload)).encode()
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"payload is not JSON-serialisable: {exc}") from None
+    headers = dict(_JSON_HEADERS)
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    url = f"http://{addr}/route"
+    with new_session() as session:
+        for attempt in range(attempts):
+            try:
+                response = session.put(
+                    url,
+                    data=body,
+                    headers=headers,
+                    timeout=(connect_timeout, read_timeout),
+                    allow_redirects=False,
+                )
+                if response.status_code == 200:
+                    instance_id: str | None = response.headers.get(INSTANCE_HEADER)
+                    return instance_id
+                error: BootstrapHTTPError = _status_error(addr, response.status_code, "PUT /route")
+            except _TRANSPORT_ERRORS as exc:
+                error = TransportFailure(f"{addr}: PUT /route: {exc}", addr=addr)
+            if not isinstance(error, (TransportFailure, NotReady)) or attempt + 1 == attempts:
+                raise error
+            delay = min(2.0**attempt, 30.0) * backoff_scale
+            sleep(delay * random.uniform(0.5, 1.0))
+    raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
