@@ -1,0 +1,290 @@
+"""What the decode sends to prefill ranks over ZMQ: the KV-backend frame layouts.
+
+The bootstrap layer only carries frames; their layout belongs to the transfer backend
+(Mooncake, NIXL and MORI each have their own). :class:`KVBackend` is the seam:
+:class:`~statemachine.transport.ZmqTransport` asks a backend for the frames of each message and
+sends them, nothing more.
+
+:class:`SimpleBackend` is a small reference layout in SGLang's style, used by the reference
+prefill rank process (:mod:`statemachine.prefill_rank`), the tests, the demo and the
+benchmarks. Every message is multipart; its first frame names the kind; integers are ASCII
+decimal; pointer and index lists are packed little-endian with :mod:`struct`. The layouts are
+specified in ``spec/zmq.md`` (ZMQ-9, ZMQ-10) and parsed back, strictly, by
+:func:`parse_register` and :func:`parse_metadata`, which raise :class:`MalformedFrames`.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from statemachine.errors import BootstrapError
+from statemachine.pool import RankInfo
+
+REGISTER_KIND = b"register"
+METADATA_KIND = b"metadata"
+
+_INT32_MIN = -(2**31)
+_INT32_MAX = 2**31 - 1
+_UINT64_MAX = 2**64 - 1
+# Strict ASCII decimal: int() alone would also accept b" 7", b"+7" and b"1_000".
+_ASCII_INT = re.compile(rb"-?[0-9]{1,20}")
+_MAX_HOST_LEN = 253
+
+
+class MalformedFrames(BootstrapError, ValueError):
+    """A ZMQ message did not have the layout its kind requires. Nothing was acted on."""
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataRequest:
+    """The per-request part of a metadata message: which KV pages the prefill should fill."""
+
+    room: int
+    kv_indices: tuple[int, ...]
+    aux_index: int
+    prefix_len: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("room", self.room, 0, _UINT64_MAX)
+        if not isinstance(self.kv_indices, tuple):
+            raise TypeError(f"kv_indices must be a tuple, not {type(self.kv_indices).__name__}")
+        for index in self.kv_indices:
+            _check_int("kv_indices item", index, _INT32_MIN, _INT32_MAX)
+        _check_int("aux_index", self.aux_index, 0, _INT32_MAX)
+        _check_int("prefix_len", self.prefix_len, 0, _INT32_MAX)
+
+
+class KVBackend(Protocol):
+    """Builds the frames of the two messages the bootstrap layer sends to a prefill rank."""
+
+    def register_frames(self, rank: RankInfo) -> list[bytes]:
+        """KV args, sent once per new generation to every non-dummy rank in it."""
+        ...
+
+    def metadata_frames(self, rank: RankInfo, request: MetadataRequest) -> list[bytes]:
+        """Per-request metadata, sent once per non-dummy rank."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterMessage:
+    """A parsed register message (the decode's KV args)."""
+
+    decode_ip: str
+    decode_port: int
+    session_id: str
+    decode_tp_rank: int
+    decode_tp_size: int
+    target_pp_rank: int
+    kv_item_len: int
+    kv_ptrs: tuple[int, ...]
+    aux_ptrs: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataMessage:
+    """A parsed metadata message: the request, and where its completion ack goes."""
+
+    room: int
+    decode_ip: str
+    decode_port: int
+    session_id: str
+    target_pp_rank: int
+    kv_indices: tuple[int, ...]
+    aux_index: int
+    prefix_len: int
+
+
+# Frame counts, including the kind frame.
+REGISTER_FRAMES = 10
+METADATA_FRAMES = 9
+
+
+class SimpleBackend:
+    """The reference layout. ``decode_ip``/``decode_port`` name the decode's ack endpoint.
+
+    Register frames are built once per target pp rank and reused (they only depend on the
+    rank's pp rank), so registering a new generation allocates nothing but the list.
+    """
+
+    __slots__ = ("_register_cache", "_session", "_tail", "decode_ip", "decode_port", "session_id")
+
+    def __init__(
+        self,
+        decode_ip: str,
+        decode_port: int,
+        session_id: str,
+        kv_ptrs: Sequence[int] = (),
+        aux_ptrs: Sequence[int] = (),
+        *,
+        kv_item_len: int = 0,
+        decode_tp_rank: int = 0,
+        decode_tp_size: int = 1,
+    ) -> None:
+        _check_host(decode_ip)
+        _check_int("decode_port", decode_port, 1, 65535)
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError("session_id must be a non-empty str")
+        for ptr in (*kv_ptrs, *aux_ptrs):
+            _check_int("pointer", ptr, 0, _UINT64_MAX)
+        _check_int("kv_item_len", kv_item_len, 0, _INT32_MAX)
+        _check_int("decode_tp_size", decode_tp_size, 1, _INT32_MAX)
+        _check_int("decode_tp_rank", decode_tp_rank, 0, decode_tp_size - 1)
+        self.decode_ip = decode_ip
+        self.decode_port = decode_port
+        self.session_id = session_id
+        # (ip, port, session) follow the kind frame in both messages.
+        self._session = (decode_ip.encode(), b"%d" % decode_port, session_id.encode())
+        self._tail = (
+            b"%d" % decode_tp_rank,
+            b"%d" % decode_tp_size,
+            b"%d" % kv_item_len,
+            _pack_u64(kv_ptrs),
+            _pack_u64(aux_ptrs),
+        )
+        self._register_cache: dict[int, list[bytes]] = {}
+
+    def register_frames(self, rank: RankInfo) -> list[bytes]:
+        frames = self._register_cache.get(rank.pp_rank)
+        if frames is None:
+            tp_rank, tp_size, item_len, kv, aux = self._tail
+            frames = [
+                REGISTER_KIND,
+                *self._session,
+                tp_rank,
+                tp_size,
+                b"%d" % rank.pp_rank,
+                item_len,
+                kv,
+                aux,
+            ]
+            self._register_cache[rank.pp_rank] = frames
+        return list(frames)  # a copy: the caller may hold on to it
+
+    def metadata_frames(self, rank: RankInfo, request: MetadataRequest) -> list[bytes]:
+        indices = request.kv_indices
+        return [
+            METADATA_KIND,
+            b"%d" % request.room,
+            *self._session,
+            b"%d" % rank.pp_rank,
+            struct.pack(f"<{len(indices)}i", *indices),
+            b"%d" % request.aux_index,
+            b"%d" % request.prefix_len,
+        ]
+
+
+# --- parsing (prefill side) -------------------------------------------------------------------
+
+
+def parse_register(frames: Sequence[bytes]) -> RegisterMessage:
+    """Parse a :class:`SimpleBackend` register message; :class:`MalformedFrames` if it is not."""
+    kind = "register"
+    _check_shape(frames, REGISTER_KIND, REGISTER_FRAMES, kind)
+    decode_tp_size = _int(frames[5], kind, "decode_tp_size", 1, _INT32_MAX)
+    return RegisterMessage(
+        decode_ip=_host(frames[1], kind),
+        decode_port=_int(frames[2], kind, "decode_port", 1, 65535),
+        session_id=_text(frames[3], kind, "session_id"),
+        decode_tp_rank=_int(frames[4], kind, "decode_tp_rank", 0, decode_tp_size - 1),
+        decode_tp_size=decode_tp_size,
+        target_pp_rank=_int(frames[6], kind, "target_pp_rank", 0, _INT32_MAX),
+        kv_item_len=_int(frames[7], kind, "kv_item_len", 0, _INT32_MAX),
+        kv_ptrs=_unpack(frames[8], "Q", 8, kind, "kv_ptrs"),
+        aux_ptrs=_unpack(frames[9], "Q", 8, kind, "aux_ptrs"),
+    )
+
+
+def parse_metadata(frames: Sequence[bytes]) -> MetadataMessage:
+    """Parse a :class:`SimpleBackend` metadata message; :class:`MalformedFrames` if it is not."""
+    kind = "metadata"
+    _check_shape(frames, METADATA_KIND, METADATA_FRAMES, kind)
+    return MetadataMessage(
+        room=_int(frames[1], kind, "room", 0, _UINT64_MAX),
+        decode_ip=_host(frames[2], kind),
+        decode_port=_int(frames[3], kind, "decode_port", 1, 65535),
+        session_id=_text(frames[4], kind, "session_id"),
+        target_pp_rank=_int(frames[5], kind, "target_pp_rank", 0, _INT32_MAX),
+        kv_indices=_unpack(frames[6], "i", 4, kind, "kv_indices"),
+        aux_index=_int(frames[7], kind, "aux_index", 0, _INT32_MAX),
+        prefix_len=_int(frames[8], kind, "prefix_len", 0, _INT32_MAX),
+    )
+
+
+def message_kind(frames: Sequence[bytes]) -> bytes:
+    """The kind frame of a message (``b""`` for an empty message), for dispatch."""
+    return bytes(frames[0]) if frames else b""
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    # bool is an int subclass, but True is never a valid port or index.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} {value} out of range [{low}, {high}]")
+
+
+def _check_host(host: object) -> None:
+    if not isinstance(host, str) or not host or len(host) > _MAX_HOST_LEN:
+        raise ValueError(f"bad host {host!r}")
+    if not host.isascii() or any(c.isspace() for c in host):
+        raise ValueError(f"bad host {host!r}")
+
+
+def _pack_u64(values: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(values)}Q", *values)
+
+
+def _check_shape(frames: Sequence[bytes], kind_frame: bytes, count: int, kind: str) -> None:
+    if len(frames) != count:
+        raise MalformedFrames(f"{kind}: expected {count} frames, got {len(frames)}", kind=kind)
+    if frames[0] != kind_frame:
+        raise MalformedFrames(f"{kind}: first frame is {bytes(frames[0])[:32]!r}", kind=kind)
+
+
+def _int(frame: bytes, kind: str, name: str, low: int, high: int) -> int:
+    if _ASCII_INT.fullmatch(frame) is None:
+        raise MalformedFrames(f"{kind}: {name} is not an ASCII integer: {frame[:32]!r}", kind=kind)
+    value = int(frame)
+    if not low <= value <= high:
+        raise MalformedFrames(f"{kind}: {name} {value} out of range", kind=kind)
+    return value
+
+
+def _text(frame: bytes, kind: str, name: str) -> str:
+    try:
+        text = bytes(frame).decode("utf-8")
+    except UnicodeDecodeError:
+        raise MalformedFrames(f"{kind}: {name} is not UTF-8", kind=kind) from None
+    if not text:
+        raise MalformedFrames(f"{kind}: {name} is empty", kind=kind)
+    return text
+
+
+def _host(frame: bytes, kind: str) -> str:
+    try:
+        host = bytes(frame).decode("ascii")
+        _check_host(host)
+    except (UnicodeDecodeError, ValueError):
+        raise MalformedFrames(f"{kind}: bad decode_ip {frame[:64]!r}", kind=kind) from None
+    return host
+
+
+def _unpack(frame: bytes, code: str, size: int, kind: str, name: str) -> tuple[int, ...]:
+    if len(frame) % size:
+        raise MalformedFrames(
+            f"{kind}: {name} length {len(frame)} not a multiple of {size}", kind=kind
+        )
+    values: tuple[int, ...] = struct.unpack(f"<{len(frame) // size}{code}", frame)
+    return values

@@ -1,0 +1,405 @@
+"""A reference prefill rank as a real process, for tests, the demo and the benchmarks.
+
+``python -m statemachine.prefill_rank --bootstrap 127.0.0.1:PORT --token T --tp-rank 0
+--tp-size 2 [--pp-rank 0 --pp-size 1 --dp-rank 0 --dp-size 1 --cp-rank 0 --cp-size 1]
+[--ack-delay-ms 0]``
+
+Like an SGLang prefill rank it binds one ``PULL`` socket on an ephemeral port of 127.0.0.1 (its
+``rank_port``: a restart gets a new one), registers it with the bootstrap server by
+``PUT /route`` (:func:`statemachine.client.register_rank`, SGLang's retry policy), then prints
+``READY <port>`` and serves the :class:`~statemachine.backend.SimpleBackend` messages (ZMQ-13):
+
+* *register*: remember the decode session (by session id; bounded, oldest forgotten first);
+* *metadata*: after ``--ack-delay-ms``, PUSH ``[b"ack", room, tp_rank, pp_rank]`` to the ack
+  endpoint named in the metadata. Metadata from a session that never registered its KV args
+  here is counted and not acked, as a real backend could not transfer without those args;
+  so is metadata addressed to another pp rank.
+
+Delayed acks wait in a heap, so a slow prefill still receives and counts messages on time.
+SIGTERM/SIGINT end it cleanly: sockets closed with LINGER=0, one ``STATS {json}`` line with
+the message counters on stdout, exit 0.
+
+:class:`PrefillRankProcess` runs it as a subprocess and can SIGKILL (a crash), terminate and
+restart it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+import zmq
+
+from statemachine.acks import ack_frames
+from statemachine.backend import (
+    METADATA_KIND,
+    REGISTER_KIND,
+    MalformedFrames,
+    message_kind,
+    parse_metadata,
+    parse_register,
+)
+from statemachine.client import register_rank
+from statemachine.errors import BootstrapError, SendFailed
+from statemachine.transport import Endpoint, ZmqTransport
+
+MAX_SESSIONS = 1024
+COUNTERS = (
+    "register",
+    "metadata",
+    "acks_sent",
+    "ack_failures",
+    "malformed",
+    "unregistered",
+    "misaddressed",
+)
+
+
+class PrefillRankStartFailed(BootstrapError):
+    """The prefill rank process exited or stayed silent before printing ``READY``."""
+
+
+# --- the process ------------------------------------------------------------------------------
+
+
+def build_payload(args: argparse.Namespace, port: int) -> dict[str, Any]:
+    """The ``PUT /route`` body (reference §1)."""
+    return {
+        "attn_tp_size": args.tp_size,
+        "attn_tp_rank": args.tp_rank,
+        "attn_cp_size": args.cp_size,
+        "attn_cp_rank": args.cp_rank,
+        "attn_dp_size": args.dp_size,
+        "attn_dp_rank": args.dp_rank,
+        "pp_size": args.pp_size,
+        "pp_rank": args.pp_rank,
+        "system_dp_size": args.dp_size,
+        "system_dp_rank": args.dp_rank,
+        "rank_ip": args.host,
+        "rank_port": port,
+        "page_size": args.page_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
+
+
+class _Rank:
+    """The serving loop's state. One thread: sockets are never shared."""
+
+    def __init__(self, args: argparse.Namespace, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.args = args
+        self.pull = context.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.port = self.pull.bind_to_random_port(f"tcp://{args.host}")
+        if self.port == args.avoid_port:
+            # A restart must get a new port even if the random pick repeats the old one.
+            old = self.port
+            self.port = self.pull.bind_to_random_port(f"tcp://{args.host}")
+            self.pull.unbind(f"tcp://{args.host}:{old}")
+        self.acks = ZmqTransport(
+            mode="immediate", send_timeout_ms=args.ack_send_timeout_ms, context=context
+        )
+        self.sessions: dict[str, Endpoint] = {}
+        self.due: list[tuple[float, int, Endpoint, list[bytes]]] = []  # heap
+        self.seq = 0
+        self.counts = dict.fromkeys(COUNTERS, 0)
+
+    def on_message(self, frames: list[bytes]) -> None:
+        kind = message_kind(frames)
+        try:
+            if kind == REGISTER_KIND:
+                register = parse_register(frames)
+                if register.target_pp_rank != self.args.pp_rank:
+                    self.counts["misaddressed"] += 1
+                    return
+                self.counts["register"] += 1
+                self.sessions.pop(register.session_id, None)  # re-registration: now newest
+                self.sessions[register.session_id] = (register.decode_ip, register.decode_port)
+                if len(self.sessions) > MAX_SESSIONS:
+                    del self.sessions[next(iter(self.sessions))]
+            elif kind == METADATA_KIND:
+                metadata = parse_metadata(frames)
+                if metadata.target_pp_rank != self.args.pp_rank:
+                    self.counts["misaddressed"] += 1
+                    return
+                self.counts["metadata"] += 1
+                if metadata.session_id not in self.sessions:
+                    self.counts["unregistered"] += 1
+                    return
+                ack = ack_frames(metadata.room, self.args.tp_rank, self.args.pp_rank)
+                endpoint = (metadata.decode_ip, metadata.decode_port)
+                if self.args.ack_delay_ms <= 0:
+                    self.send_ack(endpoint, ack)
+                else:
+                    self.seq += 1
+                    due = time.monotonic() + self.args.ack_delay_ms / 1000.0
+                    heapq.heappush(self.due, (due, self.seq, endpoint, ack))
+            else:
+                self.counts["malformed"] += 1
+        except MalformedFrames:
+            self.counts["malformed"] += 1
+
+    def send_ack(self, endpoint: Endpoint, frames: list[bytes]) -> None:
+        try:
+            self.acks.send(endpoint, frames)
+        except SendFailed:
+            self.counts["ack_failures"] += 1  # the decode went away; nothing to retry for
+        else:
+            self.counts["acks_sent"] += 1
+
+    def send_due_acks(self) -> int | None:
+        """Send the acks whose time has come; return ms until the next one (None: none)."""
+        while self.due:
+            due, _, endpoint, frames = self.due[0]
+            wait = due - time.monotonic()
+            if wait > 0:
+                return max(1, int(wait * 1000.0 + 0.999))
+            heapq.heappop(self.due)
+            self.send_ack(endpoint, frames)
+        return None
+
+    def close(self) -> None:
+        self.acks.close()
+        self.pull.close(linger=0)
+
+
+def serve(args: argparse.Namespace) -> int:
+    stop = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop
+        stop = True
+
+    # The signal handler only sets a flag; the wake-up fd makes the poll below return at once.
+    wake_rx, wake_tx = socket.socketpair()
+    wake_rx.setblocking(False)
+    wake_tx.setblocking(False)
+    signal.set_wakeup_fd(wake_tx.fileno())
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    rank = _Rank(args, context)
+    try:
+        try:
+            register_rank(
+                args.bootstrap,
+                args.token,
+                build_payload(args, rank.port),
+                attempts=args.register_attempts,
+                backoff_scale=args.register_backoff_scale,
+            )
+        except BootstrapError as exc:
+            print(f"prefill_rank: registration failed: {exc}", file=sys.stderr, flush=True)
+            return 1
+        print(f"READY {rank.port}", flush=True)
+        poller = zmq.Poller()
+        poller.register(rank.pull, zmq.POLLIN)
+        poller.register(wake_rx.fileno(), zmq.POLLIN)
+        timeout: int | None = None
+        while not stop:
+            events = dict(poller.poll(timeout))
+            if rank.pull in events:
+                # Drain without a poll per message.
+                while True:
+                    try:
+                        frames = rank.pull.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    rank.on_message(frames)
+            timeout = rank.send_due_acks()
+        print("STATS " + json.dumps(rank.counts, sort_keys=True), flush=True)
+        return 0
+    finally:
+        rank.close()
+        context.term()
+        signal.set_wakeup_fd(-1)
+        wake_rx.close()
+        wake_tx.close()
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m statemachine.prefill_rank")
+    parser.add_argument("--bootstrap", required=True, help="bootstrap server host:port")
+    parser.add_argument("--token", required=True, help="bearer token for PUT /route")
+    parser.add_argument("--host", default="127.0.0.1", help="ip to bind and register")
+    for name in ("tp", "pp", "dp", "cp"):
+        parser.add_argument(f"--{name}-rank", type=int, default=0)
+        parser.add_argument(f"--{name}-size", type=int, default=1)
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--ack-delay-ms", type=int, default=0)
+    parser.add_argument("--ack-send-timeout-ms", type=int, default=1000)
+    parser.add_argument("--register-attempts", type=int, default=5)
+    parser.add_argument("--register-backoff-scale", type=float, default=1.0)
+    parser.add_argument("--avoid-port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(list(argv))
+    for name in ("tp", "pp", "dp", "cp"):
+        size, rank = getattr(args, f"{name}_size"), getattr(args, f"{name}_rank")
+        if size < 1 or not 0 <= rank < size:
+            parser.error(f"--{name}-rank {rank} must be in [0, --{name}-size {size})")
+    if args.ack_delay_ms < 0 or args.ack_send_timeout_ms < 1:
+        parser.error("--ack-delay-ms must be >= 0 and --ack-send-timeout-ms >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+# --- running it as a subprocess ---------------------------------------------------------------
+
+
+class PrefillRankProcess:
+    """A prefill rank subprocess that tests and the demo can crash and restart.
+
+    ``start()`` returns once the child printed ``READY <port>`` (registered with the bootstrap
+    server), or raises :class:`PrefillRankStartFailed` within ``ready_timeout`` seconds.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        token: str,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        ack_delay_ms: int = 0,
+        ready_timeout: float = 20.0,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.ready_timeout = ready_timeout
+        self._token = token
+        self._args = [
+            "--bootstrap",
+            bootstrap,
+            *("--tp-rank", str(tp_rank), "--tp-size", str(tp_size)),
+            *("--pp-rank", str(pp_rank), "--pp-size", str(pp_size)),
+            *("--dp-rank", str(dp_rank), "--dp-size", str(dp_size)),
+            *("--cp-rank", str(cp_rank), "--cp-size", str(cp_size)),
+            *("--ack-delay-ms", str(ack_delay_ms)),
+            *extra_args,
+        ]
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._port: int | None = None
+        self.starts = 0
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("prefill rank not started")
+        return self._port
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, *, avoid_port: int = 0) -> int:
+        if self.alive():
+            raise RuntimeError("prefill rank already running")
+        # The token travels in argv: acceptable for a loopback test process, not for production.
+        argv = [sys.executable, "-m", "statemachine.prefill_rank", "--token", self._token]
+        argv += self._args
+        if avoid_port:
+            argv += ["--avoid-port", str(avoid_port)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        self._proc = proc
+        try:
+            self._port = _wait_ready(proc, self.ready_timeout)
+        except BaseException:
+            _reap(proc, signal.SIGKILL, 5.0)
+            self._proc = None
+            raise
+        self.starts += 1
+        return self._port
+
+    def kill(self) -> None:
+        """SIGKILL: a crash. Sockets vanish without a goodbye; the port becomes free."""
+        if self._proc is not None:
+            _reap(self._proc, signal.SIGKILL, 5.0)
+
+    def terminate(self, timeout: float = 5.0) -> dict[str, int] | None:
+        """SIGTERM and wait; return the child's ``STATS`` counters (None if it printed none)."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        out = _reap(self._proc, signal.SIGTERM, timeout)
+        for line in out.decode(errors="replace").splitlines():
+            if line.startswith("STATS "):
+                stats: dict[str, int] = json.loads(line[len("STATS ") :])
+                return stats
+        return None
+
+    def restart(self) -> int:
+        """Crash (SIGKILL) if running, then start again on a different port; return it."""
+        old = self._port or 0
+        self.kill()
+        return self.start(avoid_port=old)
+
+    def __enter__(self) -> PrefillRankProcess:
+        if not self.alive():
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    buffer = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                if line.startswith(b"READY "):
+                    return int(line[len(b"READY ") :])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PrefillRankStartFailed(f"no READY within {timeout} s")
+            if not selector.select(left):
+                continue
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                code = proc.wait(timeout=5.0)
+                raise PrefillRankStartFailed(f"prefill rank exited with {code} before READY")
+            buffer += chunk
+
+
+def _reap(proc: subprocess.Popen[bytes], sig: signal.Signals, timeout: float) -> bytes:
+    """Send ``sig`` (SIGKILL after ``timeout`` if still alive), wait, return remaining stdout."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate(timeout=timeout)
+    return out or b""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
