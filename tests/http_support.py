@@ -1,0 +1,142 @@
+"""Test helpers: a scripted HTTP server on 127.0.0.1, rank payloads, bounded waits.
+
+``ScriptedServer`` answers every request with whatever status/body/headers/delay the test set
+last, so client tests can feed a *real* socket any reply (malformed JSON, wrong types, odd
+statuses, slow answers) without mocking ``requests``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from statemachine.server import BootstrapServer
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    body: bytes = b"{}"
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+
+
+class ScriptedServer:
+    """A threaded ``http.server`` serving the current ``reply`` (or the next of ``queue``)."""
+
+    def __init__(self) -> None:
+        self.reply = Reply()
+        self.queue: list[Reply] = []
+        self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
+        self._lock = threading.Lock()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, like a real bootstrap server
+
+            def _serve(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with owner._lock:
+                    if len(owner.requests) < 10_000:
+                        owner.requests.append((self.command, self.path, dict(self.headers), body))
+                    reply = owner.queue.pop(0) if owner.queue else owner.reply
+                if reply.delay:
+                    time.sleep(reply.delay)
+                self.send_response(reply.status)
+                for name, value in reply.headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(reply.body)))
+                self.end_headers()
+                self.wfile.write(reply.body)
+
+            do_GET = do_POST = do_PUT = _serve
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.address = f"127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> ScriptedServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+    def set(self, status: int = 200, body: bytes = b"{}", **kw: Any) -> None:
+        with self._lock:
+            self.reply = Reply(status, body, **kw)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout: float = 5.0, step: float = 0.01) -> bool:
+    """Poll ``predicate`` at most ``timeout`` seconds; return its last value (never hangs)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
+
+
+def rank_payload(
+    *, tp: int = 0, tp_size: int = 2, dp: int = 0, dp_size: int = 1, port: int = 5000, **extra: Any
+) -> dict[str, Any]:
+    """A ``PUT /route`` body as an SGLang prefill rank sends it."""
+    payload: dict[str, Any] = {
+        "attn_tp_size": tp_size,
+        "attn_tp_rank": tp,
+        "attn_cp_size": 1,
+        "attn_cp_rank": 0,
+        "attn_dp_size": dp_size,
+        "attn_dp_rank": dp,
+        "pp_size": 1,
+        "pp_rank": 0,
+        "system_dp_size": 1,
+        "system_dp_rank": 0,
+        "rank_ip": "127.0.0.1",
+        "rank_port": port,
+        "page_size": 16,
+        "kv_cache_dtype": "bfloat16",
+    }
+    payload.update(extra)
+    return payload
+
+
+class FakeClock:
+    """A settable monotonic clock for dp-rank expiry tests (no sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@contextmanager
+def running_server(**kw: Any) -> Iterator[BootstrapServer]:
+    server = BootstrapServer(**kw).start()
+    try:
+        yield server
+    finally:
+        server.stop()
