@@ -39,6 +39,9 @@ class ScriptedServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, like a real bootstrap server
+            # Headers and body go out in two writes: without TCP_NODELAY, Nagle plus the
+            # client's delayed ACK stall every reply by ~40 ms.
+            disable_nagle_algorithm = True
 
             def _serve(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
@@ -64,7 +67,7 @@ class ScriptedServer:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self.address = f"127.0.0.1:{self._httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)
 
     def __enter__(self) -> ScriptedServer:
         self._thread.start()
