@@ -36,8 +36,8 @@ class HealthMonitor:
             raise ValueError("interval_s must be > 0 and failures_to_dead >= 1")
         self._pool = pool
         # The probe thread gets its own sessions (they are per thread inside the client).
-        self._client = client if client is not None else BootstrapClient(
-            connect_timeout=2.0, read_timeout=3.0
+        self._client = (
+            client if client is not None else BootstrapClient(connect_timeout=2.0, read_timeout=3.0)
         )
         self._interval_s = interval_s
         self._failures_to_dead = failures_to_dead
@@ -54,9 +54,7 @@ class HealthMonitor:
 
     def start(self) -> HealthMonitor:
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="bootstrap-health", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="bootstrap-health", daemon=True)
             self._thread.start()
         return self
 

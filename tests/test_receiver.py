@@ -1,0 +1,446 @@
+"""BootstrapReceiver against real parts: an aiohttp bootstrap server on 127.0.0.1, prefill rank
+*processes* with real ZMQ PULL sockets (killed and restarted for the restart tests), the real
+pool, client, transport and ack listener.
+
+Requirement IDs: LIFE-n (spec/lifecycle.md), POOL-n (spec/pool.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from statemachine import lifecycle as life
+from statemachine.acks import AckListener
+from statemachine.backend import MetadataRequest, SimpleBackend
+from statemachine.client import BootstrapClient
+from statemachine.errors import (
+    Aborted,
+    InvalidTransition,
+    NotReady,
+    SendFailed,
+    WaitingTimeout,
+)
+from statemachine.lifecycle import KVPoll
+from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.prefill_rank import PrefillRankProcess
+from statemachine.receiver import BootstrapReceiver, Decode, RankPlan
+from statemachine.server import BootstrapServer
+from statemachine.transport import ZmqTransport
+
+TOKEN = "receiver-test-token"
+TP = 2
+PLAN = RankPlan(tp_ranks=tuple(range(TP)))
+POLL_LIMIT_S = 10.0
+
+
+@dataclass
+class Prefill:
+    """One prefill instance: its bootstrap server and its tp rank processes."""
+
+    server: BootstrapServer
+    ranks: list[PrefillRankProcess] = field(default_factory=list)
+
+    @property
+    def addr(self) -> str:
+        return self.server.address
+
+    def restart_ranks(self) -> None:
+        """Crash every rank and start it again on a new port (re-registers: last writer wins)."""
+        for rank in self.ranks:
+            rank.kill()
+        for rank in self.ranks:
+            rank.start(avoid_port=rank.port)
+
+    def ports(self) -> set[int]:
+        return {rank.port for rank in self.ranks}
+
+
+def start_prefill(ack_delay_ms: int = 0, port: int = 0) -> Prefill:
+    server = BootstrapServer("127.0.0.1", port, token=TOKEN).start()
+    prefill = Prefill(server)
+    try:
+        for tp_rank in range(TP):
+            rank = PrefillRankProcess(
+                server.address, TOKEN, tp_rank=tp_rank, tp_size=TP, ack_delay_ms=ack_delay_ms
+            )
+            prefill.ranks.append(rank)
+            rank.start()
+    except BaseException:
+        stop_prefill(prefill)
+        raise
+    return prefill
+
+
+def stop_prefill(prefill: Prefill) -> None:
+    for rank in prefill.ranks:
+        rank.kill()
+    prefill.server.stop()
+
+
+@pytest.fixture
+def prefill() -> Iterator[Prefill]:
+    instance = start_prefill()
+    yield instance
+    stop_prefill(instance)
+
+
+@dataclass
+class DecodeSide:
+    decode: Decode
+    acks: AckListener
+
+    @property
+    def pool(self) -> BootstrapPool:
+        return self.decode.pool
+
+    def receiver(self, prefill: Prefill, room: int) -> BootstrapReceiver:
+        return BootstrapReceiver(self.decode, prefill.addr, room, PLAN)
+
+    def run(self, prefill: Prefill, room: int) -> BootstrapReceiver:
+        """A whole request: init, send metadata, poll to the end."""
+        receiver = self.receiver(prefill, room)
+        if receiver.init(0) == KVPoll.WaitingForInput:
+            self.send(receiver)
+            finish(receiver)
+        return receiver
+
+    def send(self, receiver: BootstrapReceiver) -> KVPoll:
+        self.acks.expect(receiver.room, receiver.expected_acks(), receiver.mark_transferred)
+        request = MetadataRequest(room=receiver.room, kv_indices=(1, 2, 3), aux_index=0)
+        return receiver.send_metadata(request)
+
+
+def finish(receiver: BootstrapReceiver) -> KVPoll:
+    deadline = time.monotonic() + POLL_LIMIT_S
+    while (status := receiver.poll()) == KVPoll.Transferring:
+        assert time.monotonic() < deadline, f"{receiver} still transferring"
+        time.sleep(0.005)
+    return status
+
+
+def make_decode(
+    waiting_timeout_s: float = 5.0,
+    backend_for: Callable[[int], SimpleBackend] | None = None,
+) -> Iterator[DecodeSide]:
+    """A decode side; ``backend_for(ack_port)`` may supply a custom backend."""
+    acks = AckListener("127.0.0.1")
+    if backend_for is None:
+        backend = SimpleBackend("127.0.0.1", acks.port, "decode-test")
+    else:
+        backend = backend_for(acks.port)
+    transport = ZmqTransport(mode="immediate", send_timeout_ms=500)
+    client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
+    decode = Decode(
+        pool=BootstrapPool(),
+        client=client,
+        transport=transport,
+        backend=backend,
+        waiting_timeout_s=waiting_timeout_s,
+    )
+    try:
+        yield DecodeSide(decode, acks)
+    finally:
+        client.close()
+        transport.close()
+        acks.close()
+
+
+@pytest.fixture
+def side() -> Iterator[DecodeSide]:
+    yield from make_decode()
+
+
+def rank_queries(prefill: Prefill) -> int:
+    return prefill.server.stats().requests.get("GET /route", 0)
+
+
+KEY_TP0 = 0  # the pool key names the first target tp rank
+
+
+def key_of(prefill: Prefill) -> PoolKey:
+    return PoolKey(prefill.addr, 0, 0, KEY_TP0)
+
+
+# --- happy path --------------------------------------------------------------------------------
+
+
+def test_happy_path_miss_then_hit_makes_no_http_request(prefill: Prefill, side: DecodeSide) -> None:
+    """LIFE-1/POOL-1/POOL-2: a miss fetches, registers and publishes; the next request hits
+    the pool and makes no HTTP request at all."""
+    first = side.run(prefill, room=1)
+    assert first.state == life.DONE and first.poll() == KVPoll.Success
+    generation = side.pool.get(key_of(prefill))
+    assert generation is not None
+    assert {rank.port for rank in generation.ranks} == prefill.ports()
+    assert first.entries == {key_of(prefill): generation}
+    queries = rank_queries(prefill)
+    assert queries == TP  # one query per (tp, pp) rank
+
+    second = side.run(prefill, room=2)
+    assert second.state == life.DONE
+    assert second.entries[key_of(prefill)] is generation
+    assert rank_queries(prefill) == queries, "a cache hit must not query the bootstrap server"
+    stats = side.pool.stats()
+    assert (stats.hits, stats.misses, stats.publishes, stats.invalidations) == (1, 1, 1, 0)
+
+
+# --- prefill restart (the SGLang #36029 bug) ---------------------------------------------------
+
+
+def test_restart_on_new_ports_fails_fast_invalidates_and_next_request_refetches(
+    prefill: Prefill, side: DecodeSide
+) -> None:
+    """LIFE-3/POOL-3: after a restart the request meeting the dead ports fails on its first send
+    (IMMEDIATE), drops its generation; the next request refetches the new ports and succeeds."""
+    assert side.run(prefill, room=1).state == life.DONE
+    stale = side.pool.get(key_of(prefill))
+    old_ports = prefill.ports()
+    prefill.restart_ranks()
+    assert prefill.ports().isdisjoint(old_ports)
+
+    victim = side.receiver(prefill, room=2)
+    assert victim.init(0) == KVPoll.WaitingForInput  # a hit on the stale generation
+    assert victim.entries[key_of(prefill)] is stale
+    started = time.monotonic()
+    assert side.send(victim) == KVPoll.Failed
+    assert time.monotonic() - started < POLL_LIMIT_S  # bounded; the benchmark measures it
+    assert isinstance(victim.failure, SendFailed)
+    assert victim.state == life.INVALIDATED and victim.entries == {}
+    assert side.pool.get(key_of(prefill)) is None
+    with pytest.raises(SendFailed):
+        victim.failure_exception()
+
+    fresh = side.run(prefill, room=3)
+    assert fresh.state == life.DONE
+    generation = side.pool.get(key_of(prefill))
+    assert generation is not None and generation is not stale
+    assert {rank.port for rank in generation.ranks} == prefill.ports()
+
+
+def test_server_restart_new_instance_id_retires_old_entries(side: DecodeSide) -> None:
+    """POOL-6: a prefill restarted behind the same address answers with a new instance id; the
+    first fetch that sees it retires every entry from the old instance (exact address)."""
+    first = start_prefill()
+    addr = first.addr
+    port = int(addr.rsplit(":", 1)[1])
+    try:
+        plan_cp1 = RankPlan(tp_ranks=tuple(range(TP)), cp_ranks=(0,))
+        receiver = BootstrapReceiver(side.decode, addr, 1, plan_cp1)
+        assert receiver.init(0) == KVPoll.WaitingForInput
+        old = side.pool.get(key_of(first))
+        assert old is not None and old.instance_id == first.server.instance_id
+        # A second key of the same address, fetched from the old instance too.
+        other = PoolKey(addr, 1, 0, 0)
+        side.pool.publish(other, Generation(old.ranks, old.instance_id))
+    finally:
+        stop_prefill(first)
+    second = start_prefill(port=port)
+    try:
+        assert second.addr == addr and second.server.instance_id != old.instance_id
+        # A request keyed by another tp rank misses and fetches from the new instance...
+        newcomer = BootstrapReceiver(side.decode, addr, 2, RankPlan(tp_ranks=(1, 0)))
+        assert newcomer.init(0) == KVPoll.WaitingForInput
+        assert side.pool.get(PoolKey(addr, 0, 0, 1)) is newcomer.entries[PoolKey(addr, 0, 0, 1)]
+        # ...which retires both entries of the old instance without any send failing.
+        assert side.pool.get(key_of(second)) is None
+        assert side.pool.get(other) is None
+    finally:
+        stop_prefill(second)
+
+
+# --- concurrency -------------------------------------------------------------------------------
+
+
+class BarrierBackend(SimpleBackend):
+    """Holds each thread's first register until both racing receivers got there, so both
+    have missed the pool and fetched before either publishes (a controlled interleaving)."""
+
+    def __init__(self, barrier: threading.Barrier, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        object.__setattr__(self, "_barrier", barrier)
+
+    __slots__ = ("_barrier",)
+    _waited = threading.local()
+
+    def register_frames(self, rank: RankInfo) -> list[bytes]:
+        if not getattr(self._waited, "done", False):
+            self._waited.done = True
+            self._barrier.wait(timeout=POLL_LIMIT_S)
+        return super().register_frames(rank)
+
+
+def test_racing_misses_publish_one_generation_and_the_loser_adopts(prefill: Prefill) -> None:
+    """POOL-2 (AdoptionCorrect): two receivers miss the same key at once; both fetch and
+    register; setdefault publishes one generation and the loser records the winner's object."""
+    barrier = threading.Barrier(2)
+
+    def backend_for(ack_port: int) -> SimpleBackend:
+        return BarrierBackend(barrier, "127.0.0.1", ack_port, "decode-race")
+
+    for side in make_decode(backend_for=backend_for):
+        receivers = [side.receiver(prefill, room) for room in (1, 2)]
+        threads = [threading.Thread(target=r.init, args=(0,)) for r in receivers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(POLL_LIMIT_S)
+        winner = side.pool.get(key_of(prefill))
+        assert winner is not None
+        assert all(r.state == life.CACHED for r in receivers)
+        assert all(r.entries[key_of(prefill)] is winner for r in receivers)
+        stats = side.pool.stats()
+        assert (stats.misses, stats.publishes, stats.adoptions) == (2, 1, 1)
+        for receiver in receivers:
+            side.send(receiver)
+            assert finish(receiver) == KVPoll.Success
+
+
+def test_stale_receiver_invalidation_never_deletes_a_newer_generation(
+    prefill: Prefill, side: DecodeSide
+) -> None:
+    """POOL-3 (IdentitySafe), the seed race: receiver A holds generation g1 and stalls; the
+    prefill restarts; C fails on g1 and drops it; B publishes g2; only then does A fail on g1
+    and invalidate — g2 must survive. Threads with events fix the interleaving."""
+    a_cached, a_go = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def receiver_a() -> None:
+        a = side.receiver(prefill, room=1)
+        a.init(0)
+        outcome["g1"] = a.entries[key_of(prefill)]
+        a_cached.set()
+        a_go.wait(POLL_LIMIT_S)
+        outcome["a_status"] = side.send(a)
+        outcome["a"] = a
+
+    thread_a = threading.Thread(target=receiver_a)
+    thread_a.start()
+    assert a_cached.wait(POLL_LIMIT_S)
+    g1 = outcome["g1"]
+    prefill.restart_ranks()
+
+    c = side.receiver(prefill, room=2)
+    assert c.init(0) == KVPoll.WaitingForInput and c.entries[key_of(prefill)] is g1
+    assert side.send(c) == KVPoll.Failed  # C detects the restart and drops g1
+    assert side.pool.get(key_of(prefill)) is None
+
+    b_result: dict[str, BootstrapReceiver] = {}
+    thread_b = threading.Thread(target=lambda: b_result.setdefault("b", side.run(prefill, 3)))
+    thread_b.start()
+    thread_b.join(POLL_LIMIT_S)
+    g2 = side.pool.get(key_of(prefill))
+    assert b_result["b"].state == life.DONE and g2 is not None and g2 is not g1
+
+    kept_before = side.pool.stats().kept_newer
+    a_go.set()
+    thread_a.join(POLL_LIMIT_S)
+    assert outcome["a_status"] == KVPoll.Failed
+    assert side.pool.get(key_of(prefill)) is g2, "a stale invalidation deleted a newer generation"
+    assert side.pool.stats().kept_newer == kept_before + 1
+    last = side.run(prefill, room=4)
+    assert last.state == life.DONE and last.entries[key_of(prefill)] is g2
+
+
+def test_slow_prefill_costs_one_refetch_and_no_wrong_invalidation(side: DecodeSide) -> None:
+    """A merely slow prefill (acks after the waiting timeout) makes the request time out and
+    drop its own generation: one refetch later; another receiver's newer generation is kept."""
+    slow = start_prefill(ack_delay_ms=1500)
+    try:
+        for fast_side in make_decode(waiting_timeout_s=0.5):
+            receiver = fast_side.receiver(slow, room=1)
+            assert receiver.init(0) == KVPoll.WaitingForInput
+            own = receiver.entries[key_of(slow)]
+            fast_side.send(receiver)
+            # Another receiver republishes a newer generation meanwhile (a refetch elsewhere).
+            fast_side.pool.invalidate({key_of(slow): own})
+            newer = BootstrapReceiver(fast_side.decode, slow.addr, 2, PLAN)
+            assert newer.init(0) == KVPoll.WaitingForInput
+            newer_generation = fast_side.pool.get(key_of(slow))
+            assert finish(receiver) == KVPoll.Failed
+            assert isinstance(receiver.failure, WaitingTimeout)
+            assert fast_side.pool.get(key_of(slow)) is newer_generation
+            # Without the interference the timeout costs exactly one refetch.
+            fast_side.pool.invalidate({key_of(slow): newer_generation})
+            misses = fast_side.pool.stats().misses
+            third = BootstrapReceiver(fast_side.decode, slow.addr, 3, PLAN)
+            third.init(0)
+            fast_side.send(third)
+            assert finish(third) == KVPoll.Failed  # times out, drops its own generation
+            assert fast_side.pool.get(key_of(slow)) is None
+            fourth = BootstrapReceiver(fast_side.decode, slow.addr, 4, PLAN)
+            fourth.init(0)
+            assert fast_side.pool.stats().misses == misses + 2  # third's miss + one refetch
+    finally:
+        stop_prefill(slow)
+
+
+# --- failures and API rules --------------------------------------------------------------------
+
+
+def test_fetch_failure_not_ready_caches_nothing(side: DecodeSide) -> None:
+    """A 503 (ranks not all registered) fails the request with NotReady; nothing is cached."""
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    try:
+        receiver = BootstrapReceiver(side.decode, server.address, 1, PLAN)
+        assert receiver.init(0) == KVPoll.Failed
+        assert isinstance(receiver.failure, NotReady)
+        assert receiver.state == life.INVALIDATED
+        assert len(side.pool) == 0
+    finally:
+        server.stop()
+
+
+def test_server_down_fails_request_and_caches_nothing(side: DecodeSide) -> None:
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    addr = server.address
+    server.stop()
+    receiver = BootstrapReceiver(side.decode, addr, 1, PLAN)
+    assert receiver.init(0) == KVPoll.Failed
+    assert receiver.state == life.INVALIDATED and len(side.pool) == 0
+
+
+def test_dp_rank_resolution_through_query_dp_ranks(prefill: Prefill, side: DecodeSide) -> None:
+    """init(None) asks the server which dp rank serves the room; an unknown room fails from
+    idle (FetchFail) without touching the pool."""
+    import requests
+
+    response = requests.post(
+        f"http://{prefill.addr}/register_dp_rank",
+        json={"bootstrap_room": 77, "dp_rank": 0},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=5,
+    )
+    assert response.status_code == 200
+    resolved = side.receiver(prefill, room=77)
+    assert resolved.init(None) == KVPoll.WaitingForInput
+    unknown = side.receiver(prefill, room=78)
+    assert unknown.init(None) == KVPoll.Failed
+    assert unknown.state == life.INVALIDATED
+
+
+def test_abort_does_not_invalidate_and_out_of_order_calls_raise(
+    prefill: Prefill, side: DecodeSide
+) -> None:
+    """LIFE-4: API calls out of lifecycle order raise InvalidTransition; abort() ends the
+    request without dropping pool entries (an abort says nothing about the prefill)."""
+    receiver = side.receiver(prefill, room=1)
+    request = MetadataRequest(room=1, kv_indices=(0,), aux_index=0)
+    with pytest.raises(InvalidTransition):
+        receiver.send_metadata(request)
+    receiver.init(0)
+    with pytest.raises(InvalidTransition):
+        receiver.init(0)
+    with pytest.raises(InvalidTransition):
+        receiver.invalidate_cached_bootstrap_infos()
+    receiver.abort()
+    assert receiver.poll() == KVPoll.Failed and receiver.state == life.ABORTED
+    assert isinstance(receiver.failure, Aborted)
+    assert side.pool.get(key_of(prefill)) is not None
+    receiver.abort()  # idempotent once ended
+    receiver.clear()
+    assert receiver.entries == {}
