@@ -46,7 +46,8 @@ _receiver_ids = itertools.count(1)
 class RankPlan:
     """Which prefill ranks one decode rank talks to (SGLang derives this from both topologies).
 
-    One pool key per cp rank; its generation lists every (tp rank × pp rank) of that cp rank.
+    One pool key per cp rank, named by the first target tp rank (as SGLang keys it); its
+    generation lists every (tp rank × pp rank) of that cp rank.
     Ranks in ``dummy_tp_ranks`` are fetched (their address is part of the generation) but get
     no messages: SGLang marks them dummy when several decode ranks share one prefill rank.
     """
@@ -59,11 +60,24 @@ class RankPlan:
     def __post_init__(self) -> None:
         if not self.tp_ranks or not self.cp_ranks or self.pp_size < 1:
             raise ValueError(f"empty rank plan: {self}")
+        # Keys are built once per (address, dp rank), not per request: a PoolKey costs ~1 µs
+        # to construct, a dict hit on a 2-tuple a fraction of that. Few addresses, few dp ranks.
+        object.__setattr__(self, "_keys", {})
 
-    @property
-    def key_tp_rank(self) -> int:
-        """The tp rank that names the pool key (SGLang keys by the first target tp rank)."""
-        return self.tp_ranks[0]
+    def keys_for(self, addr: str, dp_rank: int) -> tuple[PoolKey, ...]:
+        """The pool keys of a request to ``addr`` served by prefill dp rank ``dp_rank``."""
+        cache: dict[tuple[str, int], tuple[PoolKey, ...]] = self._keys  # type: ignore[attr-defined]
+        keys = cache.get((addr, dp_rank))
+        if keys is None:
+            keys = tuple(
+                PoolKey(addr, dp_rank, cp_rank, self.tp_ranks[0]) for cp_rank in self.cp_ranks
+            )
+            cache[(addr, dp_rank)] = keys
+        return keys
+
+
+#: One rank, no cp/pp split: the plan of a receiver created without one.
+DEFAULT_PLAN = RankPlan()
 
 
 @dataclass(frozen=True)
@@ -106,7 +120,7 @@ class BootstrapReceiver:
         self._decode = decode
         self.addr = addr
         self.room = room
-        self.plan = plan if plan is not None else RankPlan()
+        self.plan = plan if plan is not None else DEFAULT_PLAN
         self.id = next(_receiver_ids)
         self.lifecycle = life.Lifecycle()
         #: The exact generation objects this receiver used, by key: what ``Invalidate`` drops.
@@ -160,10 +174,7 @@ class BootstrapReceiver:
             except BootstrapError as error:
                 self._fail(life.FETCH_FAIL, error)
                 return self.poll()
-        keys = [
-            PoolKey(self.addr, prefill_dp_rank, cp_rank, self.plan.key_tp_rank)
-            for cp_rank in self.plan.cp_ranks
-        ]
+        keys = self.plan.keys_for(self.addr, prefill_dp_rank)
         missing: list[PoolKey] = []
         for key in keys:
             generation = pool.lookup(key)
