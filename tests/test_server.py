@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -295,6 +296,27 @@ def test_http62_unknown_path_is_404_with_instance_header(server: BootstrapServer
     reply = requests.get(url(server, "/nope"), timeout=TIMEOUT)
     assert reply.status_code == 404
     assert reply.headers[INSTANCE_HEADER] == server.instance_id
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET /route HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{",  # truncated body
+    ],
+)
+def test_http60_broken_framing_does_not_hurt_the_server(
+    server: BootstrapServer, raw: bytes
+) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as conn:
+        conn.sendall(raw)
+        conn.shutdown(socket.SHUT_WR)
+        head = conn.recv(4096)
+    # Either a 4xx from the parser or a plain close; never a 5xx.
+    status_line = head.split(b"\r\n", 1)[0].split()
+    assert head == b"" or status_line[1].startswith(b"4")
+    assert requests.get(url(server, "/health"), timeout=TIMEOUT).status_code == 200
 
 
 @pytest.fixture(scope="module")
