@@ -1,0 +1,150 @@
+"""``python -m statemachine demo``: a prefill restart, live, in one of three cache designs.
+
+Examples::
+
+    python -m statemachine demo                          # ours, ~20 s, restart at 10 s
+    python -m statemachine demo --zmq-mode=queueing      # SGLang today
+    python -m statemachine demo --no-invalidation        # the cache before SGLang PR #36029
+    python -m statemachine demo --compare --plot demo.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+from statemachine.demo.cluster import ClusterError
+from statemachine.demo.modes import PRESETS, ModeConfig, mode_from_flags
+from statemachine.demo.report import PlotUnavailable, build_report, format_table, plot_timeline
+from statemachine.demo.report import write_json as write_report
+from statemachine.demo.run import DemoConfig, RunResult, run_demo
+from statemachine.demo.status import StatusLine
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m statemachine demo",
+        description="End-to-end decode-side bootstrap through a prefill restart, on 127.0.0.1.",
+    )
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds (default 20)")
+    parser.add_argument("--loops", type=int, default=8, help="concurrent request loops")
+    parser.add_argument("--rate", type=float, default=400.0, help="requests/s, all loops")
+    parser.add_argument("--tp", type=int, default=2, help="prefill tp size (rank processes)")
+    parser.add_argument("--pp", type=int, default=1, help="prefill pp size")
+    parser.add_argument("--restarts", type=int, default=1, help="evenly spaced prefill restarts")
+    parser.add_argument(
+        "--waiting-timeout", type=float, default=2.0, help="seconds after send_metadata"
+    )
+    parser.add_argument("--send-timeout-ms", type=int, default=1000, help="ZMQ SNDTIMEO")
+    parser.add_argument("--health-interval", type=float, default=1.0, help="heartbeat seconds")
+    parser.add_argument(
+        "--zmq-mode",
+        choices=("immediate", "queueing"),
+        default=None,
+        help="immediate (ours) or queueing (SGLang's socket options)",
+    )
+    parser.add_argument(
+        "--no-invalidation",
+        action="store_true",
+        help="the cache before SGLang PR #36029: failures never drop pool entries",
+    )
+    parser.add_argument(
+        "--instance-id",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="retire entries of a restarted server by its instance id "
+        "(default: on in ours, off in the anchors, which have none)",
+    )
+    parser.add_argument(
+        "--cold-restart",
+        action="store_true",
+        help="spawn the restarted processes only after the kill (default: spawned ahead, "
+        "so the downtime is the prefill's own, not Python's start-up)",
+    )
+    parser.add_argument("--compare", action="store_true", help="run all three modes")
+    parser.add_argument("--report", default="demo-report.json", help="JSON report file")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="timeline plot")
+    parser.add_argument("--trace", default=None, metavar="FILE", help="NDJSON lifecycle trace")
+    parser.add_argument("--quiet", action="store_true", help="no live status line")
+    args = parser.parse_args(argv)
+    if args.duration <= 0 or args.loops < 1 or args.rate <= 0:
+        parser.error("--duration, --loops and --rate must be positive")
+    if args.tp < 1 or args.pp < 1 or args.restarts < 0:
+        parser.error("--tp and --pp must be >= 1 and --restarts >= 0")
+    if args.waiting_timeout <= 0 or args.send_timeout_ms < 1 or args.health_interval <= 0:
+        parser.error("--waiting-timeout, --send-timeout-ms and --health-interval must be > 0")
+    if args.compare and (args.zmq_mode or args.no_invalidation or args.instance_id is not None):
+        parser.error("--compare runs the three modes itself; drop the mode flags")
+    if args.compare and args.trace:
+        parser.error("--trace records one run; drop --compare")
+    return args
+
+
+def _modes(args: argparse.Namespace) -> list[ModeConfig]:
+    if args.compare:
+        return list(PRESETS)
+    try:
+        return [mode_from_flags(args.zmq_mode, not args.no_invalidation, args.instance_id)]
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _config(args: argparse.Namespace, mode: ModeConfig) -> DemoConfig:
+    return DemoConfig(
+        mode=mode,
+        duration_s=args.duration,
+        loops=args.loops,
+        rate=args.rate,
+        tp_size=args.tp,
+        pp_size=args.pp,
+        restarts=args.restarts,
+        waiting_timeout_s=args.waiting_timeout,
+        send_timeout_ms=args.send_timeout_ms,
+        health_interval_s=args.health_interval,
+        trace_path=args.trace,
+        warm_restart=not args.cold_restart,
+    )
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    # The first Ctrl-C (or SIGTERM) unwinds the run, whose cleanup kills every child process;
+    # further ones are ignored so that they cannot cut that cleanup short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    modes = _modes(args)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    results: list[RunResult] = []
+    try:
+        for mode in modes:
+            status = StatusLine(mode.name, quiet=args.quiet)
+            results.append(run_demo(_config(args, mode), status))
+    except KeyboardInterrupt:
+        print("\ninterrupted: prefill processes stopped", file=sys.stderr)
+        return 130
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    reports = [build_report(result) for result in results]
+    print(format_table(reports))
+    payload: dict[str, Any] = reports[0] if len(reports) == 1 else {"runs": reports}
+    write_report(args.report, payload)
+    print(f"\nreport: {args.report}")
+    if args.plot:
+        try:
+            plot_timeline(results, args.plot)
+        except PlotUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"plot: {args.plot}")
+    return 0

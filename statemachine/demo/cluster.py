@@ -1,0 +1,206 @@
+"""The prefill instance as real processes: one bootstrap server and tp × pp rank processes.
+
+A *restart* is what happens when a prefill pod crashes and comes back: every process of the
+instance is SIGKILLed (no goodbye on any socket), then the bootstrap server starts again on the
+*same* port - so the decode's bootstrap address stays valid while the server has a new instance
+id - and the ranks start again on *new* ephemeral ports, as SGLang's ranks do.
+
+Python start-up and imports take about a second per process here, several under load; a real
+prefill's downtime is dominated by other things anyway. So by default the replacement processes
+are *warm*: spawned ahead of time, they import their module and wait for a go line on stdin,
+which carries their arguments; the downtime then is what a restarted prefill does itself (bind,
+listen, register). ``warm=False`` spawns them only at restart time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from statemachine.errors import BootstrapError
+
+HOST = "127.0.0.1"
+
+# Imports the module, says WARM, waits for its argv as one JSON line, then runs it.
+_LAUNCHER = (
+    "import importlib, json, sys\n"
+    "module = importlib.import_module(sys.argv[1])\n"
+    "print('WARM', flush=True)\n"
+    "line = sys.stdin.readline()\n"
+    "if not line: raise SystemExit(0)\n"
+    "raise SystemExit(module.main(json.loads(line)))\n"
+)
+
+
+class ClusterError(BootstrapError):
+    """A prefill process did not start (or did not say where it listens) in time."""
+
+
+class _Child:
+    """One child process started through the launcher: spawn (warm), go(argv), kill."""
+
+    def __init__(self, module: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, module],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        self._buffer = b""
+        self._warm = False
+
+    def go(self, argv: list[str], deadline: float, prefix: str) -> str:
+        """Send ``argv``; return the first stdout line starting with ``prefix``."""
+        assert self.proc.stdin is not None
+        if not self._warm:
+            self.read_line("WARM", deadline)
+            self._warm = True
+        self.proc.stdin.write(json.dumps(argv).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self.read_line(prefix, deadline)
+
+    def read_line(self, prefix: str, deadline: float) -> str:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while True:
+                while b"\n" in self._buffer:
+                    raw, self._buffer = self._buffer.split(b"\n", 1)
+                    line = raw.decode(errors="replace")
+                    if line.startswith(prefix):
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ClusterError(f"no {prefix!r} line from a prefill process in time")
+                if not selector.select(left):
+                    continue
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    code = self.proc.wait(timeout=10.0)
+                    raise ClusterError(f"a prefill process exited with {code} before {prefix!r}")
+                self._buffer += chunk
+
+    def kill(self) -> None:
+        proc = self.proc
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10.0)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):  # a broken pipe to a dead child
+                    stream.close()
+
+
+class PrefillInstance:
+    """A bootstrap server plus ``tp_size × pp_size`` prefill rank processes on loopback."""
+
+    def __init__(
+        self,
+        *,
+        tp_size: int = 2,
+        pp_size: int = 1,
+        warm: bool = True,
+        ready_timeout: float = 30.0,
+    ) -> None:
+        if tp_size < 1 or pp_size < 1:
+            raise ValueError("tp_size and pp_size must be >= 1")
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.warm = warm
+        self._ready_timeout = ready_timeout
+        # Fresh per run; it only guards PUT /route on loopback.
+        self._token = secrets.token_hex(16)
+        self.port = 0
+        self.instance_id = ""
+        self.rank_ports: list[int] = []
+        self._running: list[_Child] = []
+        self._spares: list[_Child] = []
+        self.starts = 0
+
+    @property
+    def addr(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def rank_count(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def pids(self) -> list[int]:
+        return [child.proc.pid for child in self._running + self._spares]
+
+    def start(self) -> None:
+        """Start the server (on the same port as before, if any), then every rank in parallel."""
+        children = self._spares or self._spawn()
+        self._spares = []
+        self._running = children
+        deadline = time.monotonic() + self._ready_timeout
+        server, ranks = children[0], children[1:]
+        line = server.go(
+            ["--host", HOST, "--port", str(self.port), "--token", self._token],
+            deadline,
+            "listening on ",
+        )
+        # "listening on 127.0.0.1:PORT instance ID"
+        parts = line.split()
+        self.port = int(parts[2].rpartition(":")[2])
+        self.instance_id = parts[4]
+        olds = self.rank_ports or [0] * len(ranks)
+        plans = [(tp, pp) for tp in range(self.tp_size) for pp in range(self.pp_size)]
+        with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
+            futures = [
+                pool.submit(child.go, self._rank_argv(tp, pp, old), deadline, "READY ")
+                for child, (tp, pp), old in zip(ranks, plans, olds, strict=True)
+            ]
+            lines = [f.result() for f in futures]
+        self.rank_ports = [int(line.split()[1]) for line in lines]
+        self.starts += 1
+        if self.warm:
+            self._spares = self._spawn()
+
+    def _rank_argv(self, tp: int, pp: int, avoid_port: int) -> list[str]:
+        argv = ["--bootstrap", self.addr, "--token", self._token, "--host", HOST]
+        argv += ["--tp-rank", str(tp), "--tp-size", str(self.tp_size)]
+        argv += ["--pp-rank", str(pp), "--pp-size", str(self.pp_size)]
+        # Registration retries stay short: the server is already listening.
+        argv += ["--register-backoff-scale", "0.05"]
+        if avoid_port:
+            argv += ["--avoid-port", str(avoid_port)]
+        return argv
+
+    def _spawn(self) -> list[_Child]:
+        children = [_Child("statemachine.server")]
+        children += [_Child("statemachine.prefill_rank") for _ in range(self.rank_count)]
+        return children
+
+    def kill(self) -> None:
+        """SIGKILL every running process of the instance: ranks first, then the server."""
+        for child in reversed(self._running):
+            child.kill()
+        self._running = []
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        """Kill and reap everything, spares included."""
+        self.kill()
+        for child in self._spares:
+            child.kill()
+        self._spares = []
+
+    def __enter__(self) -> PrefillInstance:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

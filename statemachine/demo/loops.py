@@ -1,0 +1,203 @@
+"""Decode request loops: N threads, each issuing requests at a steady pace, one receiver each.
+
+Every request is one :class:`~statemachine.receiver.BootstrapReceiver` driven through SGLang's
+steps: ``init`` (pool hit, or fetch + register + publish), ``expect`` its acks, ``send_metadata``,
+then ``poll`` until the prefill ranks' acks arrive (the ack listener's callback calls
+``mark_transferred``) or the waiting timeout fails it.
+
+A bootstrap server that is unreachable or not ready yet (connection refused, 503) means the
+prefill is down: no cache design can help, so such a bootstrap is retried with a new receiver
+for the same room until the request's deadline (like a router retrying), and counted as a
+retry rather than a failure. Every other failure - a send to a dead rank, a waiting timeout -
+fails the request: those are the cost of a stale cache that the demo measures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from statemachine.acks import AckListener
+from statemachine.backend import MetadataRequest
+from statemachine.errors import NotReady, TransportFailure
+from statemachine.lifecycle import KVPoll
+from statemachine.pool import PoolStats
+from statemachine.receiver import BootstrapReceiver, Decode, RankPlan
+
+#: Pause before retrying a bootstrap against a server that is down or not ready.
+RETRY_BACKOFF_S = 0.05
+#: Longest single wait for acks, so a stopping run is noticed quickly.
+_WAIT_SLICE_S = 0.1
+_RETRYABLE = (NotReady, TransportFailure)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one request ended. Times are ``time.monotonic()`` seconds."""
+
+    start: float
+    end: float
+    ok: bool
+    #: the failure's type name (``SendFailed``, ``WaitingTimeout``, ...), None on success
+    error: str | None
+    #: request start to bootstrapped (``init`` succeeded), retries included; None if it never was
+    bootstrap_s: float | None
+    retries: int
+
+
+class RequestLoops:
+    """``n_loops`` daemon threads sharing one :class:`Decode` and one :class:`AckListener`."""
+
+    def __init__(
+        self,
+        decode: Decode,
+        acks: AckListener,
+        addr: str,
+        plan: RankPlan,
+        *,
+        n_loops: int,
+        rate: float,
+        on_failure: Callable[[float], None] = lambda at: None,
+        max_requests: int | None = None,
+    ) -> None:
+        if n_loops < 1 or not rate > 0:
+            raise ValueError("n_loops must be >= 1 and rate > 0")
+        self._decode = decode
+        self._acks = acks
+        self._addr = addr
+        self._plan = plan
+        self._n_loops = n_loops
+        self._period = n_loops / rate  # each loop's pace, so that all together make ``rate``
+        self._on_failure = on_failure
+        self._rooms = itertools.count(1)
+        self._budget = max_requests
+        self._budget_lock = threading.Lock()
+        self.stop_event = threading.Event()
+        # One slot per loop, written only by that loop: no lock, exact sums for the status.
+        self.ok = [0] * n_loops
+        self.failed = [0] * n_loops
+        self.retries = [0] * n_loops
+        #: start time of each loop's request in progress, or None between requests
+        self.busy_since: list[float | None] = [None] * n_loops
+        self.outcomes: list[Outcome] = []  # list.append is atomic
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), name=f"decode-loop-{i}", daemon=True)
+            for i in range(n_loops)
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop issuing requests; a request still waiting is aborted (and not counted)."""
+        self.stop_event.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def pool_stats(self) -> PoolStats:
+        return self._decode.pool.stats()
+
+    def in_flight(self) -> int:
+        return sum(1 for since in self.busy_since if since is not None)
+
+    def _take_budget(self) -> bool:
+        if self._budget is None:
+            return True
+        with self._budget_lock:
+            if self._budget <= 0:
+                return False
+            self._budget -= 1
+            return True
+
+    def _run(self, index: int) -> None:
+        stop = self.stop_event
+        clock = time.monotonic
+        # Stagger the loops over one period so their requests interleave evenly.
+        next_at = clock() + self._period * index / self._n_loops
+        done = threading.Event()
+        try:
+            while not stop.is_set():
+                delay = next_at - clock()
+                if delay > 0 and stop.wait(delay):
+                    break
+                # A request that overran its slot does not cause a burst of catch-up requests.
+                next_at = max(next_at + self._period, clock())
+                if not self._take_budget():
+                    break
+                self._request(index, done)
+        finally:
+            self._decode.client.close()  # this thread's HTTP sessions
+
+    def _request(self, index: int, done: threading.Event) -> None:
+        decode = self._decode
+        clock = decode.clock
+        room = next(self._rooms)
+        start = clock()
+        self.busy_since[index] = start
+        deadline = start + decode.waiting_timeout_s
+        retries = 0
+        try:
+            while True:
+                receiver = BootstrapReceiver(decode, self._addr, room, self._plan)
+                if receiver.init(prefill_dp_rank=0) != KVPoll.Failed:
+                    break
+                if (
+                    isinstance(receiver.failure, _RETRYABLE)
+                    and clock() < deadline
+                    and not self.stop_event.wait(RETRY_BACKOFF_S)
+                ):
+                    retries += 1
+                    continue
+                self._finish(index, start, receiver, None, retries)
+                return
+            bootstrapped = clock() - start
+            done.clear()
+
+            def completed(_room: int, receiver: BootstrapReceiver = receiver) -> None:
+                receiver.mark_transferred()
+                done.set()
+
+            # Expect before sending: an ack that overtook the expectation would be dropped.
+            self._acks.expect(room, receiver.expected_acks(), completed)
+            request = MetadataRequest(room=room, kv_indices=(room & 0xFFFF,), aux_index=index)
+            state = receiver.send_metadata(request)
+            while state == KVPoll.Transferring:
+                if self.stop_event.is_set():
+                    receiver.abort()  # the run is over; not a failure of the prefill
+                    self._acks.forget(room)
+                    return
+                done.wait(_WAIT_SLICE_S)
+                state = receiver.poll()
+            if state == KVPoll.Failed:
+                self._acks.forget(room)
+            self._finish(index, start, receiver, bootstrapped, retries)
+        finally:
+            self.busy_since[index] = None
+
+    def _finish(
+        self,
+        index: int,
+        start: float,
+        receiver: BootstrapReceiver,
+        bootstrapped: float | None,
+        retries: int,
+    ) -> None:
+        end = self._decode.clock()
+        failure = receiver.failure
+        ok = receiver.poll() == KVPoll.Success
+        self.retries[index] += retries
+        if ok:
+            self.ok[index] += 1
+        else:
+            self.failed[index] += 1
+            self._on_failure(end)
+        error = None if ok or failure is None else type(failure).__name__
+        self.outcomes.append(Outcome(start, end, ok, error, bootstrapped, retries))
