@@ -125,6 +125,8 @@ class PrefillInstance:
         self._running: list[_Child] = []
         self._spares: list[_Child] = []
         self.starts = 0
+        #: every process ever spawned for this instance (to check that none survives)
+        self.spawned_pids: list[int] = []
 
     @property
     def addr(self) -> str:
@@ -179,6 +181,7 @@ class PrefillInstance:
     def _spawn(self) -> list[_Child]:
         children = [_Child("statemachine.server")]
         children += [_Child("statemachine.prefill_rank") for _ in range(self.rank_count)]
+        self.spawned_pids += [child.proc.pid for child in children]
         return children
 
     def kill(self) -> None:

@@ -21,6 +21,7 @@ TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("failed_by_restart", "  failed after a restart"),
     ("failed_after_ready", "  failed after prefill was back"),
     ("in_flight_at_restart", "in flight at the restart"),
+    ("started_while_down", "started while prefill down"),
     ("restart_to_first_success_s", "restart -> first success (s)"),
     ("ready_to_first_success_s", "prefill back -> first success (s)"),
     ("downtime_s", "prefill down (s)"),
@@ -72,12 +73,16 @@ def build_report(result: RunResult) -> dict[str, Any]:
         # A request that *started* after the kill and succeeded was served by the new instance.
         after = [o for o in outcomes if o.ok and restart.killed_at <= o.start < next_kill]
         first_success = min((o.end for o in after), default=None)
-        window_failures = [o for o in failed if restart.killed_at <= o.end < next_kill]
         ready = restart.ready_at
+        window_failures = [o for o in failed if restart.killed_at <= o.end < next_kill]
+        started_while_down = sum(
+            1 for o in outcomes if ready is not None and restart.killed_at <= o.start < ready
+        )
         restarts.append(
             {
                 "killed_at_s": _s(restart.killed_at - t0),
                 "in_flight": restart.in_flight,
+                "started_while_down": started_while_down,
                 "downtime_s": _s(None if ready is None else ready - restart.killed_at),
                 "detection_s": _s(
                     None if restart.detected_at is None else restart.detected_at - restart.killed_at
@@ -124,6 +129,7 @@ def build_report(result: RunResult) -> dict[str, Any]:
         "failed_after_ready": sum(r["failed_after_ready"] for r in restarts),
         "failures_by_error": dict(Counter(o.error or "unknown" for o in failed)),
         "in_flight_at_restart": sum(r.in_flight for r in result.restarts),
+        "started_while_down": sum(r["started_while_down"] for r in restarts),
         "restart_to_first_success_s": worst("restart_to_first_success_s"),
         "ready_to_first_success_s": worst("ready_to_first_success_s"),
         "downtime_s": worst("downtime_s"),
@@ -156,6 +162,7 @@ def build_report(result: RunResult) -> dict[str, Any]:
         "health_deaths_seen": result.health_deaths_seen,
         "elapsed_s": _s(elapsed),
         "bootstrap_port": result.bootstrap_port,
+        "prefill_pids": result.prefill_pids,
         "restarts": restarts,
         "config": result.config.as_dict(),
     }
@@ -211,11 +218,14 @@ def plot_timeline(results: Sequence[RunResult], path: str | Path) -> None:
     )
     for ax, result in zip(axes[:, 0], results, strict=True):
         t0 = result.started_at
-        bins = max(1, math.ceil((result.ended_at - t0) / BIN_S))
+        # Whole bins only: a partial last bin would look like a drop in throughput.
+        bins = max(1, int((result.ended_at - t0) / BIN_S))
         ok = [0] * bins
         bad = [0] * bins
         for outcome in result.outcomes:
-            slot = min(bins - 1, int((outcome.end - t0) / BIN_S))
+            slot = int((outcome.end - t0) / BIN_S)
+            if slot >= bins:
+                continue
             if outcome.ok:
                 ok[slot] += 1
             else:

@@ -116,6 +116,7 @@ class RunResult:
     health_restarts_seen: int
     health_deaths_seen: int
     bootstrap_port: int
+    prefill_pids: list[int]
     samples: list[tuple[float, int]] = field(default_factory=list)  # (t, stale entries)
 
 
@@ -239,6 +240,7 @@ def run_demo(
             health_restarts_seen=monitor.restarts_seen,
             health_deaths_seen=monitor.deaths_seen,
             bootstrap_port=instance.port,
+            prefill_pids=instance.spawned_pids,
             samples=sampler.stale_samples,
         )
     raise AssertionError("unreachable")  # pragma: no cover (ExitStack does not swallow)
