@@ -147,6 +147,12 @@ class AckListener:
             self._closed = True
             self._pending.clear()
         self._wake_tx.send(b"")
+        if threading.current_thread() is self._thread:
+            # Called from a callback: joining would deadlock. The thread exits when the
+            # callback returns and closes its own sockets; the then socket-less context is
+            # left to the garbage collector (term() here would wait for those sockets).
+            self._wake_tx.close()
+            return
         self._thread.join()
         self._wake_tx.close()
         self._context.term()

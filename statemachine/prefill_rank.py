@@ -242,7 +242,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--ack-send-timeout-ms", type=int, default=1000)
     parser.add_argument("--register-attempts", type=int, default=5)
     parser.add_argument("--register-backoff-scale", type=float, default=1.0)
-    parser.add_argument("--avoid-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--avoid-port",
+        type=int,
+        default=0,
+        help="never bind this port (a restart passes its old one)",
+    )
     args = parser.parse_args(list(argv))
     for name in ("tp", "pp", "dp", "cp"):
         size, rank = getattr(args, f"{name}_size"), getattr(args, f"{name}_rank")

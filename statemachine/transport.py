@@ -63,7 +63,7 @@ class TransportStats:
     failures: int  # sends that raised SendFailed (each evicts or finds an evicted socket)
     sockets_open: int
     sockets_created: int
-    evictions: int  # sockets closed because a send failed or evict() was called
+    evictions: int  # sockets closed: a send failed, evict(), or close()
 
 
 class _Entry:

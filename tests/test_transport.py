@@ -382,7 +382,7 @@ def _near_miss(kind: bytes, count: int) -> st.SearchStrategy[list[bytes]]:
     return st.lists(frame, min_size=count - 1, max_size=count - 1).map(lambda f: [kind, *f])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.one_of(
         st.lists(st.binary(max_size=24), max_size=12),
@@ -533,3 +533,24 @@ def test_zmq12_close_is_prompt_and_idempotent() -> None:
     listener.close()
     with pytest.raises(RuntimeError):
         listener.expect(2, 1, lambda r: None)
+
+
+def test_zmq12_close_from_a_callback_does_not_deadlock(context: zmq.Context) -> None:
+    listener = AckListener()
+    sender = context.socket(zmq.PUSH)
+    sender.setsockopt(zmq.LINGER, 0)
+    sender.connect(f"tcp://{LOOPBACK}:{listener.port}")
+    closed = threading.Event()
+
+    def close_it(room: int) -> None:
+        listener.close()
+        closed.set()
+
+    listener.expect(1, 1, close_it)
+    sender.send_multipart(ack_frames(1, 0, 0))
+    try:
+        assert closed.wait(5)
+        listener._thread.join(5)
+        assert not listener._thread.is_alive()
+    finally:
+        sender.close(linger=0)
