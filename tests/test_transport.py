@@ -278,6 +278,17 @@ def test_zmq15_bad_input_is_rejected_and_changes_nothing() -> None:
             ZmqTransport(send_timeout_ms=timeout)  # type: ignore[arg-type]
 
 
+def test_zmq15_a_non_bytes_frame_sends_nothing(context: zmq.Context) -> None:
+    """ZMQ-15: every frame is checked before the first goes out: no half message is left."""
+    with pull_peer(context) as (peer, port), ZmqTransport() as transport:
+        with pytest.raises(TypeError):
+            transport.send((LOOPBACK, port), [b"head", "not bytes"])  # type: ignore[list-item]
+        transport.send((LOOPBACK, port), [b"whole"])
+        assert recv_n(peer, 1) == [[b"whole"]]
+        assert recv_all(peer, quiet_ms=50) == []
+        assert transport.stats().failures == 0
+
+
 def test_zmq6_close_is_idempotent_and_later_sends_fail_typed(context: zmq.Context) -> None:
     with pull_peer(context) as (peer, port):
         transport = ZmqTransport()
