@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             rate=args.requests / args.duration,
             restarts=args.restarts,
             max_requests=args.requests,
+            catch_up=True,
             trace_path=None if args.no_trace else str(trace_path),
         )
         started = time.monotonic()

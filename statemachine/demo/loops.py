@@ -62,6 +62,7 @@ class RequestLoops:
         rate: float,
         on_failure: Callable[[float], None] = lambda at: None,
         max_requests: int | None = None,
+        catch_up: bool = False,
     ) -> None:
         if n_loops < 1 or not rate > 0:
             raise ValueError("n_loops must be >= 1 and rate > 0")
@@ -74,6 +75,7 @@ class RequestLoops:
         self._on_failure = on_failure
         self._rooms = itertools.count(1)
         self._budget = max_requests
+        self._catch_up = catch_up
         self._budget_lock = threading.Lock()
         self.stop_event = threading.Event()
         # One slot per loop, written only by that loop: no lock, exact sums for the status.
@@ -128,8 +130,12 @@ class RequestLoops:
                 delay = next_at - clock()
                 if delay > 0 and stop.wait(delay):
                     break
-                # A request that overran its slot does not cause a burst of catch-up requests.
-                next_at = max(next_at + self._period, clock())
+                # By default a request that overran its slot causes no burst of catch-up
+                # requests; a load run (``catch_up``) keeps the schedule, so that a slow moment
+                # of the machine does not lower the total it sends.
+                next_at += self._period
+                if not self._catch_up:
+                    next_at = max(next_at, clock())
                 if not self._take_budget():
                     break
                 self._request(index, done)

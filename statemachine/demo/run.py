@@ -44,6 +44,7 @@ class DemoConfig:
     health_interval_s: float = 1.0
     max_requests: int | None = None
     warm_restart: bool = True
+    catch_up: bool = False  # loops keep their schedule after a stall (load runs)
     trace_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -79,6 +80,7 @@ class DemoConfig:
             "health_interval_s": self.health_interval_s,
             "max_requests": self.max_requests,
             "warm_restart": self.warm_restart,
+            "catch_up": self.catch_up,
         }
 
 
@@ -186,6 +188,7 @@ def run_demo(
             rate=config.rate,
             on_failure=tracker.on_failure,
             max_requests=config.max_requests,
+            catch_up=config.catch_up,
         )
         sampler = _Sampler(pool, tracker, instance.port)
         stack.callback(sampler.stop)
