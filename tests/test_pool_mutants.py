@@ -27,7 +27,10 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 HERE = Path(__file__).resolve().parent
-CROSSHAIR = Path(sys.executable).with_name("crosshair")
+#: CrossHair imports with pure-Python loaders first (crosshair/pure_importer.py), which picks
+#: pyzmq's uncompiled ``_zmq.py`` stub and fails as soon as ``statemachine/__init__`` imports
+#: zmq. Importing zmq before CrossHair starts keeps the compiled backend.
+CROSSHAIR = (sys.executable, "-c", "import zmq; from crosshair.main import main; main()")
 CROSSHAIR_ARGS = ("check", "--analysis_kind=PEP316", "--max_uninteresting_iterations=50")
 #: Measured at ~10-25 s each on 2 cores; far above that means CrossHair is stuck.
 CROSSHAIR_TIMEOUT_S = 300
@@ -139,7 +142,7 @@ def crosshair_runs(mutant_dir: Path) -> Iterator[dict[str, subprocess.Popen[str]
     """Start CrossHair on every mutated function at once (it is single-threaded)."""
     runs = {
         name: subprocess.Popen(
-            [str(CROSSHAIR), *CROSSHAIR_ARGS, f"pool_{name}.{mutants.BY_NAME[name].function}"],
+            [*CROSSHAIR, *CROSSHAIR_ARGS, f"pool_{name}.{mutants.BY_NAME[name].function}"],
             cwd=mutant_dir,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
