@@ -1,0 +1,154 @@
+"""``python -m statemachine check [--config FILE]``: model-check the mirror for one cfg.
+
+Prints progress to stderr while it runs, then a summary (distinct states, depth, seconds, each
+invariant/property held or violated) and, for the first violated one, the counterexample.
+Exit status: 0 all hold, 1 something is violated, 2 usage or cfg error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from statemachine.model.cfg import Cfg, CfgError, CfgValue, ModelValue, read_cfg
+from statemachine.model.checker import Result, check, format_counterexample
+from statemachine.model.spec import (
+    ACTION_PROPERTIES,
+    CONSTANTS,
+    INVARIANTS,
+    LIVENESS_PROPERTIES,
+    BootstrapCache,
+    Constants,
+)
+
+#: ``TLA/`` next to the package (the repository layout; the package is installed editable).
+TLA_DIR = Path(__file__).resolve().parents[2] / "TLA"
+DEFAULT_CONFIG = TLA_DIR / "MCSmall.cfg"
+
+
+@dataclass
+class Loaded:
+    """A cfg turned into a mirror model and the names to check."""
+
+    cfg: Cfg
+    model: BootstrapCache
+    invariants: list[str]
+    properties: list[str]
+    fair: bool
+
+
+def _model_values(value: CfgValue, name: str, path: str) -> tuple[str, ...]:
+    if not isinstance(value, frozenset) or not all(isinstance(v, ModelValue) for v in value):
+        raise CfgError(f"{name} must be a set of model values", path=path)
+    return tuple(sorted(str(v) for v in value))
+
+
+def _naturals(value: CfgValue, name: str, path: str) -> tuple[int, ...]:
+    if not isinstance(value, frozenset) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise CfgError(f"{name} must be a set of integers", path=path)
+    return tuple(sorted(int(v) for v in value if isinstance(v, int)))
+
+
+def _natural(value: CfgValue, name: str, path: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CfgError(f"{name} must be an integer", path=path)
+    return value
+
+
+def _string(value: CfgValue, name: str, path: str) -> str:
+    if not isinstance(value, str) or isinstance(value, ModelValue):
+        raise CfgError(f'{name} must be a string such as "Correct"', path=path)
+    return value
+
+
+def load(path: str | Path) -> Loaded:
+    """Read a cfg and build the mirror. Raises :class:`CfgError` on anything it cannot check."""
+    cfg = read_cfg(path)
+    where = cfg.path
+    if cfg.specification not in (None, "Spec"):
+        raise CfgError(f"unknown SPECIFICATION {cfg.specification!r} (expected Spec)", path=where)
+    if cfg.specification is None and (cfg.init, cfg.next) != ("Init", "Next"):
+        raise CfgError("INIT/NEXT must be Init and Next", path=where)
+    missing = [name for name in CONSTANTS if name not in cfg.constants]
+    extra = [name for name in cfg.constants if name not in CONSTANTS]
+    if missing or extra:
+        raise CfgError(f"constants missing {missing}, unknown {extra}", path=where)
+    c = cfg.constants
+    try:
+        constants = Constants(
+            receivers=_model_values(c["Receivers"], "Receivers", where),
+            addrs=_naturals(c["Addrs"], "Addrs", where),
+            max_restarts=_natural(c["MaxRestarts"], "MaxRestarts", where),
+            max_faults=_natural(c["MaxFaults"], "MaxFaults", where),
+            mode=_string(c["Mode"], "Mode", where),
+            variant=_string(c["Variant"], "Variant", where),
+        )
+    except ValueError as exc:
+        raise CfgError(f"ASSUME violated: {exc}", path=where) from None
+    for name in cfg.invariants:
+        if name not in INVARIANTS:
+            raise CfgError(f"unknown invariant {name!r}", path=where)
+    for name in cfg.properties:
+        if name not in ACTION_PROPERTIES and name not in LIVENESS_PROPERTIES:
+            raise CfgError(f"unknown property {name!r}", path=where)
+    fair = cfg.specification == "Spec"
+    if not fair and any(p in LIVENESS_PROPERTIES for p in cfg.properties):
+        raise CfgError("liveness properties need SPECIFICATION Spec (fairness)", path=where)
+    return Loaded(cfg, BootstrapCache(constants), cfg.invariants, cfg.properties, fair)
+
+
+def run(loaded: Loaded, *, progress: bool = False) -> Result:
+    """Check a loaded cfg."""
+    return check(
+        loaded.model,
+        invariants=loaded.invariants,
+        properties=loaded.properties,
+        check_deadlock=loaded.cfg.check_deadlock,
+        fair=loaded.fair,
+        progress=progress,
+    )
+
+
+def summary(loaded: Loaded, result: Result) -> str:
+    lines = [
+        f"config: {loaded.cfg.path}",
+        f"{result.distinct_states} distinct states found, depth {result.depth}, "
+        f"{result.transitions} transitions, {result.seconds:.2f} s",
+    ]
+    for name, held in result.verdicts.items():
+        lines.append(f"  {name:<18} {'held' if held else 'VIOLATED'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m statemachine check",
+        description="Model-check the Python mirror of TLA/BootstrapCache.tla for one cfg.",
+    )
+    parser.add_argument(
+        "--config", default=str(DEFAULT_CONFIG), help="a TLC .cfg (default: TLA/MCSmall.cfg)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    try:
+        loaded = load(args.config)
+    except CfgError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(f"checking {loaded.cfg.path} ...", file=sys.stderr)
+    result = run(loaded, progress=not args.quiet)
+    print(summary(loaded, result))
+    violation = result.first_violation()
+    if violation is None:
+        return 0
+    print()
+    print(format_counterexample(loaded.model, violation))
+    return 1
