@@ -75,8 +75,11 @@ def mutant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def _run_stateful(module: ModuleType) -> None:
-    run_state_machine_as_test(stateful.pool_machine(module), settings=MUTANT_SETTINGS)
+def _run_stateful(module: ModuleType, max_examples: int = MUTANT_SETTINGS.max_examples) -> None:
+    run_state_machine_as_test(
+        stateful.pool_machine(module),
+        settings=settings(MUTANT_SETTINGS, max_examples=max_examples),
+    )
 
 
 def test_every_rewrite_applies_exactly_once() -> None:
@@ -113,9 +116,12 @@ def test_stress_accounting_catches_mutant(name: str, mutant_dir: Path) -> None:
 
 @pytest.mark.parametrize("name", ["eq_not_is", "value_generation_only"])
 def test_equivalent_mutants_pass_the_stateful_test(name: str, mutant_dir: Path) -> None:
-    """``==`` with ``eq=False``, and ``eq=True`` with ``is``: both behave like the pool."""
+    """``==`` with ``eq=False``, and ``eq=True`` with ``is``: both behave like the pool.
+
+    As thorough as the stateful test of the real pool (a passing run must explore everything).
+    """
     module = mutants.load_module(mutant_dir / f"pool_{name}.py")
-    _run_stateful(module)
+    _run_stateful(module, max_examples=stateful.STATEFUL_SETTINGS.max_examples)
 
 
 def test_eq_not_is_is_equivalent_only_because_generation_compares_by_identity(
