@@ -11,9 +11,9 @@ The pieces, one module each:
 * :mod:`statemachine.receiver` - ``BootstrapReceiver``, one per request.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from statemachine.client import BootstrapClient
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -29,20 +29,31 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll, Lifecycle
 from statemachine.pool import BootstrapPool, Generation, PoolKey, PoolStats, RankInfo
-from statemachine.receiver import BootstrapReceiver, Decode, RankPlan
-from statemachine.transport import ZmqTransport
 
 if TYPE_CHECKING:
+    from statemachine.client import BootstrapClient
+    from statemachine.receiver import BootstrapReceiver, Decode, RankPlan
     from statemachine.server import BootstrapServer
+    from statemachine.transport import ZmqTransport
+
+# The runtime parts are imported on first use: the server needs aiohttp (an optional extra),
+# and keeping zmq and requests out of `import statemachine` lets the pure cores (lifecycle,
+# pool) load alone — CrossHair's importer, for one, cannot load pyzmq's compiled backend.
+_LAZY = {
+    "BootstrapClient": "statemachine.client",
+    "BootstrapReceiver": "statemachine.receiver",
+    "BootstrapServer": "statemachine.server",
+    "Decode": "statemachine.receiver",
+    "RankPlan": "statemachine.receiver",
+    "ZmqTransport": "statemachine.transport",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # The server needs aiohttp (an optional extra): import it only when asked for.
-    if name == "BootstrapServer":
-        from statemachine.server import BootstrapServer
-
-        return BootstrapServer
-    raise AttributeError(f"module 'statemachine' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'statemachine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 __all__ = [

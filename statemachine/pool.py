@@ -82,6 +82,7 @@ def publish_entry(pool: dict[PoolKey, Generation], key: PoolKey, fresh: Generati
 
     post: pool[key] is __return__
     post: (__return__ is fresh) or (__old__.pool.get(key) is not None)
+    post: (key in __old__.pool) == (__return__ is not fresh)
     """
     return pool.setdefault(key, fresh)
 
@@ -95,6 +96,7 @@ def invalidate_entries(
     different generation that was left alone.
 
     post: all(pool.get(k) is not g for k, g in entries.items())
+    post: all(k in pool for k in __old__.pool if __old__.pool[k] is not __old__.entries.get(k))
     post: all(k in pool for k in __old__.pool if k not in entries)
     post: all(pool[k] is __old__.pool[k] for k in pool)
     post: __return__[0] == len(__old__.pool) - len(pool)
