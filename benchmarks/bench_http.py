@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 import requests
 
 from statemachine.client import BootstrapClient, register_rank
+from statemachine.demo.sampling import socket_counts
 
 TP_SIZE = 4
 
@@ -77,28 +77,8 @@ class ServerProcess:
 
 
 def time_wait_towards(port: int) -> int:
-    """TIME-WAIT sockets whose peer is ``port`` (client side of connections to the server)."""
-    if shutil.which("ss"):
-        out = subprocess.run(
-            ["ss", "-Htan", "state", "time-wait", f"dport = :{port}"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-        return sum(1 for line in out.splitlines() if line.strip())
-    count = 0
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as table:
-                next(table)
-                for line in table:
-                    fields = line.split()
-                    # rem_address is "HEXIP:HEXPORT"; state 06 is TIME_WAIT
-                    if fields[3] == "06" and int(fields[2].rsplit(":", 1)[1], 16) == port:
-                        count += 1
-        except OSError:
-            pass
-    return count
+    """TIME-WAIT sockets with the server's ``port`` at either end, from /proc/net/tcp{,6}."""
+    return socket_counts(port).time_wait
 
 
 def tw_recycled() -> int:
