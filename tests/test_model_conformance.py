@@ -1,0 +1,51 @@
+"""The model's per-receiver steps equal the lifecycle Machine's transitions, by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transitions import Machine
+
+from statemachine.lifecycle import MACHINE, build_machine
+from statemachine.model.check import load
+from statemachine.model.conformance import compare, machine_transitions, project
+from statemachine.model.spec import ENV_ACTIONS
+
+TLA_DIR = Path(__file__).resolve().parents[1] / "TLA"
+
+
+def test_every_machine_transition_is_reachable_and_nothing_else() -> None:
+    for name in ("MCSmall.cfg", "MCImmediate.cfg"):
+        report = compare(load(TLA_DIR / name).model, MACHINE)
+        assert report.ok, (name, report)
+
+
+def test_machine_has_the_transitions_we_think() -> None:
+    found = machine_transitions(MACHINE)
+    assert ("FetchFail", "idle", "failed") in found
+    assert ("Abort", "waiting", "aborted") in found
+    assert len(found) == 22  # 14 events; FetchFail 2 sources, Abort 6, NewRequest 3
+
+
+def test_environment_actions_change_no_lifecycle_state() -> None:
+    projection = project(load(TLA_DIR / "MCSmall.cfg").model)
+    assert not projection.env_violations and not projection.cross_violations
+    assert not {action for action, _, _ in projection.transitions} & set(ENV_ACTIONS)
+
+
+def test_a_machine_that_drifts_is_caught() -> None:
+    # Same lifecycle but without FetchFail from idle: the model's step is then unexplained.
+    machine = build_machine()
+    machine.events["FetchFail"].transitions.pop("idle")
+    report = compare(load(TLA_DIR / "MCSmall.cfg").model, machine)
+    assert not report.ok and report.only_in_model == {("FetchFail", "idle", "failed")}
+    # And an extra Machine transition the model never takes.
+    extra = Machine(
+        states=["idle", "cached"],
+        transitions=[{"trigger": "Hit", "source": "cached", "dest": "idle"}],
+        initial="idle",
+        auto_transitions=False,
+    )
+    report = compare(load(TLA_DIR / "MCSmall.cfg").model, extra)
+    assert ("Hit", "cached", "idle") in report.only_in_machine
+    assert report.unmapped_actions  # the model's other actions have no trigger there
