@@ -351,9 +351,12 @@ AdoptionCorrect ==
 NoStaleSuccess ==
     [][\A r \in Receivers : Complete(r) => objEpoch[rgen[r]] = epoch[rkey[r]]]_vars
 
-\* POOL-5: a node failure of a removes entries of address a only.
+\* POOL-5, POOL-6: a node failure (or an instance retirement) of a removes
+\* entries of address a only.
 ExactNodeFailure ==
-    [][\A a \in Addrs : NodeFailure(a) => \A b \in Addrs \ {a} : pool'[b] = pool[b]]_vars
+    [][\A a \in Addrs :
+          (NodeFailure(a) \/ RetireInstance(a)) => \A b \in Addrs \ {a} : pool'[b] = pool[b]
+      ]_vars
 
 Stale(a) == pool[a] # None /\ objEpoch[pool[a]] < epoch[a]
 

@@ -515,11 +515,10 @@ class BootstrapCache:
 
     def exact_node_failure(self, s: State, t: State) -> bool:
         if t.rstate != s.rstate or t.rgen != s.rgen or t.epoch != s.epoch:
-            return True  # NodeFailure(a) changes none of these: no instance applies
+            return True  # NodeFailure(a), RetireInstance(a) change none of these
         for j in range(len(self.addrs)):
-            if t == self.node_failure(s, j) and any(
-                t.pool[b] != s.pool[b] for b in range(len(self.addrs)) if b != j
-            ):
+            removal = t == self.node_failure(s, j) or t == self.retire_instance(s, j)
+            if removal and any(t.pool[b] != s.pool[b] for b in range(len(self.addrs)) if b != j):
                 return False
         return True
 
