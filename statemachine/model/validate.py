@@ -1,0 +1,358 @@
+"""Trace validation: replay an implementation's NDJSON trace against the model's rules.
+
+``statemachine.trace`` records what the implementation does: one event per receiver lifecycle
+step (``{"action": <event>, "receiver": <id>, "entries": [[key, token], ...], "state": ...}``;
+``"key"``/``"generation"`` for a single entry is accepted too) and one per pool operation
+(``PoolPublish``, ``PoolInvalidate``, ``PoolInvalidateAddress``, ``PoolRetireInstance``).
+:func:`validate` replays it against the model's semantics, projected to what the
+implementation can observe, and reports the first event the model does not allow:
+
+* every receiver step is an allowed lifecycle transition from that receiver's previous state
+  (a receiver first seen starts in ``idle``), reaching the state the event reports;
+* ``PoolPublish`` follows ``setdefault``: the held generation is the fresh one when the key was
+  empty, else the one already pooled (POOL-2);
+* ``PoolInvalidate`` removes exactly the recorded generations that are still pooled, by identity
+  (POOL-3, ``IdentitySafe``): removing more means a replacement was deleted;
+* ``PoolInvalidateAddress`` removes exactly the entries of that address (POOL-5,
+  ``ExactNodeFailure``); ``PoolRetireInstance`` removes entries of that address only (POOL-6);
+* a receiver reaching ``cached`` by ``Hit`` or ``Publish`` holds generations that were published
+  under those keys (``AdoptionCorrect``); ``FetchOk`` generations are new objects;
+* an ``Invalidate`` step is preceded by a ``PoolInvalidate`` of exactly that receiver's recorded
+  entries; ``Abort`` invalidates nothing.
+
+Pool events are assumed to appear in the order the pool performed them. ``BootstrapPool`` emits
+them after releasing its lock (POOL-7), so with several threads two pool events can be traced in
+the opposite order; the validator is exact for single-threaded drivers. Trace events do not carry
+instance ids, so after a partial ``PoolRetireInstance`` the affected keys are "unknown" until the
+next publish, and checks on them are relaxed to what is still certain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from statemachine.errors import BootstrapError, InvalidTransition
+from statemachine.lifecycle import EVENTS, INITIAL, next_state
+
+Key = tuple[Any, ...]
+Token = int
+
+
+class TraceFormatError(BootstrapError):
+    """The trace is not well-formed (not JSON, missing or mistyped fields)."""
+
+
+class _Unknown:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+#: A pool slot whose content the trace does not determine (after a partial retirement).
+UNKNOWN = _Unknown()
+
+POOL_EVENTS = frozenset(
+    {"PoolPublish", "PoolInvalidate", "PoolInvalidateAddress", "PoolRetireInstance"}
+)
+
+
+@dataclass
+class Violation:
+    """The first event the model does not allow."""
+
+    index: int  # position in the trace, 0-based
+    event: Mapping[str, Any]
+    rule: str  # the property or rule broken
+    reason: str
+
+    def __str__(self) -> str:
+        seq = self.event.get("seq", self.index)
+        return f"event #{seq} {self.event.get('action')!r}: {self.rule}: {self.reason}"
+
+
+@dataclass
+class Report:
+    events: int
+    violation: Violation | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+
+@dataclass
+class _Receiver:
+    state: str = INITIAL
+    entries: dict[Key, Token] = field(default_factory=dict)
+
+
+class _Violated(Exception):
+    def __init__(self, rule: str, reason: str) -> None:
+        super().__init__(reason)
+        self.rule = rule
+        self.reason = reason
+
+
+def _key(value: Any) -> Key:
+    if not isinstance(value, list) or not value:
+        raise TraceFormatError(f"a key must be a non-empty list, got {value!r}")
+    return tuple(value)
+
+
+def _token(value: Any) -> Token:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TraceFormatError(f"a generation must be an integer token, got {value!r}")
+    return value
+
+
+def _entries(event: Mapping[str, Any], name: str = "entries") -> dict[Key, Token]:
+    if name in event:
+        raw = event[name]
+        if not isinstance(raw, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 for pair in raw
+        ):
+            raise TraceFormatError(f"{name} must be a list of [key, generation] pairs")
+        return {_key(k): _token(g) for k, g in raw}
+    if "key" in event:  # the single-entry form
+        generation = event.get("generation")
+        return {} if generation is None else {_key(event["key"]): _token(generation)}
+    return {}
+
+
+def _count(event: Mapping[str, Any], name: str) -> int:
+    value = event.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TraceFormatError(f"{name} must be a natural number")
+    return value
+
+
+class Validator:
+    """Replays events one at a time; :meth:`step` raises on the first disallowed one."""
+
+    def __init__(self) -> None:
+        self.receivers: dict[Any, _Receiver] = {}
+        self.pool: dict[Key, Token | _Unknown] = {}
+        #: every generation ever published under each key
+        self.published: dict[Key, set[Token]] = {}
+        #: every generation token seen anywhere (FetchOk must bring new ones)
+        self.seen_tokens: set[Token] = set()
+        #: PoolInvalidate entry sets not yet claimed by a receiver's Invalidate step
+        self.pending_invalidations: list[dict[Key, Token]] = []
+
+    # --- pool events ------------------------------------------------------------------------
+
+    def _publish(self, event: Mapping[str, Any]) -> None:
+        key = _key(event.get("key"))
+        held = _token(event.get("generation"))
+        fresh = _token(event.get("fresh"))
+        current = self.pool.get(key)
+        if current is None:
+            if held != fresh:
+                raise _Violated(
+                    "POOL-2 setdefault",
+                    f"key {list(key)} was empty but the pool kept {held} instead of {fresh}",
+                )
+        elif current is not UNKNOWN and held != current:
+            raise _Violated(
+                "POOL-2 setdefault",
+                f"key {list(key)} held {current} but publish returned {held}: "
+                "the pooled generation was replaced",
+            )
+        self.pool[key] = held
+        self.published.setdefault(key, set()).add(held)
+        self.seen_tokens.update((held, fresh))
+
+    def _invalidate(self, event: Mapping[str, Any]) -> None:
+        entries = _entries(event)
+        removed = _count(event, "removed")
+        definite = [k for k, g in entries.items() if self.pool.get(k) == g]
+        unknown = [k for k in entries if self.pool.get(k) is UNKNOWN]
+        if removed > len(definite) + len(unknown):
+            raise _Violated(
+                "IdentitySafe",
+                f"removed {removed} entries but only {len(definite)} of the recorded "
+                "generations were still pooled: a generation the receiver never recorded "
+                "(a concurrent replacement) was deleted",
+            )
+        if removed < len(definite):
+            raise _Violated(
+                "IdentitySafe",
+                f"removed {removed} entries but {len(definite)} recorded generations were "
+                "still pooled and must go",
+            )
+        for k in definite:
+            del self.pool[k]
+        if unknown and removed == len(definite) + len(unknown):
+            for k in unknown:
+                del self.pool[k]
+        self.pending_invalidations.append(entries)
+
+    def _address(self, event: Mapping[str, Any], *, retire: bool) -> None:
+        addr = event.get("addr")
+        if not isinstance(addr, str):
+            raise TraceFormatError("addr must be a string")
+        removed = _count(event, "removed")
+        exact = [k for k in self.pool if k[0] == addr]
+        if retire:
+            if removed > len(exact):
+                raise _Violated(
+                    "ExactNodeFailure",
+                    f"retired {removed} entries but {addr!r} had only {len(exact)}: "
+                    "entries of another address were removed",
+                )
+            if removed == len(exact):
+                for k in exact:
+                    del self.pool[k]
+            elif removed:
+                for k in exact:  # which ones is not traced
+                    self.pool[k] = UNKNOWN
+            return
+        if removed != len(exact):
+            raise _Violated(
+                "ExactNodeFailure",
+                f"node failure of {addr!r} removed {removed} entries; exactly {len(exact)} "
+                "have that address"
+                + (" (another address's entries were removed too)" if removed > len(exact) else ""),
+            )
+        for k in exact:
+            del self.pool[k]
+
+    # --- receiver events --------------------------------------------------------------------
+
+    def _receiver(self, event: Mapping[str, Any]) -> None:
+        action = str(event["action"])
+        rid = event.get("receiver")
+        if rid is None:
+            raise TraceFormatError(f"{action} event without a receiver id")
+        receiver = self.receivers.setdefault(rid, _Receiver())
+        try:
+            after = next_state(receiver.state, action)
+        except InvalidTransition:
+            raise _Violated(
+                "lifecycle", f"receiver {rid}: {action} is not allowed in {receiver.state!r}"
+            ) from None
+        reported = event.get("state")
+        if reported is not None and reported != after:
+            raise _Violated(
+                "lifecycle",
+                f"receiver {rid}: {action} from {receiver.state!r} leads to {after!r}, "
+                f"trace says {reported!r}",
+            )
+        entries = _entries(event)
+        if action in ("Hit", "Miss", "Publish"):
+            for k, g in entries.items():
+                if action == "Miss" and receiver.entries.get(k) == g:
+                    continue
+                if k not in self.published and k not in self.pool:
+                    # A key the trace never saw published (pool filled before tracing began).
+                    self.pool[k] = g
+                    self.published[k] = {g}
+                if g not in self.published.get(k, set()):
+                    raise _Violated(
+                        "AdoptionCorrect",
+                        f"receiver {rid} holds generation {g} for {list(k)}, which was never "
+                        "published under that key",
+                    )
+        elif action == "FetchOk":
+            for k, g in entries.items():
+                if receiver.entries.get(k) != g and g in self.seen_tokens:
+                    raise _Violated(
+                        "FetchOk", f"receiver {rid}: fetched generation {g} is not a new object"
+                    )
+        elif action == "Invalidate":
+            recorded = receiver.entries
+            match = next(
+                (i for i, e in enumerate(self.pending_invalidations) if e == recorded), None
+            )
+            if match is None:
+                raise _Violated(
+                    "IdentitySafe",
+                    f"receiver {rid} invalidated without a pool invalidation of exactly its "
+                    f"recorded entries {sorted(recorded.values())}",
+                )
+            del self.pending_invalidations[match]
+        self.seen_tokens.update(entries.values())
+        receiver.state = after
+        receiver.entries = {} if action in ("Invalidate", "NewRequest") else entries
+
+    def step(self, event: Mapping[str, Any]) -> None:
+        action = event.get("action")
+        if not isinstance(action, str):
+            raise TraceFormatError("event without an action")
+        if action == "PoolPublish":
+            self._publish(event)
+        elif action == "PoolInvalidate":
+            self._invalidate(event)
+        elif action == "PoolInvalidateAddress":
+            self._address(event, retire=False)
+        elif action == "PoolRetireInstance":
+            self._address(event, retire=True)
+        elif action in EVENTS:
+            self._receiver(event)
+        else:
+            raise _Violated("model", f"unknown action {action!r}")
+
+
+def validate(events: Iterable[Mapping[str, Any]]) -> Report:
+    """Replay ``events``; the report names the first one the model does not allow.
+
+    Raises :class:`TraceFormatError` on a malformed event.
+    """
+    validator = Validator()
+    count = 0
+    for index, event in enumerate(events):
+        count = index + 1
+        if not isinstance(event, Mapping):
+            raise TraceFormatError(f"event {index} is not a JSON object")
+        try:
+            validator.step(event)
+        except _Violated as violated:
+            return Report(count, Violation(index, event, violated.rule, violated.reason))
+    return Report(count)
+
+
+def read_trace(path: str | Path) -> list[dict[str, Any]]:
+    """Load an NDJSON trace; :class:`TraceFormatError` on unreadable or non-JSON input."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceFormatError(f"{path}: cannot read: {exc}") from None
+    events = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(f"{path}:{number}: not JSON: {exc.msg}") from None
+    return events
+
+
+def main(argv: list[str]) -> int:
+    """``python -m statemachine.model.validate TRACE``: exit 0 valid, 1 violation, 2 bad input."""
+    parser = argparse.ArgumentParser(prog="python -m statemachine.model.validate")
+    parser.add_argument("trace", help="an NDJSON trace written by statemachine.trace.tracing")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        report = validate(read_trace(args.trace))
+    except TraceFormatError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if report.violation is None:
+        print(f"{report.events} events: every step is allowed by the model")
+        return 0
+    print(f"{report.events} events read; first step the model does not allow:")
+    print(f"  {report.violation}")
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

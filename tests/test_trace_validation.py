@@ -1,0 +1,255 @@
+"""Trace validation: hand-written traces, and real traces of the receiver and pool.
+
+The real traces come from the real receiver against a real bootstrap server and real prefill
+rank processes on 127.0.0.1 (the helpers of tests/test_receiver.py), driven single-threaded so
+that the trace order is the pool's order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_receiver import PLAN, DecodeSide, Prefill, make_decode, start_prefill, stop_prefill
+
+from statemachine import lifecycle as life
+from statemachine import pool as pool_module
+from statemachine import trace
+from statemachine.model.validate import TraceFormatError, main, read_trace, validate
+from statemachine.pool import Generation, PoolKey
+from statemachine.receiver import BootstrapReceiver
+
+K = ["h:80", 0, 0, 0]
+K2 = ["h:8000", 0, 0, 0]
+
+
+def rx(action: str, receiver: int, state: str, entries: list[Any] | None = None) -> dict[str, Any]:
+    return {"action": action, "receiver": receiver, "state": state, "entries": entries or []}
+
+
+def publish(key: list[Any], held: int, fresh: int) -> dict[str, Any]:
+    return {"action": "PoolPublish", "key": key, "generation": held, "fresh": fresh}
+
+
+def invalidate(entries: list[Any], removed: int) -> dict[str, Any]:
+    return {"action": "PoolInvalidate", "entries": entries, "removed": removed}
+
+
+def miss_publish(r: int, token: int, held: int | None = None, key: list[Any] = K) -> list[Any]:
+    held = token if held is None else held
+    return [
+        rx("Miss", r, "fetching"),
+        rx("FetchOk", r, "fetched", [[key, token]]),
+        rx("RegisterOk", r, "registered", [[key, token]]),
+        publish(key, held, token),
+        rx("Publish", r, "cached", [[key, held]]),
+    ]
+
+
+def fail_and_invalidate(r: int, event: str, entries: list[Any], removed: int) -> list[Any]:
+    return [
+        rx(event, r, "failed", entries),
+        invalidate(entries, removed),
+        rx("Invalidate", r, "invalidated", entries),
+    ]
+
+
+GOOD = [
+    *miss_publish(1, 1),
+    rx("SendOk", 1, "waiting", [[K, 1]]),
+    rx("Complete", 1, "done", [[K, 1]]),
+    rx("Hit", 2, "cached", [[K, 1]]),  # r2 adopts r1's generation
+    *miss_publish(3, 2, held=1),  # r3 raced and lost: adopts 1 in place of its own 2
+    # r2 fails on the (now stale) generation 1 and removes it by identity
+    *fail_and_invalidate(2, "SendFail", [[K, 1]], 1),
+    *miss_publish(4, 3),  # a fresh generation 3 is published
+    # r3 still recorded 1: its late failure must not remove 3
+    rx("SendOk", 3, "waiting", [[K, 1]]),
+    *fail_and_invalidate(3, "Timeout", [[K, 1]], 0),
+    rx("Abort", 4, "aborted", [[K, 3]]),  # no invalidation on abort
+    *miss_publish(5, 4, key=K2),
+    {"action": "PoolInvalidateAddress", "addr": "h:80", "removed": 1},  # only h:80's entry
+    *fail_and_invalidate(6, "FetchFail", [], 0),  # dp-rank resolution failed: nothing recorded
+]
+
+
+def test_good_trace_is_allowed() -> None:
+    report = validate(GOOD)
+    assert report.ok, report.violation
+    assert report.events == len(GOOD)
+
+
+def mutated(index: int, **changes: Any) -> list[dict[str, Any]]:
+    events = [dict(e) for e in GOOD]
+    events[index].update(changes)
+    return events
+
+
+def _index(action: str, nth: int = 0, **match: Any) -> int:
+    found = [
+        i
+        for i, e in enumerate(GOOD)
+        if e["action"] == action and all(e.get(k) == v for k, v in match.items())
+    ]
+    return found[nth]
+
+
+@pytest.mark.parametrize(
+    "events, rule, at",
+    [
+        # IdentitySafe: r3's late failure deletes generation 3 (invalidate by key).
+        (
+            mutated(_index("PoolInvalidate", 1), removed=1),
+            "IdentitySafe",
+            _index("PoolInvalidate", 1),
+        ),
+        # A recorded, still pooled generation that is not removed.
+        (mutated(_index("PoolInvalidate", 0), removed=0), "IdentitySafe", _index("PoolInvalidate")),
+        # setdefault: the loser's publish replaced the winner.
+        (mutated(_index("PoolPublish", 1), generation=2), "POOL-2", _index("PoolPublish", 1)),
+        # Prefix node failure: h:80 also removed h:8000's entry.
+        (
+            mutated(_index("PoolInvalidateAddress"), removed=2),
+            "ExactNodeFailure",
+            _index("PoolInvalidateAddress"),
+        ),
+        # Lifecycle: a hit straight into waiting.
+        (mutated(_index("Hit"), state="waiting"), "lifecycle", _index("Hit")),
+        # Lifecycle: Complete from cached.
+        (
+            [e for e in GOOD if not (e["action"] == "SendOk" and e["receiver"] == 1)],
+            "lifecycle",
+            _index("Complete") - 1,
+        ),
+        # AdoptionCorrect: a hit on a generation never published under that key.
+        (mutated(_index("Hit"), entries=[[K, 7]]), "AdoptionCorrect", _index("Hit")),
+        # FetchOk must bring a new object.
+        (mutated(_index("FetchOk", 1), entries=[[K, 1]]), "FetchOk", _index("FetchOk", 1)),
+        # Invalidate without the pool invalidation of its recorded entries.
+        (
+            [e for i, e in enumerate(GOOD) if i != _index("PoolInvalidate")],
+            "IdentitySafe",
+            _index("Invalidate") - 1,
+        ),
+        # An action the model does not have.
+        (mutated(0, action="Teleport"), "model", 0),
+    ],
+)
+def test_bad_trace_reports_the_first_disallowed_step(
+    events: list[dict[str, Any]], rule: str, at: int
+) -> None:
+    report = validate(events)
+    assert report.violation is not None
+    assert report.violation.rule.startswith(rule), report.violation
+    assert report.violation.index == at
+    # Everything before that step is allowed on its own.
+    assert validate(events[:at]).ok
+
+
+def test_single_entry_form_of_the_brief_is_accepted() -> None:
+    events = [
+        {"action": "Miss", "receiver": 1, "key": K, "generation": None, "state": "fetching"},
+        {"action": "FetchOk", "receiver": 1, "key": K, "generation": 5, "state": "fetched"},
+    ]
+    assert validate(events).ok
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"receiver": 1},
+        {"action": "Hit", "state": "cached"},
+        {"action": "PoolPublish", "key": "h:80", "generation": 1, "fresh": 1},
+        {"action": "PoolInvalidate", "entries": [[K, 1]], "removed": -1},
+        {"action": "PoolInvalidateAddress", "addr": 80, "removed": 0},
+        {"action": "Hit", "receiver": 1, "entries": [[K, "one"]], "state": "cached"},
+    ],
+)
+def test_malformed_events_raise_a_typed_error(event: Mapping[str, Any]) -> None:
+    with pytest.raises(TraceFormatError):
+        validate([event])
+
+
+def test_cli_exit_codes(tmp_path: Path) -> None:
+    good = tmp_path / "good.ndjson"
+    good.write_text("\n".join(json.dumps(e) for e in GOOD) + "\n", encoding="utf-8")
+    assert main([str(good)]) == 0
+    bad = tmp_path / "bad.ndjson"
+    bad.write_text(
+        "\n".join(json.dumps(e) for e in mutated(_index("PoolInvalidate", 1), removed=1)),
+        encoding="utf-8",
+    )
+    assert main([str(bad)]) == 1
+    broken = tmp_path / "broken.ndjson"
+    broken.write_text("{not json\n", encoding="utf-8")
+    assert main([str(broken)]) == 2
+    assert main([str(tmp_path / "missing.ndjson")]) == 2
+
+
+# --- real traces ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def prefill() -> Iterator[Prefill]:
+    instance = start_prefill()
+    yield instance
+    stop_prefill(instance)
+
+
+@pytest.fixture
+def side() -> Iterator[DecodeSide]:
+    yield from make_decode()
+
+
+def _stale_receiver_outlives_a_replacement(prefill: Prefill, side: DecodeSide) -> None:
+    """Single-threaded: a receiver holding the stale generation fails only after another
+    receiver has already replaced it with a fresh one."""
+    assert side.run(prefill, room=1).state == life.DONE
+    prefill.restart_ranks()  # every pooled port is dead now
+    late = BootstrapReceiver(side.decode, prefill.addr, 2, PLAN)
+    late.init(0)  # hit on the stale generation; it fails later
+    early = side.run(prefill, room=3)  # hits it too, fails at once and invalidates it
+    assert early.state == life.INVALIDATED
+    fresh = side.run(prefill, room=4)  # misses, fetches the new ports, publishes
+    assert fresh.state == life.DONE
+    side.send(late)  # fails on the dead ports, then invalidates by identity
+    assert late.state == life.INVALIDATED
+
+
+def test_real_trace_of_restart_and_replacement_is_allowed(
+    prefill: Prefill, side: DecodeSide, tmp_path: Path
+) -> None:
+    with trace.tracing(tmp_path / "trace.ndjson") as path:
+        _stale_receiver_outlives_a_replacement(prefill, side)
+        side.pool.invalidate_address(prefill.addr)
+    events = read_trace(path)
+    actions = [e["action"] for e in events]
+    assert {"Hit", "Miss", "PoolPublish", "SendFail", "PoolInvalidate", "Complete"} <= set(actions)
+    assert actions[-1] == "PoolInvalidateAddress"
+    report = validate(events)
+    assert report.ok, report.violation
+
+
+def test_real_trace_of_a_by_key_invalidation_is_caught(
+    prefill: Prefill, side: DecodeSide, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def by_key(
+        entries_pool: dict[PoolKey, Generation], entries: Mapping[PoolKey, Generation]
+    ) -> tuple[int, int]:
+        removed = 0
+        for key in entries:
+            if entries_pool.pop(key, None) is not None:
+                removed += 1
+        return removed, 0
+
+    monkeypatch.setattr(pool_module, "invalidate_entries", by_key)
+    with trace.tracing(tmp_path / "trace.ndjson") as path:
+        _stale_receiver_outlives_a_replacement(prefill, side)
+    report = validate(read_trace(path))
+    assert report.violation is not None
+    assert report.violation.rule == "IdentitySafe"
+    assert report.violation.event["action"] == "PoolInvalidate"
+    assert report.violation.event["removed"] == 1
