@@ -202,8 +202,9 @@ class BootstrapPool:
                 self._publishes += 1
             else:
                 self._adoptions += 1
-        if trace.ENABLED:
-            trace.emit("PoolPublish", key=key, generation=held, fresh=fresh)
+            seq = trace.reserve() if trace.ENABLED else None
+        if seq is not None:
+            trace.emit("PoolPublish", seq=seq, key=key, generation=held, fresh=fresh)
         return held
 
     def invalidate(self, entries: Mapping[PoolKey, Generation]) -> int:
@@ -212,8 +213,9 @@ class BootstrapPool:
             removed, kept = invalidate_entries(self._entries, entries)
             self._invalidations += removed
             self._kept_newer += kept
-        if trace.ENABLED:
-            trace.emit("PoolInvalidate", entries=entries, removed=removed)
+            seq = trace.reserve() if trace.ENABLED else None
+        if seq is not None:
+            trace.emit("PoolInvalidate", seq=seq, entries=entries, removed=removed)
         return removed
 
     def invalidate_address(self, addr: str) -> int:
@@ -221,8 +223,9 @@ class BootstrapPool:
         with self._lock:
             removed = invalidate_address_entries(self._entries, addr)
             self._address_invalidations += removed
-        if trace.ENABLED:
-            trace.emit("PoolInvalidateAddress", addr=addr, removed=removed)
+            seq = trace.reserve() if trace.ENABLED else None
+        if seq is not None:
+            trace.emit("PoolInvalidateAddress", seq=seq, addr=addr, removed=removed)
         return removed
 
     def observe_instance(self, addr: str, instance_id: str) -> int:
@@ -231,11 +234,24 @@ class BootstrapPool:
         A prefill restart behind a stable address changes the instance id before any send
         fails, so entries fetched from the previous instance are known stale (POOL-6).
         """
+        gone: list[PoolKey] = []
+        seq = None
         with self._lock:
+            before = list(self._entries) if trace.ENABLED else None
             removed = retire_instance_entries(self._entries, addr, instance_id)
             self._address_invalidations += removed
-        if removed and trace.ENABLED:
-            trace.emit("PoolRetireInstance", addr=addr, instance_id=instance_id, removed=removed)
+            if before is not None and removed:
+                gone = [key for key in before if key not in self._entries]
+                seq = trace.reserve()
+        if seq is not None:
+            trace.emit(
+                "PoolRetireInstance",
+                seq=seq,
+                addr=addr,
+                instance_id=instance_id,
+                removed=removed,
+                keys=gone,
+            )
         return removed
 
     def get(self, key: PoolKey) -> Generation | None:

@@ -35,27 +35,39 @@ def _token(generation: object) -> int:
 
 
 def _plain(value: Any) -> Any:
-    """Turn keys, generations and entry maps into JSON-able values."""
-    # Imported here: pool imports this module.
-    from statemachine.pool import Generation, PoolKey
+    """Turn keys, generations and entry maps into JSON-able values.
 
-    if isinstance(value, Generation):
+    A generation is recognised by its ``ranks`` attribute rather than by class, so a pool
+    loaded from another module (the seeded mutants in the tests) traces the same way.
+    """
+    if hasattr(value, "ranks"):
         return _token(value)
-    if isinstance(value, PoolKey):
-        return list(value)
     if isinstance(value, Mapping):
         return [[_plain(k), _plain(v)] for k, v in value.items()]
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)):  # PoolKey is a tuple: it becomes a list
         return [_plain(v) for v in value]
     return value
 
 
-def emit(action: str, **fields: Any) -> None:
-    """Write one event. Only call when ``ENABLED`` is true."""
+def reserve() -> int:
+    """Take the next sequence number now, for an event written later with ``emit(seq=...)``.
+
+    The pool calls this under its own lock, so pool events are numbered in the order the lock
+    serialised them, while the (blocking) write happens after the lock is released (POOL-7).
+    """
+    with _lock:
+        return next(_seq)
+
+
+def emit(action: str, *, seq: int | None = None, **fields: Any) -> None:
+    """Write one event. Only call when ``ENABLED`` is true.
+
+    Lines may reach the file out of ``seq`` order (see :func:`reserve`); readers sort by it.
+    """
     with _lock:
         if _sink is None:
             return
-        record = {"seq": next(_seq), "action": action}
+        record = {"seq": next(_seq) if seq is None else seq, "action": action}
         record.update({name: _plain(v) for name, v in fields.items()})
         _sink.write(json.dumps(record, separators=(",", ":")) + "\n")
 
@@ -86,6 +98,8 @@ def tracing(path: str | Path) -> Iterator[Path]:
 
 
 def read(path: str | Path) -> list[dict[str, Any]]:
-    """Load a trace written by :func:`tracing`."""
+    """Load a trace written by :func:`tracing`, in ``seq`` order."""
     with Path(path).open(encoding="utf-8") as source:
-        return [json.loads(line) for line in source if line.strip()]
+        events = [json.loads(line) for line in source if line.strip()]
+    events.sort(key=lambda event: event["seq"])
+    return events

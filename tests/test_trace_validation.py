@@ -253,3 +253,93 @@ def test_real_trace_of_a_by_key_invalidation_is_caught(
     assert report.violation.rule == "IdentitySafe"
     assert report.violation.event["action"] == "PoolInvalidate"
     assert report.violation.event["removed"] == 1
+
+
+# --- many threads: the pool stress workload and concurrent receivers through a restart ---------
+
+
+def _load(name: str, path: Path) -> Any:
+    """Import a test helper by path (registered first: its dataclasses look themselves up)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_stress() -> Any:
+    return _load("_stress_for_traces", Path(__file__).with_name("test_pool_stress.py"))
+
+
+def test_trace_of_the_threaded_pool_stress_run_is_allowed(tmp_path: Path) -> None:
+    """IdentitySafe / ExactNodeFailure on the 8-thread stress workload's trace: pool events are
+    numbered under the pool lock, so replaying in seq order is the order the lock chose."""
+    stress = _load_stress()
+    with trace.tracing(tmp_path / "stress.ndjson") as path:
+        result = stress.run_stress(pool_module, seed=3)
+    stress.check_accounting(result)
+    events = read_trace(path)
+    assert sum(e["action"] == "PoolInvalidate" for e in events) > 100
+    report = validate(events)
+    assert report.ok, report.violation
+
+
+def test_trace_of_concurrent_receivers_through_a_restart_is_allowed(
+    prefill: Prefill, side: DecodeSide, tmp_path: Path
+) -> None:
+    """Four request threads share one pool while the prefill's ranks crash and restart on new
+    ports; every lifecycle step and pool operation of the run replays against the model."""
+    import threading
+
+    stop = threading.Event()
+    outcomes: list[str] = []
+    rooms = iter(range(1000, 100_000))
+    room_lock = threading.Lock()
+
+    def loop() -> None:
+        while not stop.is_set():
+            with room_lock:
+                room = next(rooms)
+            outcomes.append(side.run(prefill, room).state)
+
+    with trace.tracing(tmp_path / "threads.ndjson") as path:
+        threads = [threading.Thread(target=loop) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        try:
+            while outcomes.count(life.DONE) < 20:
+                threading.Event().wait(0.01)
+            prefill.restart_ranks()
+            done_at_restart = outcomes.count(life.DONE)
+            deadline = 200
+            while outcomes.count(life.DONE) < done_at_restart + 20 and deadline:
+                threading.Event().wait(0.05)
+                deadline -= 1
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(10)
+    assert life.INVALIDATED in outcomes, "no request met the dead ports"
+    assert outcomes.count(life.DONE) >= done_at_restart + 20, "no recovery after the restart"
+    report = validate(read_trace(path))
+    assert report.ok, report.violation
+
+
+def test_trace_of_the_stress_run_on_a_by_key_pool_is_caught(tmp_path: Path) -> None:
+    """The same threaded workload on the delete-by-key mutant yields an IdentitySafe trace
+    violation: the validator has teeth on concurrent traces too."""
+    mutants = _load(
+        "_pool_mutants_for_traces", Path(__file__).with_name("pool_mutants") / "__init__.py"
+    )
+    mutants.write_mutant(mutants.BY_NAME["delete_by_key"], tmp_path)
+    mutant = mutants.load_module(tmp_path / "pool_delete_by_key.py")
+    stress = _load_stress()
+    with trace.tracing(tmp_path / "mutant.ndjson") as path:
+        stress.run_stress(mutant, seed=3)
+    report = validate(read_trace(path))
+    assert report.violation is not None
+    assert report.violation.rule == "IdentitySafe"

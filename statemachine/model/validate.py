@@ -20,11 +20,12 @@ implementation can observe, and reports the first event the model does not allow
 * an ``Invalidate`` step is preceded by a ``PoolInvalidate`` of exactly that receiver's recorded
   entries; ``Abort`` invalidates nothing.
 
-Pool events are assumed to appear in the order the pool performed them. ``BootstrapPool`` emits
-them after releasing its lock (POOL-7), so with several threads two pool events can be traced in
-the opposite order; the validator is exact for single-threaded drivers. Trace events do not carry
-instance ids, so after a partial ``PoolRetireInstance`` the affected keys are "unknown" until the
-next publish, and checks on them are relaxed to what is still certain.
+Events are replayed in ``seq`` order. ``BootstrapPool`` takes a pool event's ``seq`` under its
+lock and writes the line after releasing it (POOL-7), so ``seq`` order is the order the lock
+serialised the operations, also with many threads, even where lines reach the file in another
+order; :func:`read_trace` sorts. ``PoolRetireInstance`` names the keys it removed; for a trace
+without them the affected keys are "unknown" until the next publish, and checks on them are
+relaxed to what is still certain.
 """
 
 from __future__ import annotations
@@ -205,11 +206,23 @@ class Validator:
                     f"retired {removed} entries but {addr!r} had only {len(exact)}: "
                     "entries of another address were removed",
                 )
-            if removed == len(exact):
+            keys = event.get("keys")
+            if keys is not None:
+                gone = [tuple(k) for k in keys]
+                foreign = [k for k in gone if k not in exact]
+                if foreign or len(gone) != removed:
+                    raise _Violated(
+                        "ExactNodeFailure",
+                        f"retirement of {addr!r} removed {foreign or gone}, not only "
+                        "entries of that address",
+                    )
+                for k in gone:
+                    del self.pool[k]
+            elif removed == len(exact):
                 for k in exact:
                     del self.pool[k]
             elif removed:
-                for k in exact:  # which ones is not traced
+                for k in exact:  # an old trace without "keys": which ones is unknown
                     self.pool[k] = UNKNOWN
             return
         if removed != len(exact):
@@ -330,6 +343,8 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
             events.append(json.loads(line))
         except json.JSONDecodeError as exc:
             raise TraceFormatError(f"{path}:{number}: not JSON: {exc.msg}") from None
+    if all(isinstance(e, dict) and isinstance(e.get("seq"), int) for e in events):
+        events.sort(key=lambda e: e["seq"])
     return events
 
 
