@@ -19,6 +19,7 @@ keeps the statistics. See ``spec/pool.md``.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -171,8 +172,8 @@ class BootstrapPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[PoolKey, Generation] = {}
-        self._hits = 0
-        self._misses = 0
+        self._hits = itertools.count()
+        self._misses = itertools.count()
         self._publishes = 0
         self._adoptions = 0
         self._invalidations = 0
@@ -180,14 +181,15 @@ class BootstrapPool:
         self._address_invalidations = 0
 
     def lookup(self, key: PoolKey) -> Generation | None:
-        """The generation cached for ``key``, or ``None`` (POOL-1). Counts a hit or a miss."""
-        # The lock is held only to keep the counters exact; dict.get itself is atomic.
-        with self._lock:
-            generation = self._entries.get(key)
-            if generation is None:
-                self._misses += 1
-            else:
-                self._hits += 1
+        """The generation cached for ``key``, or ``None`` (POOL-1). Counts a hit or a miss.
+
+        Lock-free: ``dict.get`` is atomic, and so is ``next()`` on an ``itertools.count``
+        (one C call), so the counters stay exact without the lock. Holding the lock here made
+        every hit a point where a descheduled thread could stall all others: with 16 threads
+        hits/s fell to a third of the single-thread rate (``benchmarks/bench_cache_hit.py``).
+        """
+        generation = self._entries.get(key)
+        next(self._misses if generation is None else self._hits)
         return generation
 
     def publish(self, key: PoolKey, fresh: Generation) -> Generation:
@@ -270,11 +272,20 @@ class BootstrapPool:
         with self._lock:
             return PoolStats(
                 entries=len(self._entries),
-                hits=self._hits,
-                misses=self._misses,
+                hits=_count_value(self._hits),
+                misses=_count_value(self._misses),
                 publishes=self._publishes,
                 adoptions=self._adoptions,
                 invalidations=self._invalidations,
                 kept_newer=self._kept_newer,
                 address_invalidations=self._address_invalidations,
             )
+
+
+def _count_value(counter: itertools.count[int]) -> int:
+    """The next value an ``itertools.count`` will yield, without advancing it.
+
+    ``repr`` is ``count(N)``, stable across CPython versions (pickling support, the other way
+    to read it, was removed in 3.14).
+    """
+    return int(repr(counter)[6:-1])
