@@ -1,7 +1,8 @@
 """Cache-hit path throughput at 1, 4 and 16 threads: the anchor's hit path vs ours.
 
 * anchor: SGLang's hit path — build the string key, ``with lock: cache.get(key)``, record it;
-* pool: ``BootstrapPool.lookup(key)`` and record it (what a receiver does per key);
+* pool: the receiver's keys for (address, dp rank), ``BootstrapPool.lookup(key)`` and record
+  it — what a receiver does per key;
 * receiver: a whole ``BootstrapReceiver`` per request on a hit — create it, ``init()``
   (lookup + record + the ``Hit`` lifecycle step) — i.e. the per-request cost a decode pays.
 
@@ -46,14 +47,17 @@ def _anchor_worker(ops: int) -> Callable[[], None]:
 
 
 def _pool_worker(ops: int, pool: BootstrapPool) -> Callable[[], None]:
+    from statemachine.receiver import DEFAULT_PLAN
+
     def run() -> None:
         entries: dict[PoolKey, Generation] = {}
         lookup = pool.lookup
         for _ in range(ops):
-            key = PoolKey(ADDR, 0, 0, 0)
-            generation = lookup(key)
-            if generation is not None:
-                entries[key] = generation
+            # The receiver's own way to get its keys: built once per (address, dp rank).
+            for key in DEFAULT_PLAN.keys_for(ADDR, 0):
+                generation = lookup(key)
+                if generation is not None:
+                    entries[key] = generation
 
     return run
 
