@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_pool_mutants import mutants, stress
 from test_receiver import PLAN, DecodeSide, Prefill, make_decode, start_prefill, stop_prefill
 
 from statemachine import lifecycle as life
@@ -258,27 +259,9 @@ def test_real_trace_of_a_by_key_invalidation_is_caught(
 # --- many threads: the pool stress workload and concurrent receivers through a restart ---------
 
 
-def _load(name: str, path: Path) -> Any:
-    """Import a test helper by path (registered first: its dataclasses look themselves up)."""
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _load_stress() -> Any:
-    return _load("_stress_for_traces", Path(__file__).with_name("test_pool_stress.py"))
-
-
 def test_trace_of_the_threaded_pool_stress_run_is_allowed(tmp_path: Path) -> None:
     """IdentitySafe / ExactNodeFailure on the 8-thread stress workload's trace: pool events are
     numbered under the pool lock, so replaying in seq order is the order the lock chose."""
-    stress = _load_stress()
     with trace.tracing(tmp_path / "stress.ndjson") as path:
         result = stress.run_stress(pool_module, seed=3)
     stress.check_accounting(result)
@@ -332,12 +315,8 @@ def test_trace_of_concurrent_receivers_through_a_restart_is_allowed(
 def test_trace_of_the_stress_run_on_a_by_key_pool_is_caught(tmp_path: Path) -> None:
     """The same threaded workload on the delete-by-key mutant yields an IdentitySafe trace
     violation: the validator has teeth on concurrent traces too."""
-    mutants = _load(
-        "_pool_mutants_for_traces", Path(__file__).with_name("pool_mutants") / "__init__.py"
-    )
     mutants.write_mutant(mutants.BY_NAME["delete_by_key"], tmp_path)
     mutant = mutants.load_module(tmp_path / "pool_delete_by_key.py")
-    stress = _load_stress()
     with trace.tracing(tmp_path / "mutant.ndjson") as path:
         stress.run_stress(mutant, seed=3)
     report = validate(read_trace(path))
