@@ -7,12 +7,17 @@ Requirement IDs: LIFE-n (spec/lifecycle.md), POOL-n (spec/pool.md).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
+import zmq
+from http_support import ScriptedServer
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from statemachine import lifecycle as life
 from statemachine.acks import AckListener
@@ -444,3 +449,64 @@ def test_abort_does_not_invalidate_and_out_of_order_calls_raise(
     receiver.abort()  # idempotent once ended
     receiver.clear()
     assert receiver.entries == {}
+
+
+# --- malformed bootstrap replies are never cached ----------------------------------------------
+
+_good_or_bad_ip = st.sampled_from(["127.0.0.1", "", "not a host!", "127.0.0.1:80", 127, None])
+_bad_port = st.sampled_from([0, -1, 65536, "5000", True, 5000.0, None])
+
+
+@pytest.fixture(scope="module")
+def scripted_rank() -> Iterator[tuple[ScriptedServer, int]]:
+    """A scripted HTTP server (answers whatever the test sets) and a live PULL socket."""
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with ScriptedServer() as scripted:
+            yield scripted, port
+    finally:
+        pull.close()
+        context.term()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_malformed_route_replies_are_never_cached(
+    scripted_rank: tuple[ScriptedServer, int], data: st.DataObject
+) -> None:
+    """Whatever the bootstrap server answers (generated junk, wrong types, missing keys, bad
+    ports), the pool only ever holds generations made of validated replies; a failed fetch
+    caches nothing. Valid replies point at a live PULL socket on 127.0.0.1 (no other host)."""
+    scripted, pull_port = scripted_rank
+    reply = st.fixed_dictionaries(
+        {},
+        optional={
+            "rank_ip": st.one_of(st.just("127.0.0.1"), _good_or_bad_ip),
+            "rank_port": st.one_of(st.just(pull_port), _bad_port),
+            "extra": st.integers(),
+        },
+    )
+    valid = st.fixed_dictionaries(
+        {"rank_ip": st.just("127.0.0.1"), "rank_port": st.just(pull_port)},
+        optional={"extra": st.integers()},  # unknown keys are ignored, not fatal
+    )
+    body = data.draw(
+        st.one_of(st.binary(max_size=40), reply, valid).map(
+            lambda v: v if isinstance(v, bytes) else json.dumps(v).encode()
+        )
+    )
+    scripted.set(data.draw(st.sampled_from([200, 200, 200, 404, 503, 500])), body)
+    for side in make_decode():
+        receiver = BootstrapReceiver(side.decode, scripted.address, 1, RankPlan())
+        outcome = receiver.init(0)
+        event(f"init -> {outcome.name}")  # --hypothesis-show-statistics: both branches occur
+        held = side.pool.snapshot()
+        if outcome == KVPoll.Failed:
+            assert held == {}, f"a failed fetch cached {held}"
+            assert receiver.state == life.INVALIDATED
+        else:
+            (generation,) = held.values()
+            assert generation.ranks == (RankInfo("127.0.0.1", pull_port, 0, False),)
