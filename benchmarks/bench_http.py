@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import requests
 
-from statemachine.client import BootstrapClient, register_rank
+from statemachine.client import BootstrapClient, register_rank, route_payload
 from statemachine.demo.sampling import socket_counts
 
 TP_SIZE = 4
@@ -155,22 +155,9 @@ def run_once(mode: str, queries: int, threads: int) -> RunResult:
 
 
 def _payload(tp: int, port: int) -> dict[str, object]:
-    return {
-        "attn_tp_size": TP_SIZE,
-        "attn_tp_rank": tp,
-        "attn_cp_size": 1,
-        "attn_cp_rank": 0,
-        "attn_dp_size": 1,
-        "attn_dp_rank": 0,
-        "pp_size": 1,
-        "pp_rank": 0,
-        "system_dp_size": 1,
-        "system_dp_rank": 0,
-        "rank_ip": "127.0.0.1",
-        "rank_port": port,
-        "page_size": 16,
-        "kv_cache_dtype": "bfloat16",
-    }
+    return route_payload(
+        rank_ip="127.0.0.1", rank_port=port, tp_rank=tp, tp_size=TP_SIZE, page_size=16
+    )
 
 
 def _median(results: list[RunResult], attr: str) -> float:

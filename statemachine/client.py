@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -341,6 +341,45 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 # --- registration (prefill side) ---------------------------------------------------------------
+
+
+def route_payload(
+    *,
+    rank_ip: str,
+    rank_port: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    system_dp_rank: int | None = None,
+    system_dp_size: int | None = None,
+    page_size: int = 16,
+    kv_cache_dtype: str = "bfloat16",
+) -> dict[str, Any]:
+    """The ``PUT /route`` body an SGLang prefill rank sends (reference §1).
+
+    The system dp rank/size default to the attention dp rank/size.
+    """
+    return {
+        "attn_tp_size": tp_size,
+        "attn_tp_rank": tp_rank,
+        "attn_cp_size": cp_size,
+        "attn_cp_rank": cp_rank,
+        "attn_dp_size": dp_size,
+        "attn_dp_rank": dp_rank,
+        "pp_size": pp_size,
+        "pp_rank": pp_rank,
+        "system_dp_size": dp_size if system_dp_size is None else system_dp_size,
+        "system_dp_rank": dp_rank if system_dp_rank is None else system_dp_rank,
+        "rank_ip": rank_ip,
+        "rank_port": rank_port,
+        "page_size": page_size,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
 
 
 def register_rank(

@@ -50,7 +50,7 @@ from statemachine.backend import (
     parse_metadata,
     parse_register,
 )
-from statemachine.client import register_rank
+from statemachine.client import register_rank, route_payload
 from statemachine.errors import BootstrapError, SendFailed
 from statemachine.transport import Endpoint, ZmqTransport
 
@@ -74,23 +74,21 @@ class PrefillRankStartFailed(BootstrapError):
 
 
 def build_payload(args: argparse.Namespace, port: int) -> dict[str, Any]:
-    """The ``PUT /route`` body (reference §1)."""
-    return {
-        "attn_tp_size": args.tp_size,
-        "attn_tp_rank": args.tp_rank,
-        "attn_cp_size": args.cp_size,
-        "attn_cp_rank": args.cp_rank,
-        "attn_dp_size": args.dp_size,
-        "attn_dp_rank": args.dp_rank,
-        "pp_size": args.pp_size,
-        "pp_rank": args.pp_rank,
-        "system_dp_size": args.dp_size,
-        "system_dp_rank": args.dp_rank,
-        "rank_ip": args.host,
-        "rank_port": port,
-        "page_size": args.page_size,
-        "kv_cache_dtype": args.kv_cache_dtype,
-    }
+    """The ``PUT /route`` body (reference §1) for this rank."""
+    return route_payload(
+        rank_ip=args.host,
+        rank_port=port,
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        cp_rank=args.cp_rank,
+        cp_size=args.cp_size,
+        dp_rank=args.dp_rank,
+        dp_size=args.dp_size,
+        pp_rank=args.pp_rank,
+        pp_size=args.pp_size,
+        page_size=args.page_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
 
 
 class _Rank:

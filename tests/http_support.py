@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from statemachine.client import route_payload
 from statemachine.server import BootstrapServer
 
 
@@ -114,23 +115,17 @@ def wait_until(predicate: Callable[[], bool], *, timeout: float = 5.0, step: flo
 def rank_payload(
     *, tp: int = 0, tp_size: int = 2, dp: int = 0, dp_size: int = 1, port: int = 5000, **extra: Any
 ) -> dict[str, Any]:
-    """A ``PUT /route`` body as an SGLang prefill rank sends it."""
-    payload: dict[str, Any] = {
-        "attn_tp_size": tp_size,
-        "attn_tp_rank": tp,
-        "attn_cp_size": 1,
-        "attn_cp_rank": 0,
-        "attn_dp_size": dp_size,
-        "attn_dp_rank": dp,
-        "pp_size": 1,
-        "pp_rank": 0,
-        "system_dp_size": 1,
-        "system_dp_rank": 0,
-        "rank_ip": "127.0.0.1",
-        "rank_port": port,
-        "page_size": 16,
-        "kv_cache_dtype": "bfloat16",
-    }
+    """A ``PUT /route`` body as an SGLang prefill rank sends it (``extra`` overrides fields)."""
+    payload = route_payload(
+        rank_ip="127.0.0.1",
+        rank_port=port,
+        tp_rank=tp,
+        tp_size=tp_size,
+        dp_rank=dp,
+        dp_size=dp_size,
+        system_dp_rank=0,
+        system_dp_size=1,
+    )
     payload.update(extra)
     return payload
 
