@@ -72,12 +72,6 @@ def emit(action: str, *, seq: int | None = None, **fields: Any) -> None:
         _sink.write(json.dumps(record, separators=(",", ":")) + "\n")
 
 
-def generation_token(generation: object) -> int:
-    """The token a generation is traced under (for tests comparing traces with objects)."""
-    with _lock:
-        return _token(generation)
-
-
 @contextmanager
 def tracing(path: str | Path) -> Iterator[Path]:
     """Trace everything inside the block to ``path`` (overwritten)."""
