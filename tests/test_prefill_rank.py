@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from zmq_support import LOOPBACK
+from zmq_support import LOOPBACK, AckRecorder
 
 from statemachine.acks import AckListener
 from statemachine.backend import MetadataRequest, SimpleBackend
@@ -41,21 +41,6 @@ def transport() -> Iterator[ZmqTransport]:
         yield running
 
 
-class Done:
-    """An ack callback that records rooms and can be waited for."""
-
-    def __init__(self) -> None:
-        self.rooms: list[int] = []
-        self.event = threading.Event()
-
-    def __call__(self, room: int) -> None:
-        self.rooms.append(room)
-        self.event.set()
-
-    def wait(self) -> bool:
-        return self.event.wait(10)
-
-
 def _generation(*ranks: PrefillRankProcess) -> Generation:
     return Generation(tuple(RankInfo(LOOPBACK, r.port, r.pp_rank) for r in ranks))
 
@@ -79,7 +64,7 @@ def test_zmq13_ranks_register_receive_and_ack(
             client.close()
         backend = SimpleBackend(LOOPBACK, acks.port, "decode-1")
         generation = _generation(*ranks)
-        done = Done()
+        done = AckRecorder()
         acks.expect(41, 2, done)
         transport.register(generation, backend)
         transport.send_metadata(generation, backend, MetadataRequest(41, (0, 1, 2), 0))
@@ -89,7 +74,7 @@ def test_zmq13_ranks_register_receive_and_ack(
         transport.send((LOOPBACK, ranks[0].port), [b"hello"])
         transport.send((LOOPBACK, ranks[0].port), backend.register_frames(RankInfo("x", 1, 1)))
         # The ack of a later request proves the rank handled everything sent before it.
-        after = Done()
+        after = AckRecorder()
         acks.expect(42, 1, after)
         transport.send_metadata(
             Generation(generation.ranks[:1]), backend, MetadataRequest(42, (), 0)
@@ -114,7 +99,7 @@ def test_zmq13_metadata_from_an_unregistered_session_is_not_acked(
         generation = _generation(rank)
         stranger = SimpleBackend(LOOPBACK, acks.port, "never-registered")
         known = SimpleBackend(LOOPBACK, acks.port, "registered")
-        unacked, acked = Done(), Done()
+        unacked, acked = AckRecorder(), AckRecorder()
         acks.expect(1, 1, unacked)
         acks.expect(2, 1, acked)
         # One socket, one peer: handled in this order, so room 1's ack would come first.
@@ -158,7 +143,7 @@ def test_zmq13_sigkill_then_restart_gets_a_new_port_and_serves_again(
             client.close()
         assert route.rank_port == new_port  # last writer wins
         fresh = _generation(rank)
-        done = Done()
+        done = AckRecorder()
         acks.expect(5000, 1, done)
         transport.register(fresh, backend)
         transport.send_metadata(fresh, backend, MetadataRequest(5000, (7,), 1))

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zmq_support import (
     LOOPBACK,
+    AckRecorder,
     SinkProcess,
     dead_port,
     pull_peer,
@@ -457,20 +458,10 @@ def ack_sender(context: zmq.Context, listener: AckListener) -> Iterator[zmq.Sock
     sock.close(linger=0)
 
 
-class _Calls:
-    def __init__(self) -> None:
-        self.rooms: list[int] = []
-        self.event = threading.Event()
-
-    def __call__(self, room: int) -> None:
-        self.rooms.append(room)
-        self.event.set()
-
-
 def test_zmq12_callback_fires_once_after_n_distinct_rank_acks(
     listener: AckListener, ack_sender: zmq.Socket
 ) -> None:
-    done, sentinel = _Calls(), _Calls()
+    done, sentinel = AckRecorder(), AckRecorder()
     listener.expect(7, 3, done)
     listener.expect(8, 1, sentinel)
     for tp, pp in ((0, 0), (0, 0), (1, 0)):  # a duplicate, then a second rank
@@ -494,7 +485,7 @@ def test_zmq12_callback_fires_once_after_n_distinct_rank_acks(
 def test_zmq12_unknown_forgotten_and_malformed_acks_are_dropped(
     listener: AckListener, ack_sender: zmq.Socket
 ) -> None:
-    forgotten, sentinel = _Calls(), _Calls()
+    forgotten, sentinel = AckRecorder(), AckRecorder()
     listener.expect(1, 1, forgotten)
     assert listener.forget(1) and not listener.forget(1)
     listener.expect(99, 1, sentinel)
@@ -516,7 +507,7 @@ def test_zmq12_a_raising_callback_does_not_stop_the_listener(
     def explode(room: int) -> None:
         raise RuntimeError("callback bug")
 
-    after = _Calls()
+    after = AckRecorder()
     listener.expect(1, 1, explode)
     listener.expect(2, 1, after)
     ack_sender.send_multipart(ack_frames(1, 0, 0))

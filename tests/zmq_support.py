@@ -25,6 +25,21 @@ LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
 
 
+class AckRecorder:
+    """An ``AckListener`` callback that records the rooms it completed; ``wait`` is bounded."""
+
+    def __init__(self) -> None:
+        self.rooms: list[int] = []
+        self.event = threading.Event()
+
+    def __call__(self, room: int) -> None:
+        self.rooms.append(room)
+        self.event.set()
+
+    def wait(self, timeout: float = 10.0) -> bool:
+        return self.event.wait(timeout)
+
+
 @contextmanager
 def pull_peer(context: zmq.Context, port: int | None = None) -> Iterator[tuple[zmq.Socket, int]]:
     """A PULL socket bound on 127.0.0.1 (a random port, or ``port``); closed on exit."""
