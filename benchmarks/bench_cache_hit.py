@@ -20,30 +20,17 @@ import threading
 import time
 from collections.abc import Callable
 
+from benchmarks.anchors import ADDR, sglang_cache, sglang_hits
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 
-ADDR = "10.0.0.5:8998"
 THREAD_COUNTS = (1, 4, 16)
 ROUNDS = 5
 OPS_PER_ROUND = 200_000  # split across the threads of a round
 
 
 def _anchor_worker(ops: int) -> Callable[[], None]:
-    lock = threading.Lock()
-    cache: dict[str, list[dict[str, object]]] = {
-        f"{ADDR}_0_0_0": [{"rank_ip": "10.0.0.5", "rank_port": 5000, "pp_rank": 0}]
-    }
-
-    def run() -> None:
-        entries: dict[str, list[dict[str, object]]] = {}
-        for _ in range(ops):
-            key = f"{ADDR}_{0}_{0}_{0}"
-            with lock:
-                info = cache.get(key)
-            if info is not None:
-                entries[key] = info
-
-    return run
+    lock, cache = sglang_cache()  # shared by every thread of the round, as in SGLang
+    return lambda: sglang_hits(lock, cache, ops)
 
 
 def _pool_worker(ops: int, pool: BootstrapPool) -> Callable[[], None]:

@@ -25,13 +25,13 @@ import logging
 import os
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from enum import IntEnum
 
 from transitions import Machine
 
+from benchmarks.anchors import ADDR, sglang_cache, sglang_hits
 from statemachine.errors import InvalidTransition
 from statemachine.lifecycle import (
     COMPLETE,
@@ -177,9 +177,6 @@ def time_machine(n: int) -> float:
     return time.perf_counter() - start
 
 
-ADDR = "10.0.0.5:8998"
-
-
 def time_pool_hit(n: int) -> float:
     pool = BootstrapPool()
     key = PoolKey(ADDR, 0, 0, 0)
@@ -196,17 +193,9 @@ def time_pool_hit(n: int) -> float:
 
 def time_sglang_hit(n: int) -> float:
     """SGLang's hit path: string key built per request, lock, get, record."""
-    lock = threading.Lock()
-    cache = {f"{ADDR}_0_0_0": [{"rank_ip": "10.0.0.5", "rank_port": 5000, "pp_rank": 0}]}
-    entries: dict[str, list[dict[str, object]]] = {}
-    dp, cp, tp = 0, 0, 0
+    lock, cache = sglang_cache()
     start = time.perf_counter()
-    for _ in range(n):
-        key = f"{ADDR}_{dp}_{cp}_{tp}"
-        with lock:
-            info = cache.get(key)
-        if info is not None:
-            entries[key] = info
+    sglang_hits(lock, cache, n)
     return time.perf_counter() - start
 
 
