@@ -173,7 +173,7 @@ class BootstrapReceiver:
                 prefill_dp_rank = self._resolve_dp_rank()
             except BootstrapError as error:
                 self._fail(life.FETCH_FAIL, error)
-                return self.poll()
+                return KVPoll.Failed
         keys = self.plan.keys_for(self.addr, prefill_dp_rank)
         missing: list[PoolKey] = []
         for key in keys:
