@@ -34,7 +34,7 @@ def _anchor_worker(ops: int) -> Callable[[], None]:
 
 
 def _pool_worker(ops: int, pool: BootstrapPool) -> Callable[[], None]:
-    from statemachine.receiver import DEFAULT_PLAN
+    from statemachine.decode.receiver import DEFAULT_PLAN
 
     def run() -> None:
         entries: dict[PoolKey, Generation] = {}
@@ -51,9 +51,9 @@ def _pool_worker(ops: int, pool: BootstrapPool) -> Callable[[], None]:
 
 def _receiver_worker(ops: int, pool: BootstrapPool) -> Callable[[], None]:
     from statemachine.backend import SimpleBackend
-    from statemachine.client import BootstrapClient
-    from statemachine.receiver import BootstrapReceiver, Decode
-    from statemachine.transport import ZmqTransport
+    from statemachine.decode.client import BootstrapClient
+    from statemachine.decode.receiver import BootstrapReceiver, Decode
+    from statemachine.decode.transport import ZmqTransport
 
     decode = Decode(
         pool=pool,

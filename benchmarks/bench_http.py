@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import requests
 
-from statemachine.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.client import BootstrapClient, register_rank, route_payload
 from statemachine.demo.sampling import socket_counts
 
 TP_SIZE = 4

@@ -5,10 +5,11 @@ The pieces, one module each:
 * :mod:`statemachine.lifecycle` - the receiver lifecycle (a ``transitions`` Machine and the
   dispatch table derived from it);
 * :mod:`statemachine.pool` - the shared, identity-safe bootstrap-info pool;
-* :mod:`statemachine.client` - the pooled HTTP client for a prefill's bootstrap server;
-* :mod:`statemachine.server` - the reference bootstrap server (needs the ``server`` extra);
-* :mod:`statemachine.transport` and :mod:`statemachine.backend` - ZMQ sends and frame layouts;
-* :mod:`statemachine.receiver` - ``BootstrapReceiver``, one per request.
+* :mod:`statemachine.decode.client` - the pooled HTTP client for a prefill's bootstrap server;
+* :mod:`statemachine.prefill.server` - the reference bootstrap server (needs the ``server`` extra);
+* :mod:`statemachine.decode.transport` and :mod:`statemachine.backend` - ZMQ sends and
+  frame layouts;
+* :mod:`statemachine.decode.receiver` - ``BootstrapReceiver``, one per request.
 """
 
 import importlib
@@ -31,21 +32,21 @@ from statemachine.lifecycle import KVPoll, Lifecycle
 from statemachine.pool import BootstrapPool, Generation, PoolKey, PoolStats, RankInfo
 
 if TYPE_CHECKING:
-    from statemachine.client import BootstrapClient
-    from statemachine.receiver import BootstrapReceiver, Decode, RankPlan
-    from statemachine.server import BootstrapServer
-    from statemachine.transport import ZmqTransport
+    from statemachine.decode.client import BootstrapClient
+    from statemachine.decode.receiver import BootstrapReceiver, Decode, RankPlan
+    from statemachine.decode.transport import ZmqTransport
+    from statemachine.prefill.server import BootstrapServer
 
 # The runtime parts are imported on first use: the server needs aiohttp (an optional extra),
 # and keeping zmq and requests out of `import statemachine` lets the pure cores (lifecycle,
 # pool) load alone — CrossHair's importer, for one, cannot load pyzmq's compiled backend.
 _LAZY = {
-    "BootstrapClient": "statemachine.client",
-    "BootstrapReceiver": "statemachine.receiver",
-    "BootstrapServer": "statemachine.server",
-    "Decode": "statemachine.receiver",
-    "RankPlan": "statemachine.receiver",
-    "ZmqTransport": "statemachine.transport",
+    "BootstrapClient": "statemachine.decode.client",
+    "BootstrapReceiver": "statemachine.decode.receiver",
+    "BootstrapServer": "statemachine.prefill.server",
+    "Decode": "statemachine.decode.receiver",
+    "RankPlan": "statemachine.decode.receiver",
+    "ZmqTransport": "statemachine.decode.transport",
 }
 
 

@@ -12,7 +12,7 @@ import sys
 # subcommand -> (module, one-line help). Each module exposes ``main(argv: list[str]) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("statemachine.demo.cli", "end-to-end run through a prefill restart"),
-    "serve": ("statemachine.server", "run the reference bootstrap server"),
+    "serve": ("statemachine.prefill.server", "run the reference bootstrap server"),
     "check": ("statemachine.model.check", "model-check the Python mirror of the TLA+ spec"),
     "table": ("statemachine.lifecycle", "print the lifecycle table and Mermaid diagram"),
 }

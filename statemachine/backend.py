@@ -2,11 +2,11 @@
 
 The bootstrap layer only carries frames; their layout belongs to the transfer backend
 (Mooncake, NIXL and MORI each have their own). :class:`KVBackend` is the seam:
-:class:`~statemachine.transport.ZmqTransport` asks a backend for the frames of each message and
-sends them, nothing more.
+:class:`~statemachine.decode.transport.ZmqTransport` asks a backend for the frames of each
+message and sends them, nothing more.
 
 :class:`SimpleBackend` is a small reference layout in SGLang's style, used by the reference
-prefill rank process (:mod:`statemachine.prefill_rank`), the tests, the demo and the
+prefill rank process (:mod:`statemachine.prefill.rank`), the tests, the demo and the
 benchmarks. Every message is multipart; its first frame names the kind; integers are ASCII
 decimal; pointer and index lists are packed little-endian with :mod:`struct`. The layouts are
 specified in ``spec/zmq.md`` (ZMQ-9, ZMQ-10) and parsed back, strictly, by

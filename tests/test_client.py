@@ -20,7 +20,7 @@ from http_support import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statemachine.client import (
+from statemachine.decode.client import (
     INSTANCE_HEADER,
     BootstrapClient,
     InvalidArgument,
@@ -37,7 +37,7 @@ from statemachine.errors import (
     RequestRejected,
     TransportFailure,
 )
-from statemachine.server import BootstrapServer
+from statemachine.prefill.server import BootstrapServer
 
 TOKEN = "client-test-token"
 RANK = {"dp_rank": 0, "cp_rank": 0, "tp_rank": 0, "pp_rank": 0}

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from statemachine.health import HealthMonitor
+from statemachine.decode.health import HealthMonitor
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
-from statemachine.server import BootstrapServer
+from statemachine.prefill.server import BootstrapServer
 
 
 def generation(instance_id: str | None) -> Generation:

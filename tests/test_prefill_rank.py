@@ -11,14 +11,14 @@ from collections.abc import Iterator
 import pytest
 from zmq_support import LOOPBACK, AckRecorder
 
-from statemachine.acks import AckListener
 from statemachine.backend import MetadataRequest, SimpleBackend
-from statemachine.client import BootstrapClient
+from statemachine.decode.acks import AckListener
+from statemachine.decode.client import BootstrapClient
+from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import SendFailed
 from statemachine.pool import Generation, RankInfo
-from statemachine.prefill_rank import PrefillRankProcess, PrefillRankStartFailed, parse_args
-from statemachine.server import BootstrapServer
-from statemachine.transport import ZmqTransport
+from statemachine.prefill.rank import PrefillRankProcess, PrefillRankStartFailed, parse_args
+from statemachine.prefill.server import BootstrapServer
 
 TOKEN = "test-token"
 

@@ -20,9 +20,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from statemachine import lifecycle as life
-from statemachine.acks import AckListener
 from statemachine.backend import MetadataRequest, SimpleBackend
-from statemachine.client import BootstrapClient
+from statemachine.decode.acks import AckListener
+from statemachine.decode.client import BootstrapClient
+from statemachine.decode.receiver import BootstrapReceiver, Decode, RankPlan
+from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import (
     Aborted,
     InvalidTransition,
@@ -32,10 +34,8 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
-from statemachine.prefill_rank import PrefillRankProcess
-from statemachine.receiver import BootstrapReceiver, Decode, RankPlan
-from statemachine.server import BootstrapServer
-from statemachine.transport import ZmqTransport
+from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.server import BootstrapServer
 
 TOKEN = "receiver-test-token"
 TP = 2

@@ -19,9 +19,9 @@ from test_receiver import PLAN, DecodeSide, Prefill, make_decode, start_prefill,
 from statemachine import lifecycle as life
 from statemachine import pool as pool_module
 from statemachine import trace
+from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.model.validate import TraceFormatError, main, read_trace, validate
 from statemachine.pool import Generation, PoolKey
-from statemachine.receiver import BootstrapReceiver
 
 K = ["h:80", 0, 0, 0]
 K2 = ["h:8000", 0, 0, 0]

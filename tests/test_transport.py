@@ -24,7 +24,6 @@ from zmq_support import (
     with_deadline,
 )
 
-from statemachine.acks import AckListener, ack_frames, parse_ack
 from statemachine.backend import (
     METADATA_FRAMES,
     REGISTER_FRAMES,
@@ -34,9 +33,10 @@ from statemachine.backend import (
     parse_metadata,
     parse_register,
 )
+from statemachine.decode.acks import AckListener, ack_frames, parse_ack
+from statemachine.decode.transport import ZmqTransport, endpoint_url
 from statemachine.errors import BootstrapError, SendFailed
 from statemachine.pool import Generation, RankInfo
-from statemachine.transport import ZmqTransport, endpoint_url
 
 # Send timeout for transports that only ever send to dead endpoints: keeps failing tests quick.
 # Transports that must reach live peers keep the default 1000 ms: on a loaded 2-core machine a

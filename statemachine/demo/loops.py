@@ -1,9 +1,9 @@
 """Decode request loops: N threads, each issuing requests at a steady pace, one receiver each.
 
-Every request is one :class:`~statemachine.receiver.BootstrapReceiver` driven through SGLang's
-steps: ``init`` (pool hit, or fetch + register + publish), ``expect`` its acks, ``send_metadata``,
-then ``poll`` until the prefill ranks' acks arrive (the ack listener's callback calls
-``mark_transferred``) or the waiting timeout fails it.
+Every request is one :class:`~statemachine.decode.receiver.BootstrapReceiver` driven through
+SGLang's steps: ``init`` (pool hit, or fetch + register + publish), ``expect`` its acks,
+``send_metadata``, then ``poll`` until the prefill ranks' acks arrive (the ack listener's
+callback calls ``mark_transferred``) or the waiting timeout fails it.
 
 A bootstrap server that is unreachable or not ready yet (connection refused, 503) means the
 prefill is down: no cache design can help, so such a bootstrap is retried with a new receiver
@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from statemachine.acks import AckListener
 from statemachine.backend import MetadataRequest
+from statemachine.decode.acks import AckListener
+from statemachine.decode.receiver import BootstrapReceiver, Decode, RankPlan
 from statemachine.errors import NotReady, TransportFailure
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import PoolStats
-from statemachine.receiver import BootstrapReceiver, Decode, RankPlan
 
 #: Pause before retrying a bootstrap against a server that is down or not ready.
 RETRY_BACKOFF_S = 0.05

@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statemachine import trace
-from statemachine.acks import AckListener, AckStats
 from statemachine.backend import SimpleBackend
-from statemachine.client import BootstrapClient
+from statemachine.decode.acks import AckListener, AckStats
+from statemachine.decode.client import BootstrapClient
+from statemachine.decode.health import HealthMonitor
+from statemachine.decode.receiver import Decode, RankPlan
+from statemachine.decode.transport import TransportStats, ZmqTransport
 from statemachine.demo.cluster import HOST, PrefillInstance
 from statemachine.demo.loops import Outcome, RequestLoops
 from statemachine.demo.modes import OURS, ModeConfig, make_pool
 from statemachine.demo.sampling import socket_counts
-from statemachine.health import HealthMonitor
 from statemachine.pool import PoolStats
-from statemachine.receiver import Decode, RankPlan
-from statemachine.transport import TransportStats, ZmqTransport
 
 SAMPLE_INTERVAL_S = 0.02
 

@@ -1,7 +1,7 @@
 """Decode-side completion listener: prefill ranks PUSH an ack per request when its KV is sent.
 
 In SGLang the decode learns that a transfer finished from its transfer backend; the reference
-prefill rank process (:mod:`statemachine.prefill_rank`) stands in for that with a small ack
+prefill rank process (:mod:`statemachine.prefill.rank`) stands in for that with a small ack
 message ``[b"ack", room, tp_rank, pp_rank]`` (ASCII integers, ZMQ-11) pushed to the ack
 endpoint named in the metadata. :class:`AckListener` binds a ``PULL`` socket on an ephemeral
 port and, on a daemon thread, counts acks per room: ``expect(room, n_acks, callback)`` fires

@@ -1,13 +1,14 @@
 """A reference prefill rank as a real process, for tests, the demo and the benchmarks.
 
-``python -m statemachine.prefill_rank --bootstrap 127.0.0.1:PORT --token T --tp-rank 0
+``python -m statemachine.prefill.rank --bootstrap 127.0.0.1:PORT --token T --tp-rank 0
 --tp-size 2 [--pp-rank 0 --pp-size 1 --dp-rank 0 --dp-size 1 --cp-rank 0 --cp-size 1]
 [--ack-delay-ms 0]``
 
 Like an SGLang prefill rank it binds one ``PULL`` socket on an ephemeral port of 127.0.0.1 (its
 ``rank_port``: a restart gets a new one), registers it with the bootstrap server by
-``PUT /route`` (:func:`statemachine.client.register_rank`, SGLang's retry policy), then prints
-``READY <port>`` and serves the :class:`~statemachine.backend.SimpleBackend` messages (ZMQ-13):
+``PUT /route`` (:func:`statemachine.decode.client.register_rank`, SGLang's retry policy), then
+prints ``READY <port>`` and serves the :class:`~statemachine.backend.SimpleBackend` messages
+(ZMQ-13):
 
 * *register*: remember the decode session (by session id; bounded, oldest forgotten first);
 * *metadata*: after ``--ack-delay-ms``, PUSH ``[b"ack", room, tp_rank, pp_rank]`` to the ack
@@ -41,7 +42,6 @@ from typing import Any
 
 import zmq
 
-from statemachine.acks import ack_frames
 from statemachine.backend import (
     METADATA_KIND,
     REGISTER_KIND,
@@ -50,9 +50,10 @@ from statemachine.backend import (
     parse_metadata,
     parse_register,
 )
-from statemachine.client import register_rank, route_payload
+from statemachine.decode.acks import ack_frames
+from statemachine.decode.client import register_rank, route_payload
+from statemachine.decode.transport import Endpoint, ZmqTransport
 from statemachine.errors import BootstrapError, SendFailed
-from statemachine.transport import Endpoint, ZmqTransport
 
 MAX_SESSIONS = 1024
 COUNTERS = (
@@ -227,7 +228,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m statemachine.prefill_rank")
+    parser = argparse.ArgumentParser(prog="python -m statemachine.prefill.rank")
     parser.add_argument("--bootstrap", required=True, help="bootstrap server host:port")
     parser.add_argument("--token", required=True, help="bearer token for PUT /route")
     parser.add_argument("--host", default="127.0.0.1", help="ip to bind and register")
@@ -323,7 +324,7 @@ class PrefillRankProcess:
         if self.alive():
             raise RuntimeError("prefill rank already running")
         # The token travels in argv: acceptable for a loopback test process, not for production.
-        argv = [sys.executable, "-m", "statemachine.prefill_rank", "--token", self._token]
+        argv = [sys.executable, "-m", "statemachine.prefill.rank", "--token", self._token]
         argv += self._args
         if avoid_port:
             argv += ["--avoid-port", str(avoid_port)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from statemachine.client import BootstrapClient
+from statemachine.decode.client import BootstrapClient
 from statemachine.errors import BootstrapHTTPError
 from statemachine.pool import BootstrapPool
 

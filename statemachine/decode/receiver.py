@@ -1,8 +1,8 @@
 """``BootstrapReceiver``: one per request; ties each lifecycle step to its effect.
 
 The lifecycle (``statemachine.lifecycle``) says *which* steps exist; this class does them:
-pool lookups, HTTP fetches through :class:`~statemachine.client.BootstrapClient`, ZMQ sends
-through :class:`~statemachine.transport.ZmqTransport`, and on any failure the identity-safe
+pool lookups, HTTP fetches through :class:`~statemachine.decode.client.BootstrapClient`, ZMQ sends
+through :class:`~statemachine.decode.transport.ZmqTransport`, and on any failure the identity-safe
 invalidation of exactly the generations this receiver used (``spec/lifecycle.md`` lists the
 effect of every event).
 
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from statemachine import lifecycle as life
 from statemachine import trace
 from statemachine.backend import KVBackend, MetadataRequest
-from statemachine.client import BootstrapClient
+from statemachine.decode.client import BootstrapClient
+from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -34,7 +35,6 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
-from statemachine.transport import ZmqTransport
 
 #: SGLang's default ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``.
 DEFAULT_WAITING_TIMEOUT_S = 300.0
