@@ -9,18 +9,25 @@ The pieces, one module each:
 * :mod:`statemachine.prefill.server` - the reference bootstrap server (needs the ``server`` extra);
 * :mod:`statemachine.decode.transport` and :mod:`statemachine.backend` - ZMQ sends and
   frame layouts;
-* :mod:`statemachine.decode.receiver` - ``BootstrapReceiver``, one per request.
+* :mod:`statemachine.decode.receiver` - ``BootstrapReceiver``, one per request;
+* :mod:`statemachine.decode.acks` and :mod:`statemachine.decode.health` - the completion
+  listener and the heartbeat.
+
+Every name in ``__all__`` imports from here. The import name is shared with the unrelated
+``python-statemachine`` package: see the README.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from statemachine.backend import MetadataRequest, SimpleBackend
 from statemachine.errors import (
     Aborted,
     BootstrapError,
     BootstrapHTTPError,
     InvalidTransition,
     MalformedReply,
+    MissingExtra,
     NotFound,
     NotReady,
     RequestRejected,
@@ -30,21 +37,30 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll, Lifecycle
 from statemachine.pool import BootstrapPool, Generation, PoolKey, PoolStats, RankInfo
+from statemachine.validation import InvalidArgument, RouteReply, Topology
+
+#: The package version, written only here (pyproject.toml reads it statically, without an import).
+__version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from statemachine.decode.acks import AckListener
     from statemachine.decode.client import BootstrapClient
+    from statemachine.decode.health import HealthMonitor
     from statemachine.decode.receiver import BootstrapReceiver, Decode, RankPlan
     from statemachine.decode.transport import ZmqTransport
     from statemachine.prefill.server import BootstrapServer
 
-# The runtime parts are imported on first use: the server needs aiohttp (an optional extra),
-# and keeping zmq and requests out of `import statemachine` lets the pure cores (lifecycle,
-# pool) load alone — CrossHair's importer, for one, cannot load pyzmq's compiled backend.
+# The runtime parts are imported on first use: the server needs aiohttp (an optional extra: its
+# module raises MissingExtra, naming the pip command, when aiohttp is absent), and keeping zmq
+# and requests out of `import statemachine` lets the pure cores (lifecycle, pool) load alone —
+# CrossHair's importer, for one, cannot load pyzmq's compiled backend.
 _LAZY = {
+    "AckListener": "statemachine.decode.acks",
     "BootstrapClient": "statemachine.decode.client",
     "BootstrapReceiver": "statemachine.decode.receiver",
     "BootstrapServer": "statemachine.prefill.server",
     "Decode": "statemachine.decode.receiver",
+    "HealthMonitor": "statemachine.decode.health",
     "RankPlan": "statemachine.decode.receiver",
     "ZmqTransport": "statemachine.decode.transport",
 }
@@ -59,6 +75,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Aborted",
+    "AckListener",
     "BootstrapClient",
     "BootstrapError",
     "BootstrapHTTPError",
@@ -67,10 +84,14 @@ __all__ = [
     "BootstrapServer",
     "Decode",
     "Generation",
+    "HealthMonitor",
+    "InvalidArgument",
     "InvalidTransition",
     "KVPoll",
     "Lifecycle",
     "MalformedReply",
+    "MetadataRequest",
+    "MissingExtra",
     "NotFound",
     "NotReady",
     "PoolKey",
@@ -78,7 +99,10 @@ __all__ = [
     "RankInfo",
     "RankPlan",
     "RequestRejected",
+    "RouteReply",
     "SendFailed",
+    "SimpleBackend",
+    "Topology",
     "TransportFailure",
     "WaitingTimeout",
     "ZmqTransport",

@@ -1,4 +1,4 @@
-"""Command line: ``python -m statemachine {demo,serve,check,table}``.
+"""Command line: ``pd-bootstrap {demo,serve,check,table}`` (or ``python -m statemachine ...``).
 
 Each subcommand lives in its own module and is imported only when used, so ``check`` does not
 pay for aiohttp and ``serve`` does not pay for the model checker.
@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import importlib
 import sys
+
+from statemachine import __version__
+from statemachine.errors import MissingExtra
+from statemachine.progname import prog
 
 # subcommand -> (module, one-line help). Each module exposes ``main(argv: list[str]) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -19,8 +23,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: python -m statemachine <command> [options]", "", "commands:"]
+    lines = [f"usage: {prog()} <command> [options]", "", "commands:"]
     lines += [f"  {name:<8} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", f"'{prog()} <command> --help' describes a command's options."]
     return "\n".join(lines)
 
 
@@ -29,11 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] == "--version":
+        print(f"pd-bootstrap-statemachine {__version__}")
+        return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:
         print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     result: int = module.main(rest)
     return result
 

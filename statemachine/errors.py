@@ -76,3 +76,22 @@ class WaitingTimeout(BootstrapError):
 
 class Aborted(BootstrapError):
     """The request was aborted by its owner."""
+
+
+# --- packaging (newcomer) ----------------------------------------------------------------------
+
+
+class MissingExtra(BootstrapError, ImportError):
+    """An optional part was used without the extra that installs its dependency.
+
+    An ``ImportError`` too, so ``except ImportError`` around an optional import still works.
+    """
+
+    def __init__(self, extra: str, what: str, module: str) -> None:
+        super().__init__(
+            f"{what} needs {module}, which the {extra!r} extra installs: "
+            f"pip install 'pd-bootstrap-statemachine[{extra}]'",
+            name=module,
+        )
+        self.extra = extra
+        self.module = module

@@ -23,6 +23,7 @@ from typing import Any
 from transitions import Machine
 
 from statemachine.errors import InvalidTransition
+from statemachine.progname import prog
 
 # --- states ---------------------------------------------------------------------------------
 
@@ -237,7 +238,7 @@ def table_markdown() -> str:
 def main(argv: list[str]) -> int:
     """``python -m statemachine table [--mermaid]``."""
     if argv and argv != ["--mermaid"]:
-        print("usage: python -m statemachine table [--mermaid]", file=sys.stderr)
+        print(f"usage: {prog('table')} [--mermaid]", file=sys.stderr)
         return 2
     if not argv:
         sys.stdout.write(table_markdown() + "\n")

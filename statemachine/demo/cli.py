@@ -1,11 +1,11 @@
-"""``python -m statemachine demo``: a prefill restart, live, in one of three cache designs.
+"""``pd-bootstrap demo``: a prefill restart, live, in one of three cache designs.
 
-Examples::
+Examples (``python -m statemachine demo`` is the same command)::
 
-    python -m statemachine demo                          # ours, ~20 s, restart at 10 s
-    python -m statemachine demo --zmq-mode=queueing      # SGLang today
-    python -m statemachine demo --no-invalidation        # the cache before SGLang PR #36029
-    python -m statemachine demo --compare --plot demo.png
+    pd-bootstrap demo                          # ours, ~20 s, restart at 10 s
+    pd-bootstrap demo --zmq-mode=queueing      # SGLang today
+    pd-bootstrap demo --no-invalidation        # the cache before SGLang PR #36029
+    pd-bootstrap demo --compare --plot demo.png
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ from statemachine.demo.report import PlotUnavailable, build_report, format_table
 from statemachine.demo.report import write_json as write_report
 from statemachine.demo.run import DemoConfig, RunResult, run_demo
 from statemachine.demo.status import StatusLine
+from statemachine.errors import MissingExtra
+from statemachine.extras import require
+from statemachine.progname import prog
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m statemachine demo",
+        prog=prog("demo"),
         description="End-to-end decode-side bootstrap through a prefill restart, on 127.0.0.1.",
     )
     parser.add_argument("--duration", type=float, default=20.0, help="seconds (default 20)")
@@ -109,6 +112,32 @@ def _config(args: argparse.Namespace, mode: ModeConfig) -> DemoConfig:
     )
 
 
+def opening(args: argparse.Namespace, modes: list[ModeConfig]) -> str:
+    """What is about to happen, in a few lines, before the first process starts."""
+    ranks = args.tp * args.pp
+    offsets = DemoConfig(duration_s=args.duration, restarts=args.restarts).restart_offsets()
+    if offsets:
+        at = ", ".join(f"{offset:.1f} s" for offset in offsets)
+        kill = (
+            f"At {at} every prefill process is SIGKILLed and restarted on the same bootstrap\n"
+            "address (new rank ports, new instance id). Watch failed= stop growing and the\n"
+            "state turn to 'recovered in X s'; the table at the end says what the restart cost."
+        )
+    else:
+        kill = "No restart (--restarts 0): a steady run; the table at the end has its figures."
+    runs = (
+        f"{len(modes)} runs, one per cache design ({', '.join(m.name for m in modes)}), "
+        f"{args.duration:g} s each"
+        if len(modes) > 1
+        else f"one run of {args.duration:g} s in mode {modes[0].name!r} ({modes[0].describe()})"
+    )
+    return (
+        f"demo: {runs}. On 127.0.0.1: a prefill of 1 bootstrap server + {ranks} rank\n"
+        f"processes (tp={args.tp}, pp={args.pp}); here, {args.loops} decode request loops "
+        f"sending {args.rate:g} requests/s in all.\n{kill}"
+    )
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     # The first Ctrl-C (or SIGTERM) unwinds the run, whose cleanup kills every child process;
     # further ones are ignored so that they cannot cut that cleanup short.
@@ -120,6 +149,16 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     modes = _modes(args)
+    # Both extras are checked before any process starts: without aiohttp the prefill's server
+    # process would die at import, and a missing matplotlib would surface after the whole run.
+    try:
+        require("server", f"{prog('demo')} (its prefill runs the reference bootstrap server)")
+        if args.plot:
+            require("plot", "--plot")
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(opening(args, modes), flush=True)
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     results: list[RunResult] = []
     try:

@@ -22,6 +22,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,6 +41,10 @@ _LAUNCHER = (
 )
 
 
+#: How much of a failed child's stderr an error carries (its last lines: the traceback's end).
+STDERR_TAIL_LINES = 5
+
+
 class ClusterError(BootstrapError):
     """A prefill process did not start (or did not say where it listens) in time."""
 
@@ -48,11 +53,15 @@ class _Child:
     """One child process started through the launcher: spawn (warm), go(argv), kill."""
 
     def __init__(self, module: str) -> None:
+        self.module = module
+        # stderr goes to an unlinked file, not a pipe: nobody reads it while the child runs, so a
+        # pipe could fill and stall the child; read only when the child failed, to say why.
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by kill(), with the child)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _LAUNCHER, module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self._stderr,
         )
         self._buffer = b""
         self._warm = False
@@ -80,14 +89,30 @@ class _Child:
                         return line
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ClusterError(f"no {prefix!r} line from a prefill process in time")
+                    raise ClusterError(
+                        f"no {prefix!r} line from a prefill process ({self.module}) in time"
+                        + self.stderr_tail()
+                    )
                 if not selector.select(left):
                     continue
                 chunk = os.read(fd, 4096)
                 if not chunk:
                     code = self.proc.wait(timeout=10.0)
-                    raise ClusterError(f"a prefill process exited with {code} before {prefix!r}")
+                    raise ClusterError(
+                        f"a prefill process ({self.module}) exited with {code} before {prefix!r}"
+                        + self.stderr_tail()
+                    )
                 self._buffer += chunk
+
+    def stderr_tail(self) -> str:
+        """The child's last stderr lines, as ``": line | line"``; empty if it wrote none."""
+        try:
+            self._stderr.seek(0)
+            lines = self._stderr.read().decode(errors="replace").splitlines()
+        except (OSError, ValueError):  # already closed
+            return ""
+        tail = [line.strip() for line in lines[-STDERR_TAIL_LINES:] if line.strip()]
+        return (": " + " | ".join(tail)) if tail else ""
 
     def kill(self) -> None:
         proc = self.proc
@@ -98,6 +123,7 @@ class _Child:
             if stream is not None:
                 with contextlib.suppress(OSError):  # a broken pipe to a dead child
                     stream.close()
+        self._stderr.close()
 
 
 class PrefillInstance:

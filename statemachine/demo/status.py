@@ -10,7 +10,13 @@ from statemachine.demo.loops import RequestLoops
 
 
 class StatusLine:
-    """Callable passed to :func:`~statemachine.demo.run.run_demo` as its ``status``."""
+    """Callable passed to :func:`~statemachine.demo.run.run_demo` as its ``status``.
+
+    The run's phase is ``running``, ``prefill down`` (from the kill until the new instance is
+    ready), ``recovering`` (until a request started after the kill succeeds) and ``stopping``.
+    Once that first success arrives the line says ``recovered in X s`` (kill to that success, as
+    the report's ``restart_to_first_success_s``) instead of ``recovering``.
+    """
 
     def __init__(self, label: str, stream: IO[str] | None = None, *, quiet: bool = False) -> None:
         self._label = label
@@ -20,6 +26,10 @@ class StatusLine:
         self._last = 0.0
         self._interval = 0.25 if self._tty else 1.0
         self._width = 0
+        # Recovery of the latest restart: outcomes already scanned, and kill -> first success.
+        self._restarts_seen = 0
+        self._scanned = 0
+        self._recovered_s: float | None = None
 
     def __call__(self, loops: RequestLoops, tracker: Any, elapsed: float) -> None:
         if self._quiet:
@@ -33,7 +43,7 @@ class StatusLine:
         text = (
             f"[{self._label}] {elapsed:5.1f}s ok={sum(loops.ok)} failed={sum(loops.failed)} "
             f"retries={sum(loops.retries)} hits={pool[0]} misses={pool[1]} "
-            f"in-flight={loops.in_flight()} state={tracker.phase}"
+            f"in-flight={loops.in_flight()} {self._state(loops, tracker)}"
         )
         if self._tty:
             pad = max(0, self._width - len(text))
@@ -42,6 +52,29 @@ class StatusLine:
         else:
             self._stream.write(text + "\n")
         self._stream.flush()
+
+    def _state(self, loops: RequestLoops, tracker: Any) -> str:
+        phase: str = tracker.phase
+        restarts = tracker.restarts
+        if len(restarts) != self._restarts_seen:  # a new kill: its recovery starts over
+            self._restarts_seen = len(restarts)
+            self._recovered_s = None
+        if not restarts or phase not in ("recovering", "stopping"):
+            return f"state={phase}"
+        killed_at: float = restarts[-1].killed_at
+        if self._recovered_s is None:
+            # Only outcomes appended since the last call are new (the list only grows).
+            outcomes = loops.outcomes
+            end = len(outcomes)
+            for outcome in outcomes[self._scanned : end]:
+                if outcome.ok and outcome.start >= killed_at:
+                    self._recovered_s = outcome.end - killed_at
+                    break
+            self._scanned = end
+        if self._recovered_s is None:
+            return f"state={phase}"
+        shown = "running" if phase == "recovering" else phase
+        return f"state={shown}, recovered in {self._recovered_s:.2f} s"
 
 
 def loops_pool_stats(loops: RequestLoops) -> tuple[int, int]:

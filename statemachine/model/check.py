@@ -22,9 +22,12 @@ from statemachine.model.spec import (
     BootstrapCache,
     Constants,
 )
+from statemachine.progname import prog
 
-#: ``TLA/`` next to the package (the repository layout; the package is installed editable).
-TLA_DIR = Path(__file__).resolve().parents[2] / "TLA"
+#: ``TLA/`` next to the package (the repository layout; the package is installed editable), else
+#: the copy an installed wheel carries as package data (``statemachine/model/tla``).
+_REPO_TLA = Path(__file__).resolve().parents[2] / "TLA"
+TLA_DIR = _REPO_TLA if _REPO_TLA.is_dir() else Path(__file__).resolve().parent / "tla"
 DEFAULT_CONFIG = TLA_DIR / "MCSmall.cfg"
 
 
@@ -126,7 +129,7 @@ def summary(loaded: Loaded, result: Result) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m statemachine check",
+        prog=prog("check"),
         description="Model-check the Python mirror of TLA/BootstrapCache.tla for one cfg.",
     )
     parser.add_argument(

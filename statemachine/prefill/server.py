@@ -27,10 +27,15 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from aiohttp import web
-from multidict import MultiMapping
-
+from statemachine.errors import MissingExtra
+from statemachine.progname import prog
 from statemachine.validation import is_int, is_valid_host, is_valid_port
+
+try:
+    from aiohttp import web
+    from multidict import MultiMapping
+except ModuleNotFoundError as exc:  # the `server` extra is not installed: say which to install
+    raise MissingExtra("server", "the bootstrap server", exc.name or "aiohttp") from exc
 
 INSTANCE_HEADER = "X-Bootstrap-Instance-Id"
 DEFAULT_MAX_BODY = 64 * 1024
@@ -474,7 +479,7 @@ class BootstrapServer:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m statemachine serve``: serve until SIGINT/SIGTERM, then exit 0."""
-    parser = argparse.ArgumentParser(prog="python -m statemachine serve", description=__doc__)
+    parser = argparse.ArgumentParser(prog=prog("serve"), description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8998, help="0 picks a free port")
     parser.add_argument("--token", default=None, help="bearer token for registration routes")
