@@ -9,11 +9,15 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest crosshair bench tlc clean
 
+# pip stays --quiet (its full output is hundreds of lines); the echo lines say what it is doing.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,plot]'
-	touch $(STAMP)
+	@echo "installing the project and its dev tools into $(VENV) (about a minute, once;" \
+		"again only when pyproject.toml changes)..."
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) -m pip install --quiet -e '.[dev,plot]'
+	@touch $(STAMP)
+	@echo "installed into $(VENV)."
 
 demo: $(STAMP)
 	$(PY) -m statemachine demo
@@ -33,6 +37,7 @@ pytest: $(STAMP)
 # Symbolic check of the pool's PEP 316 contracts. The default search is too weak to find pool
 # bugs (it found 1 of 8 seeded ones here); 50 uninteresting iterations found all of them.
 crosshair: $(STAMP)
+	@echo "crosshair: symbolic check of statemachine/pool.py's contracts (about 75-100 s, silent)..."
 	$(VENV)/bin/crosshair check --analysis_kind=PEP316 --max_uninteresting_iterations=50 \
 		statemachine/pool.py
 

@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-trace", action="store_true")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
+    print(
+        f"soak: {args.requests} requests over {args.duration:g} s through {args.restarts} prefill "
+        f"restarts (about {args.duration + 5:.0f} s; a summary and checks follow)...",
+        flush=True,
+    )
     gc.collect()
     threads_before, fds_before = threading.active_count(), _fds()
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:

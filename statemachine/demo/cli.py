@@ -114,28 +114,28 @@ def _config(args: argparse.Namespace, mode: ModeConfig) -> DemoConfig:
 
 def opening(args: argparse.Namespace, modes: list[ModeConfig]) -> str:
     """What is about to happen, in a few lines, before the first process starts."""
-    ranks = args.tp * args.pp
     offsets = DemoConfig(duration_s=args.duration, restarts=args.restarts).restart_offsets()
+    if len(modes) > 1:
+        names = ", ".join(m.name for m in modes)
+        runs = f"{len(modes)} runs of {args.duration:g} s, one per cache design ({names})"
+    else:
+        runs = f"one {args.duration:g} s run in mode {modes[0].name!r} ({modes[0].describe()})"
+    lines = [
+        f"demo: {runs}.",
+        f"On 127.0.0.1: a prefill of 1 bootstrap server + {args.tp * args.pp} rank processes "
+        f"(tp={args.tp}, pp={args.pp});",
+        f"in this process, {args.loops} decode request loops sending {args.rate:g} requests/s.",
+    ]
     if offsets:
         at = ", ".join(f"{offset:.1f} s" for offset in offsets)
-        kill = (
-            f"At {at} every prefill process is SIGKILLed and restarted on the same bootstrap\n"
-            "address (new rank ports, new instance id). Watch failed= stop growing and the\n"
-            "state turn to 'recovered in X s'; the table at the end says what the restart cost."
-        )
+        lines += [
+            f"At {at} every prefill process is SIGKILLed and restarted behind the same",
+            "bootstrap address (new rank ports, new instance id). Watch failed= stop growing",
+            "and state= say 'recovered in X s'; the table at the end says what it cost.",
+        ]
     else:
-        kill = "No restart (--restarts 0): a steady run; the table at the end has its figures."
-    runs = (
-        f"{len(modes)} runs, one per cache design ({', '.join(m.name for m in modes)}), "
-        f"{args.duration:g} s each"
-        if len(modes) > 1
-        else f"one run of {args.duration:g} s in mode {modes[0].name!r} ({modes[0].describe()})"
-    )
-    return (
-        f"demo: {runs}. On 127.0.0.1: a prefill of 1 bootstrap server + {ranks} rank\n"
-        f"processes (tp={args.tp}, pp={args.pp}); here, {args.loops} decode request loops "
-        f"sending {args.rate:g} requests/s in all.\n{kill}"
-    )
+        lines.append("No restart (--restarts 0): the table at the end has the steady figures.")
+    return "\n".join(lines)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

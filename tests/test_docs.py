@@ -1,0 +1,75 @@
+"""The repository stands alone: no tracked file points outside it, and doc links resolve.
+
+Outside facts are stated in ``docs/sglang-reference.md`` with their public sources; a path into
+the machine the project was written on (a sibling ``shared`` folder, an absolute work path)
+means nothing to a reader of the repository. Only ``.ci/run`` and the Makefile may name such a
+path (they locate an optional TLC jar).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ALLOWED = {".ci/run", "Makefile"}
+# Spelled in pieces, so that this file does not match itself.
+FORBIDDEN = ("../" + "shared", "/" + "work/", "shared" + "/reference")
+DOC_DIRS = ("docs", "spec")
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _tracked() -> list[str]:
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:  # pragma: no cover
+        pytest.skip(f"not a git checkout: {exc}")
+    return [name for name in out.decode().split("\0") if name]
+
+
+def test_no_tracked_file_names_a_path_outside_the_repository() -> None:
+    offenders = []
+    for name in _tracked():
+        path = REPO / name
+        if name in ALLOWED or path.is_symlink() or not path.is_file():
+            continue
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        for needle in FORBIDDEN:
+            for number, line in enumerate(text.splitlines(), 1):
+                if needle in line:
+                    offenders.append(f"{name}:{number}: {needle!r}")
+    assert not offenders, "paths outside the repository:\n" + "\n".join(offenders)
+
+
+def _markdown() -> list[Path]:
+    files = [REPO / "README.md"]
+    for folder in DOC_DIRS:
+        files += sorted((REPO / folder).glob("*.md"))
+    return files
+
+
+@pytest.mark.parametrize("doc", _markdown(), ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_in_docs_resolve(doc: Path) -> None:
+    missing = []
+    for target in _LINK.findall(doc.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a URL or an anchor in the same page
+        path = target.split("#", 1)[0]
+        if not (doc.parent / path).exists():
+            missing.append(target)
+    assert not missing, f"{doc.name}: links to missing files: {missing}"
+
+
+def test_reference_page_cites_its_sources() -> None:
+    """Each fact section of the reference page names a public source (a PR, issue or file)."""
+    text = (REPO / "docs" / "sglang-reference.md").read_text(encoding="utf-8")
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
+    assert len(sections) >= 9
+    for section in sections:
+        title = section.splitlines()[0]
+        assert re.search(r"#\d{4,5}|\.py`|measured here|repository", section), title
