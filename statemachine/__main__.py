@@ -7,6 +7,7 @@ pay for aiohttp and ``serve`` does not pay for the model checker.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from statemachine import __version__
@@ -46,7 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     except MissingExtra as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result: int = module.main(rest)
+    try:
+        result: int = module.main(rest)
+    except BrokenPipeError:  # `pd-bootstrap table | head`: the reader left, which is no error
+        # Python would report the pipe again when it flushes stdout at exit: point it elsewhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return result
 
 

@@ -1,0 +1,174 @@
+"""The command line and the package surface, in the development venv.
+
+Usage lines name the command the user typed (``pd-bootstrap …`` as the console script,
+``python -m statemachine …`` as a module); every name in ``statemachine.__all__`` imports;
+``import statemachine`` stays free of zmq, requests and aiohttp; the missing-extra messages.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import statemachine
+from statemachine.errors import BootstrapError, MissingExtra
+from statemachine.extras import require
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).parent / "pd-bootstrap"
+TIMEOUT_S = 120
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=TIMEOUT_S, check=False, cwd=REPO
+    )
+
+
+def _usage_line(done: subprocess.CompletedProcess[str]) -> str:
+    return (done.stdout or done.stderr).splitlines()[0]
+
+
+# --- program name in usage lines ---------------------------------------------------------------
+
+SUBCOMMAND_USAGE = [
+    (["demo", "--help"], "demo"),
+    (["serve", "--help"], "serve"),
+    (["check", "--help"], "check"),
+    (["table", "--bad"], "table"),
+]
+
+
+def test_module_help_names_python_m() -> None:
+    done = _run([sys.executable, "-m", "statemachine", "--help"])
+    assert done.returncode == 0
+    assert done.stdout.startswith("usage: python -m statemachine <command> [options]")
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="the console script is not installed here")
+def test_console_script_help_names_pd_bootstrap() -> None:
+    done = _run([str(SCRIPT), "--help"])
+    assert done.returncode == 0
+    assert done.stdout.startswith("usage: pd-bootstrap <command> [options]")
+    assert "'pd-bootstrap <command> --help' describes a command's options." in done.stdout
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="the console script is not installed here")
+@pytest.mark.parametrize(("args", "name"), SUBCOMMAND_USAGE)
+def test_subcommand_usage_names_pd_bootstrap(args: list[str], name: str) -> None:
+    assert _usage_line(_run([str(SCRIPT), *args])).startswith(f"usage: pd-bootstrap {name}")
+
+
+@pytest.mark.parametrize(("args", "name"), SUBCOMMAND_USAGE)
+def test_subcommand_usage_names_python_m(args: list[str], name: str) -> None:
+    done = _run([sys.executable, "-m", "statemachine", *args])
+    assert _usage_line(done).startswith(f"usage: python -m statemachine {name}")
+
+
+def test_unknown_command_shows_usage() -> None:
+    done = _run([sys.executable, "-m", "statemachine", "nope"])
+    assert done.returncode == 2
+    assert done.stderr.startswith("unknown command 'nope'")
+
+
+def test_table_into_a_closed_pipe_is_quiet() -> None:
+    """``pd-bootstrap table | head -1``: no BrokenPipeError traceback."""
+    done = subprocess.run(
+        f"'{sys.executable}' -m statemachine table | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+        cwd=REPO,
+    )
+    assert done.stdout == "| event | from | to |\n"
+    assert "Traceback" not in done.stderr
+
+
+def test_version() -> None:
+    assert statemachine.__version__ == importlib.metadata.version("pd-bootstrap-statemachine")
+    done = _run([sys.executable, "-m", "statemachine", "--version"])
+    assert done.stdout.strip() == f"pd-bootstrap-statemachine {statemachine.__version__}"
+
+
+# --- exports -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", statemachine.__all__)
+def test_every_exported_name_imports(name: str) -> None:
+    value = getattr(statemachine, name)
+    assert value is not None
+    # The object is the one its home module defines, not a copy.
+    assert getattr(sys.modules[value.__module__], name) is value
+
+
+def test_integration_guide_names_are_exported() -> None:
+    """Everything docs/integration.md imports from submodules is importable from the top."""
+    guide = (REPO / "docs" / "integration.md").read_text(encoding="utf-8")
+    imported: set[str] = set()
+    for line in guide.splitlines():
+        if line.startswith("from statemachine") and " import " in line:
+            imported |= {n.strip() for n in line.split(" import ", 1)[1].split(",")}
+    assert imported, "integration.md imports nothing?"
+    assert imported <= set(statemachine.__all__), imported - set(statemachine.__all__)
+
+
+def test_import_statemachine_loads_no_runtime_dependency() -> None:
+    """CrossHair imports the pure cores; pyzmq's compiled backend must not come with them."""
+    code = (
+        "import sys, statemachine\n"
+        "print(sorted(m for m in ('zmq', 'requests', 'aiohttp') if m in sys.modules))"
+    )
+    done = _run([sys.executable, "-c", code])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        statemachine.Nope  # noqa: B018
+
+
+# --- missing extras ------------------------------------------------------------------------------
+
+
+def test_missing_extra_is_typed_and_names_the_pip_command() -> None:
+    exc = MissingExtra("plot", "--plot", "matplotlib")
+    assert isinstance(exc, BootstrapError) and isinstance(exc, ImportError)
+    assert exc.name == "matplotlib" and exc.extra == "plot"
+    assert str(exc) == (
+        "--plot needs matplotlib, which the 'plot' extra installs: "
+        "pip install 'pd-bootstrap-statemachine[plot]'"
+    )
+
+
+def test_require_passes_for_an_installed_extra() -> None:
+    require("server", "the test")  # aiohttp is in the dev extra
+
+
+# Runs the demo's CLI with matplotlib made unimportable (``sys.modules[name] = None`` is how
+# Python itself marks a module as absent), in a child process so this one is untouched.
+_NO_MATPLOTLIB = """
+import sys, time
+sys.modules["matplotlib"] = None
+from statemachine.demo import cli
+started = time.monotonic()
+code = cli.main(["--duration", "30", "--plot", "out.png", "--quiet"])
+print(code, round(time.monotonic() - started, 1))
+"""
+
+
+def test_plot_without_matplotlib_is_reported_before_the_run() -> None:
+    done = _run([sys.executable, "-c", _NO_MATPLOTLIB])
+    code, seconds = done.stdout.split()
+    assert code == "2"
+    assert float(seconds) < 10.0  # a 30 s run never started
+    assert done.stderr.strip() == (
+        "error: --plot needs matplotlib, which the 'plot' extra installs: "
+        "pip install 'pd-bootstrap-statemachine[plot]'"
+    )

@@ -1,0 +1,171 @@
+"""The built wheel, installed into a fresh venv *without extras*, as a new user gets it.
+
+Builds the wheel once per session (``pip wheel --no-deps``), creates one venv, installs the wheel
+with its runtime dependencies only (from pip's cache: a few seconds), then runs the console
+script there: ``--help``, ``table``, ``check`` (which needs the TLA cfgs the wheel ships), and the
+commands that need the ``server`` extra, which must say how to install it.
+About 10 s in all; marked ``packaging`` (``pytest -m "not packaging"`` leaves it out).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DIST = "pd-bootstrap-statemachine"
+INSTALL_HINT = "pip install 'pd-bootstrap-statemachine[server]'"
+STEP_TIMEOUT_S = 300  # a generous bound for a loaded machine; it takes seconds
+
+pytestmark = pytest.mark.packaging
+
+
+def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=STEP_TIMEOUT_S, check=False, cwd=cwd
+    )
+
+
+class Installed:
+    """A fresh venv with the wheel installed, no extras."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.bin = root / "bin"
+        self.python = str(self.bin / "python")
+        self.script = str(self.bin / "pd-bootstrap")
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        # cwd outside the repository, so nothing imports the source tree by accident.
+        return _run([self.script, *args], cwd=self.root)
+
+    def py(self, code: str) -> subprocess.CompletedProcess[str]:
+        return _run([self.python, "-c", code], cwd=self.root)
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    built = _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(REPO)]
+    )
+    assert built.returncode == 0, built.stderr
+    (path,) = out.glob("*.whl")
+    return path
+
+
+@pytest.fixture(scope="session")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    root = tmp_path_factory.mktemp("venv")
+    venv.EnvBuilder(with_pip=True).create(root)
+    env = Installed(root)
+    done = _run([env.python, "-m", "pip", "install", "--quiet", str(wheel)])
+    assert done.returncode == 0, done.stderr
+    return env
+
+
+def test_wheel_carries_license_and_model_cfgs(wheel: Path) -> None:
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
+    assert "statemachine/model/tla/MCSmall.cfg" in names
+    assert "statemachine/model/tla/BootstrapCache.tla" in names
+    assert "statemachine/py.typed" in names
+
+
+def test_installed_without_extras(installed: Installed) -> None:
+    """The premise of the other tests: aiohttp and matplotlib are absent."""
+    probe = installed.py("import importlib.util as u; print(u.find_spec('aiohttp'))")
+    assert probe.stdout.strip() == "None"
+
+
+def test_help_names_the_console_script(installed: Installed) -> None:
+    done = installed.cli("--help")
+    assert done.returncode == 0
+    assert done.stdout.startswith("usage: pd-bootstrap <command> [options]")
+    for command in ("demo", "serve", "check", "table"):
+        assert f"  {command} " in done.stdout
+    sub = installed.cli("check", "--help")
+    assert sub.returncode == 0
+    assert sub.stdout.startswith("usage: pd-bootstrap check")
+
+
+def test_version_is_single_sourced(installed: Installed) -> None:
+    done = installed.py(
+        "import importlib.metadata as m, statemachine; "
+        f"print(statemachine.__version__, m.version({DIST!r}))"
+    )
+    ours, metadata = done.stdout.split()
+    assert ours == metadata
+    assert installed.cli("--version").stdout.strip() == f"{DIST} {ours}"
+
+
+def test_table(installed: Installed) -> None:
+    done = installed.cli("table")
+    assert done.returncode == 0, done.stderr
+    assert "| `Hit` | `idle` | `cached` |" in done.stdout
+    assert "stateDiagram-v2" in done.stdout
+
+
+def test_check_uses_the_cfg_the_wheel_ships(installed: Installed) -> None:
+    done = installed.cli("check", "--quiet")
+    assert done.returncode == 0, done.stderr
+    config = done.stdout.splitlines()[0]
+    assert config.startswith("config: ")
+    assert "site-packages" in config and config.endswith("MCSmall.cfg")
+    assert "VIOLATED" not in done.stdout
+    assert "IdentitySafe       held" in done.stdout
+
+
+def test_serve_without_the_server_extra_says_which_to_install(installed: Installed) -> None:
+    done = installed.cli("serve", "--port", "0")
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"error: the bootstrap server needs aiohttp, which the 'server' extra installs: "
+        f"{INSTALL_HINT}"
+    )
+
+
+def test_demo_without_the_server_extra_stops_before_starting(installed: Installed) -> None:
+    done = installed.cli("demo", "--duration", "1")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "pd-bootstrap demo (its prefill runs the reference bootstrap server) needs aiohttp" in (
+        done.stderr
+    )
+    assert INSTALL_HINT in done.stderr
+    assert done.stdout == ""  # not even the opening line: nothing started
+
+
+def test_import_of_the_server_raises_a_typed_error(installed: Installed) -> None:
+    done = installed.py(
+        "import statemachine\n"
+        "try:\n"
+        "    from statemachine import BootstrapServer\n"
+        "except statemachine.MissingExtra as exc:\n"
+        "    print(isinstance(exc, ImportError), isinstance(exc, statemachine.BootstrapError))\n"
+        "    print(exc.extra, exc.module)\n"
+        "    print(exc)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "True True"
+    assert lines[1] == "server aiohttp"
+    assert INSTALL_HINT in lines[2]
+
+
+def test_library_works_without_extras(installed: Installed) -> None:
+    """Everything but the server imports and works without extras (the decode side)."""
+    done = installed.py(
+        "import statemachine as s\n"
+        "names = [n for n in s.__all__ if n != 'BootstrapServer']\n"
+        "print(all(getattr(s, n) is not None for n in names))\n"
+        "print(s.KVPoll.Success > s.KVPoll.Failed)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
