@@ -20,7 +20,7 @@ Every name in ``__all__`` imports from here. The import name is shared with the 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from statemachine.backend import MetadataRequest, SimpleBackend
+from statemachine.backend import KVBackend, MetadataRequest, SimpleBackend
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -87,6 +87,7 @@ __all__ = [
     "HealthMonitor",
     "InvalidArgument",
     "InvalidTransition",
+    "KVBackend",
     "KVPoll",
     "Lifecycle",
     "MalformedReply",
