@@ -9,6 +9,7 @@ About 10 s in all; marked ``packaging`` (``pytest -m "not packaging"`` leaves it
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -47,11 +48,29 @@ class Installed:
         return _run([self.python, "-c", code], cwd=self.root)
 
 
+# Not part of a source tree: the venv, caches and earlier build output.
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    ".hypothesis",
+    "states",
+)
+
+
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # pip builds in the source folder and setuptools keeps its build/ there, where a file deleted
+    # from the project would live on into the next wheel: build from a clean copy instead.
+    source = tmp_path_factory.mktemp("source") / "src"
+    shutil.copytree(REPO, source, symlinks=True, ignore=_NOT_SOURCE)
     out = tmp_path_factory.mktemp("wheel")
     built = _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(REPO)]
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(source)]
     )
     assert built.returncode == 0, built.stderr
     (path,) = out.glob("*.whl")
