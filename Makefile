@@ -37,7 +37,7 @@ pytest: $(STAMP)
 # Symbolic check of the pool's PEP 316 contracts. The default search is too weak to find pool
 # bugs (it found 1 of 8 seeded ones here); 50 uninteresting iterations found all of them.
 crosshair: $(STAMP)
-	@echo "crosshair: symbolic check of statemachine/pool.py's contracts (about 75-100 s, silent)..."
+	@echo "crosshair: symbolic check of statemachine/pool.py's contracts (about 45-100 s; no output until it ends)..."
 	$(VENV)/bin/crosshair check --analysis_kind=PEP316 --max_uninteresting_iterations=50 \
 		statemachine/pool.py
 

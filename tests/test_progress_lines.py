@@ -46,7 +46,7 @@ def test_crosshair_says_how_long_it_takes() -> None:
     plan = _make_dry_run("crosshair")
     assert (
         "echo \"crosshair: symbolic check of statemachine/pool.py's contracts "
-        '(about 75-100 s, silent)..."'
+        '(about 45-100 s; no output until it ends)..."'
     ) in plan
 
 
