@@ -53,16 +53,23 @@ def _markdown() -> list[Path]:
     return files
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.*)$", page.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("doc", _markdown(), ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_in_docs_resolve(doc: Path) -> None:
     missing = []
     for target in _LINK.findall(doc.read_text(encoding="utf-8")):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
-            continue  # a URL or an anchor in the same page
-        path = target.split("#", 1)[0]
-        if not (doc.parent / path).exists():
+        if re.match(r"[a-z]+:", target):
+            continue  # a URL
+        path, _, anchor = target.partition("#")
+        page = doc.parent / path if path else doc
+        if not page.exists() or (anchor and page.suffix == ".md" and anchor not in _anchors(page)):
             missing.append(target)
-    assert not missing, f"{doc.name}: links to missing files: {missing}"
+    assert not missing, f"{doc.name}: links to missing files or headings: {missing}"
 
 
 def test_reference_page_cites_its_sources() -> None:
