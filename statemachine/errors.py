@@ -76,3 +76,16 @@ class WaitingTimeout(BootstrapError):
 
 class Aborted(BootstrapError):
     """The request was aborted by its owner."""
+
+
+# --- hostile peers: bootstrap HTTP (hostile branch) -------------------------------------------
+
+
+class UnknownRoom(NotFound):
+    """The bootstrap server knows no dp rank for this room (yet): ``POST /query_dp_ranks``
+    answered without it. The prefill registers a room's dp rank when the request reaches it,
+    so this can be temporary: ask again, or pass the dp rank explicitly."""
+
+    def __init__(self, message: str, *, addr: str, room: int) -> None:
+        super().__init__(message, addr=addr, status=200)
+        self.room = room
