@@ -88,8 +88,10 @@ def test_http11_get_topology(ready_server: BootstrapServer, client: BootstrapCli
         pp_size=1,
         page_size=16,
         kv_cache_dtype="bfloat16",
-        follow_bootstrap_room=None,
+        follow_bootstrap_room=True,
         instance_id=ready_server.instance_id,
+        enable_dsa_cache_layer_split=False,
+        decode_allocation_policy="early",
     )
 
 

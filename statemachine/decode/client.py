@@ -593,10 +593,15 @@ def route_payload(
     system_dp_size: int | None = None,
     page_size: int = 16,
     kv_cache_dtype: str = "bfloat16",
+    load_balance_method: str = "follow_bootstrap_room",
+    enable_dsa_cache_layer_split: bool = False,
+    prefill_http_port: int | None = None,
+    decode_allocation_policy: str = "early",
+    dsv41_spec_layout: Mapping[str, object] | None = None,
 ) -> dict[str, Any]:
-    """The ``PUT /route`` body an SGLang prefill rank sends (reference §1).
-
-    The system dp rank/size default to the attention dp rank/size.
+    """The ``PUT /route`` body an SGLang prefill rank sends (spec/protocol.md §2.1): the 14
+    topology and endpoint fields plus the five layout/policy fields of current SGLang, with
+    SGLang's defaults. The system dp rank/size default to the attention dp rank/size.
     """
     return {
         "attn_tp_size": tp_size,
@@ -613,6 +618,11 @@ def route_payload(
         "rank_port": rank_port,
         "page_size": page_size,
         "kv_cache_dtype": kv_cache_dtype,
+        "load_balance_method": load_balance_method,
+        "enable_dsa_cache_layer_split": enable_dsa_cache_layer_split,
+        "prefill_http_port": prefill_http_port,
+        "decode_allocation_policy": decode_allocation_policy,
+        "dsv41_spec_layout": None if dsv41_spec_layout is None else dict(dsv41_spec_layout),
     }
 
 
