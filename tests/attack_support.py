@@ -8,6 +8,7 @@ connections, reconnects and time.
 
 from __future__ import annotations
 
+import contextlib
 import selectors
 import socket
 import threading
@@ -103,10 +104,8 @@ class SlowAttack:
     def _close(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()
         if fd >= 0 and self._conns.pop(fd, None) is not None:
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(conn.sock)
-            except (KeyError, ValueError):
-                pass
         conn.sock.close()
 
     def _send_next(self, conn: _Conn) -> bool:

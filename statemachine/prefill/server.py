@@ -78,8 +78,11 @@ FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
 LOG_INTERVAL = 10.0
 #: Connections accepted per readiness event of the listening socket.
 ACCEPT_BATCH = 16
-#: Seconds accepting pauses after an accept failed for lack of fds (HTTP-72).
+#: Seconds accepting pauses after an accept failed for lack of fds, or at the cap with
+#: nothing to evict (HTTP-71/72).
 ACCEPT_PAUSE = 0.05
+#: A connection this young (seconds) is never evicted at the cap (HTTP-71).
+EVICT_GRACE = 0.1
 
 _log = logging.getLogger(__name__)
 
@@ -330,18 +333,19 @@ class _Guard(asyncio.Protocol):
     ``BODY``; body read -> ``BUSY``; answered -> ``IDLE``). Loop thread only: no locks.
     """
 
-    __slots__ = ("inner", "owner", "phase", "since", "transport")
+    __slots__ = ("born", "inner", "owner", "phase", "served", "since", "transport")
 
     def __init__(self, owner: BootstrapServer, inner: asyncio.Protocol) -> None:
         self.owner = owner
         self.inner = inner
         self.phase = IDLE
-        self.since = 0.0
+        self.since = self.born = 0.0
+        self.served = False  # completed a request: evicted last
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.since = self.owner._now()
+        self.since = self.born = self.owner._now()
         self.inner.connection_made(transport)
         self.owner._admit(self)
 
@@ -594,7 +598,8 @@ class BootstrapServer:
             access_log=None,
             handle_signals=False,
             shutdown_timeout=1.0,
-            keepalive_timeout=self._timeouts[IDLE],
+            # Our sweeper closes idle connections (and counts them); aiohttp's timer backs it up.
+            keepalive_timeout=2 * self._timeouts[IDLE],
             max_headers=64,
             lingering_time=min(1.0, self._timeouts[BODY]),
         )
@@ -635,7 +640,11 @@ class BootstrapServer:
         if listener is None:
             return
         for _ in range(ACCEPT_BATCH):
-            self._make_room()
+            if not self._make_room():
+                # Every connection is being answered or still starting: wait a moment
+                # (the backlog holds the newcomers) rather than pass the cap.
+                self._pause_accepting(loop, listener, ACCEPT_PAUSE)
+                return
             try:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -672,34 +681,64 @@ class BootstrapServer:
             "max_connections)",
         )
         self._evict()
+        self._pause_accepting(loop, listener, ACCEPT_PAUSE)
+
+    def _pause_accepting(
+        self, loop: asyncio.AbstractEventLoop, listener: socket.socket, seconds: float
+    ) -> None:
         loop.remove_reader(listener.fileno())
 
         def resume() -> None:
             if self._listener is listener:
                 loop.add_reader(listener.fileno(), self._on_accept)
 
-        loop.call_later(ACCEPT_PAUSE, resume)
+        loop.call_later(seconds, resume)
 
     def _loop_or_running(self) -> asyncio.AbstractEventLoop:
         return self._loop or asyncio.get_running_loop()
 
-    def _make_room(self) -> None:
-        """At the cap, close the longest-stalled connection so the next one can be admitted."""
+    def _make_room(self) -> bool:
+        """Below the cap: True. At the cap, close the longest-stalled connection so the next
+        one can be admitted; False when there is none to close."""
         if len(self._conns) + self._starting < self._max_connections:
-            return
-        if self._evict():
-            self._ratelog.warning(
-                "cap",
-                f"bootstrap server at its cap of {self._max_connections} connections: closed "
-                "the longest-stalled one to admit a new one (raise the fd limit or "
-                "max_connections if these are legitimate clients)",
-            )
+            return True
+        if not self._evict():
+            return False
+        self._ratelog.warning(
+            "cap",
+            f"bootstrap server at its cap of {self._max_connections} connections: closed "
+            "the longest-stalled one to admit a new one (raise the fd limit or "
+            "max_connections if these are legitimate clients)",
+        )
+        return True
 
     def _evict(self) -> bool:
+        """Close the longest-stalled connection, never one being answered (HTTP-71).
+
+        Connections that never completed a request go first, those stuck mid-request
+        (headers or body) before idle ones, the oldest first; one younger than EVICT_GRACE
+        is spared (a legitimate client sends its request within milliseconds of connecting,
+        so a burst of new connections cannot push out one that just connected). A
+        connection that completed a request is closed only when no other is left: a burst
+        of attackers never pushes out a client using its keep-alive connection. False when
+        nothing may be closed now (the accept loop pauses instead).
+        """
         victim: _Guard | None = None
+        victim_key = (True, 0.0)
+        young = self._now() - EVICT_GRACE
+        spared = False
         for other in self._conns:
-            if other.phase != BUSY and (victim is None or other.since < victim.since):
-                victim = other
+            if other.phase == BUSY or other.served:
+                continue
+            if other.born > young:
+                spared = True
+                continue
+            key = (other.phase == IDLE, other.since)
+            if victim is None or key < victim_key:
+                victim, victim_key = other, key
+        if victim is None and not spared:
+            served = [c for c in self._conns if c.phase != BUSY]
+            victim = min(served, key=lambda c: c.since, default=None)
         if victim is None:
             return False
         self._evicted += 1
@@ -800,6 +839,7 @@ class BootstrapServer:
             if guard is not None:
                 guard.phase = IDLE
                 guard.since = self._now()
+                guard.served = True
 
     def _authorised(self, request: web.Request) -> bool:
         """Bearer token check in constant time; no token configured -> closed unless insecure."""
@@ -821,6 +861,13 @@ class BootstrapServer:
             raw = await request.read()
         except ConnectionError:
             raise _ClientGone from None
+        except RuntimeError:
+            # aiohttp raises RuntimeError("Connection closed.") when the transport was closed
+            # (deadline or eviction) before the read began.
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise _ClientGone from None
+            raise
         guard = _guard_of(request)
         if guard is not None:
             guard.phase = BUSY
