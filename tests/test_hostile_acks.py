@@ -1,0 +1,205 @@
+"""The decode's ack listener against hostile senders (spec/zmq.md ZMQ-15, ZMQ-16).
+
+Real sockets on 127.0.0.1: libzmq PUSH senders (in a child process where their own buffering
+would otherwise be measured with the listener's), and raw TCP peers speaking junk.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import zmq
+from http_support import wait_until
+from zmq_support import AckRecorder
+
+from statemachine.decode.acks import AckListener, ack_frames
+from statemachine.validation import InvalidArgument
+
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import json, subprocess, sys, time
+    from statemachine.decode.acks import AckListener
+
+    def rss_mb():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1]) / 1024
+
+    frames = int(sys.argv[1])
+    sender = '''
+    import sys, time, zmq
+    c = zmq.Context(); s = c.socket(zmq.PUSH); s.setsockopt(zmq.LINGER, 2000)
+    s.connect("tcp://127.0.0.1:" + sys.argv[1])
+    s.send_multipart([b"x" * 200] * int(sys.argv[2])); time.sleep(1.0); s.close(); c.term()
+    '''
+    with AckListener() as acks:
+        time.sleep(0.2)
+        base = peak = rss_mb()
+        child = subprocess.Popen([sys.executable, "-c", sender, str(acks.port), str(frames)])
+        end = time.monotonic() + 30
+        while child.poll() is None and time.monotonic() < end:
+            peak = max(peak, rss_mb())
+            time.sleep(0.005)
+        child.wait(10)
+        after = rss_mb()
+        print(json.dumps({"base": base, "peak": peak, "after": after,
+                          "malformed": acks.stats().malformed}))
+    """
+)
+
+
+def rss_after_one_message(frames: int) -> dict[str, float]:
+    """RSS of a fresh process holding an AckListener, before/peak/after one message of
+    ``frames`` 200-byte frames sent by another process."""
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(frames)],
+        capture_output=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    result: dict[str, float] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.slow
+def test_zmq15_one_200k_frame_message_does_not_grow_memory() -> None:
+    """Before: RSS 19.5 -> 149 MB for one message of 200k frames of 200 bytes (MAXMSGSIZE is
+    per frame). A generous correctness bound here; the +1 MB goal is measured in
+    benchmarks/bench_hostile.py."""
+    result = rss_after_one_message(200_000)
+    assert result["peak"] - result["base"] <= 8.0, result
+    assert result["malformed"] >= 1
+
+
+def send_frames(port: int, messages: list[list[bytes]]) -> None:
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        for frames in messages:
+            sock.send_multipart(frames)
+    finally:
+        sock.close()
+        context.term()
+
+
+def test_zmq15_too_many_frames_cuts_the_sender_and_the_listener_serves_on() -> None:
+    with AckListener() as acks:
+        done = AckRecorder()
+        acks.expect(7, 1, done)
+        send_frames(acks.port, [[b"ack", b"7", b"0", b"0", b"extra"]])
+        assert wait_until(lambda: acks.stats().malformed == 1)
+        assert done.rooms == []
+        send_frames(acks.port, [ack_frames(7, 0, 0)])  # a new connection: served
+        assert done.wait(5)
+
+
+def test_zmq15_oversized_frame_cuts_the_sender() -> None:
+    with AckListener() as acks:
+        send_frames(acks.port, [[b"ack", b"1" * 300, b"0", b"0"]])
+        assert wait_until(lambda: acks.stats().malformed == 1)
+        assert acks.stats().received == 0
+
+
+def test_zmq15_small_malformed_messages_are_dropped_not_cut() -> None:
+    """A short non-ack message is counted and dropped; the same connection's next ack counts."""
+    with AckListener() as acks:
+        done = AckRecorder()
+        acks.expect(3, 2, done)
+        send_frames(
+            acks.port,
+            [[b"ack", b"3"], ack_frames(3, 0, 0), [b"hello"], ack_frames(3, 1, 0)],
+        )
+        assert done.wait(5)
+        assert acks.stats().malformed == 2 and acks.stats().received == 2
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"\xff" + bytes(8) + b"\x7f\x03\x00CURVE" + bytes(47),  # another mechanism
+        b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(44) + b"\x00\x05READY",  # no command
+        b"\xff" * 200,
+    ],
+)
+def test_zmq15_raw_junk_is_cut_and_the_listener_serves_on(junk: bytes) -> None:
+    with AckListener() as acks:
+        with socket.create_connection(("127.0.0.1", acks.port), timeout=5) as raw:
+            raw.sendall(junk)
+            raw.settimeout(5)
+            received = b""
+            try:
+                while chunk := raw.recv(4096):
+                    received += chunk
+            except (TimeoutError, ConnectionResetError):
+                pytest.fail("the listener did not close a junk connection")
+        assert received.startswith(b"\xff")  # it had sent its own greeting
+        assert wait_until(lambda: acks.stats().malformed == 1)
+        done = AckRecorder()
+        acks.expect(9, 1, done)
+        send_frames(acks.port, [ack_frames(9, 0, 0)])
+        assert done.wait(5)
+
+
+def test_zmq15_many_senders_at_once_all_complete() -> None:
+    with AckListener() as acks:
+        done = threading.Event()
+        rooms: list[int] = []
+
+        def on_done(room: int) -> None:
+            rooms.append(room)
+            if len(rooms) == 20:
+                done.set()
+
+        for room in range(20):
+            acks.expect(room, 2, on_done)
+        threads = [
+            threading.Thread(
+                target=send_frames,
+                args=(acks.port, [ack_frames(room, tp, 0) for room in range(20)]),
+            )
+            for tp in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert done.wait(10)
+        assert sorted(rooms) == list(range(20))
+
+
+@pytest.mark.parametrize("ip", ["not-an-ip", "0.0.0.0", "::", "224.0.0.1", "fe80::1%eth0", ""])
+def test_zmq16_listener_ip_is_validated_at_construction(ip: str) -> None:
+    """Before: AckListener(ip='not-an-ip') raised a raw ZMQError from bind."""
+    with pytest.raises(InvalidArgument, match="AckListener ip"):
+        AckListener(ip)
+
+
+def test_zmq16_listener_on_ipv6_loopback() -> None:
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.bind(("::1", 0))
+        probe.close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with AckListener("::1") as acks:
+        done = AckRecorder()
+        acks.expect(1, 1, done)
+        context = zmq.Context()
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(f"tcp://[::1]:{acks.port}")
+        sock.send_multipart(ack_frames(1, 0, 0))
+        sock.close()
+        context.term()
+        assert done.wait(5)
