@@ -226,3 +226,114 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         if self._proc.poll() is None:
             self.stop()
+
+
+_RSS_SENDER = (
+    "import sys, time, zmq\n"
+    "c = zmq.Context(); s = c.socket(zmq.PUSH); s.setsockopt(zmq.LINGER, 2000)\n"
+    's.connect("tcp://127.0.0.1:" + sys.argv[1])\n'
+    's.send_multipart([b"x" * 200] * int(sys.argv[2])); time.sleep(1.0); s.close(); c.term()\n'
+)
+
+_RSS_SCRIPT = r"""
+import json, subprocess, sys, time
+import zmq
+from statemachine.decode.acks import AckListener
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+
+frames, mode, sender = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if mode == "ours":
+    acks = AckListener()
+    port = acks.port
+    drain = lambda: None
+else:  # the design before ZMQ-15: a PULL socket with MAXMSGSIZE, messages read whole
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.MAXMSGSIZE, 256)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    def drain():
+        while pull.poll(0):
+            pull.recv_multipart()
+time.sleep(0.2)
+base = peak = rss_mb()
+child = subprocess.Popen([sys.executable, "-c", sender, str(port), str(frames)])
+end = time.monotonic() + 60
+while child.poll() is None and time.monotonic() < end:
+    drain()
+    peak = max(peak, rss_mb())
+    time.sleep(0.005)
+child.wait(10)
+drain()
+after = rss_mb()
+malformed = acks.stats().malformed if mode == "ours" else 0
+print(json.dumps({"base": base, "peak": peak, "after": after, "malformed": malformed}))
+"""
+
+
+def rss_after_one_message(frames: int, mode: str) -> dict[str, float]:
+    """RSS (MB) of a fresh process listening for acks, before / peak / after one message of
+    ``frames`` 200-byte frames sent by another process. ``mode``: ``"ours"`` (AckListener)
+    or ``"pull"`` (a plain PULL socket with MAXMSGSIZE=256, the design before ZMQ-15)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(frames), mode, _RSS_SENDER],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    result: dict[str, float] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
+
+
+_ATTACK_SCRIPT = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from attack_support import SlowAttack
+address, seconds = sys.argv[2], float(sys.argv[5])
+slowloris, slow_body = int(sys.argv[3]), int(sys.argv[4])
+with SlowAttack(address, slowloris=slowloris, slow_body=slow_body, interval=1.0,
+                max_seconds=seconds + 60) as attack:
+    ok = attack.wait_open(slowloris + slow_body, timeout=30.0)
+    print("READY" if ok else "NOT-READY", flush=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not sys.stdin.closed:
+        time.sleep(0.1)
+    print("STATS", json.dumps(attack.stats.__dict__), flush=True)
+"""
+
+
+class AttackProcess:
+    """A :class:`SlowAttack` in its own process, so that the attacker's Python work does not
+    compete with the measuring client for one interpreter's GIL (benchmarks)."""
+
+    def __init__(self, address: str, *, slowloris: int, slow_body: int, seconds: float) -> None:
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        here = str(Path(__file__).resolve().parent)
+        args = [address, str(slowloris), str(slow_body), str(seconds)]
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _ATTACK_SCRIPT, here, *args],
+            stdout=subprocess.PIPE,
+        )
+        assert self._proc.stdout is not None
+        self.ready = self._proc.stdout.readline().strip() == b"READY"
+
+    def stop(self) -> dict[str, int]:
+        import json
+
+        out, _ = self._proc.communicate(timeout=120)
+        for line in out.decode().splitlines():
+            if line.startswith("STATS "):
+                stats: dict[str, int] = json.loads(line[len("STATS ") :])
+                return stats
+        return {}

@@ -6,66 +6,17 @@ would otherwise be measured with the listener's), and raw TCP peers speaking jun
 
 from __future__ import annotations
 
-import json
 import socket
-import subprocess
-import sys
-import textwrap
 import threading
 
 import pytest
 import zmq
+from attack_support import rss_after_one_message
 from http_support import wait_until
 from zmq_support import AckRecorder
 
 from statemachine.decode.acks import AckListener, ack_frames
 from statemachine.validation import InvalidArgument
-
-_RSS_SCRIPT = textwrap.dedent(
-    """
-    import json, subprocess, sys, time
-    from statemachine.decode.acks import AckListener
-
-    def rss_mb():
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS"):
-                    return int(line.split()[1]) / 1024
-
-    frames = int(sys.argv[1])
-    sender = '''
-    import sys, time, zmq
-    c = zmq.Context(); s = c.socket(zmq.PUSH); s.setsockopt(zmq.LINGER, 2000)
-    s.connect("tcp://127.0.0.1:" + sys.argv[1])
-    s.send_multipart([b"x" * 200] * int(sys.argv[2])); time.sleep(1.0); s.close(); c.term()
-    '''
-    with AckListener() as acks:
-        time.sleep(0.2)
-        base = peak = rss_mb()
-        child = subprocess.Popen([sys.executable, "-c", sender, str(acks.port), str(frames)])
-        end = time.monotonic() + 30
-        while child.poll() is None and time.monotonic() < end:
-            peak = max(peak, rss_mb())
-            time.sleep(0.005)
-        child.wait(10)
-        after = rss_mb()
-        print(json.dumps({"base": base, "peak": peak, "after": after,
-                          "malformed": acks.stats().malformed}))
-    """
-)
-
-
-def rss_after_one_message(frames: int) -> dict[str, float]:
-    """RSS of a fresh process holding an AckListener, before/peak/after one message of
-    ``frames`` 200-byte frames sent by another process."""
-    out = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT, str(frames)],
-        capture_output=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    result: dict[str, float] = json.loads(out.decode().strip().splitlines()[-1])
-    return result
 
 
 @pytest.mark.slow
@@ -73,7 +24,7 @@ def test_zmq15_one_200k_frame_message_does_not_grow_memory() -> None:
     """Before: RSS 19.5 -> 149 MB for one message of 200k frames of 200 bytes (MAXMSGSIZE is
     per frame). A generous correctness bound here; the +1 MB goal is measured in
     benchmarks/bench_hostile.py."""
-    result = rss_after_one_message(200_000)
+    result = rss_after_one_message(200_000, "ours")
     assert result["peak"] - result["base"] <= 8.0, result
     assert result["malformed"] >= 1
 
