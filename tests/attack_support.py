@@ -251,7 +251,7 @@ if mode == "ours":
     acks = AckListener()
     port = acks.port
     drain = lambda: None
-else:  # the design before ZMQ-15: a PULL socket with MAXMSGSIZE, messages read whole
+else:  # the design before ACK-2: a PULL socket with MAXMSGSIZE, messages read whole
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.setsockopt(zmq.MAXMSGSIZE, 256)
@@ -278,7 +278,7 @@ print(json.dumps({"base": base, "peak": peak, "after": after, "malformed": malfo
 def rss_after_one_message(frames: int, mode: str) -> dict[str, float]:
     """RSS (MB) of a fresh process listening for acks, before / peak / after one message of
     ``frames`` 200-byte frames sent by another process. ``mode``: ``"ours"`` (AckListener)
-    or ``"pull"`` (a plain PULL socket with MAXMSGSIZE=256, the design before ZMQ-15)."""
+    or ``"pull"`` (a plain PULL socket with MAXMSGSIZE=256, the design before ACK-2)."""
     import json
     import subprocess
     import sys

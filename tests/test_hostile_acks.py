@@ -1,4 +1,4 @@
-"""The decode's ack listener against hostile senders (spec/zmq.md ZMQ-15, ZMQ-16).
+"""The decode's ack listener against hostile senders (spec/protocol.md ACK-2, ACK-3).
 
 Real sockets on 127.0.0.1: libzmq PUSH senders (in a child process where their own buffering
 would otherwise be measured with the listener's), and raw TCP peers speaking junk.
@@ -20,7 +20,7 @@ from statemachine.validation import InvalidArgument
 
 
 @pytest.mark.slow
-def test_zmq15_one_200k_frame_message_does_not_grow_memory() -> None:
+def test_ack2_one_200k_frame_message_does_not_grow_memory() -> None:
     """Before: RSS 19.5 -> 149 MB for one message of 200k frames of 200 bytes (MAXMSGSIZE is
     per frame). A generous correctness bound here; the +1 MB goal is measured in
     benchmarks/bench_hostile.py."""
@@ -42,7 +42,7 @@ def send_frames(port: int, messages: list[list[bytes]]) -> None:
         context.term()
 
 
-def test_zmq15_too_many_frames_cuts_the_sender_and_the_listener_serves_on() -> None:
+def test_ack2_too_many_frames_cuts_the_sender_and_the_listener_serves_on() -> None:
     with AckListener() as acks:
         done = AckRecorder()
         acks.expect(7, 1, done)
@@ -53,14 +53,14 @@ def test_zmq15_too_many_frames_cuts_the_sender_and_the_listener_serves_on() -> N
         assert done.wait(5)
 
 
-def test_zmq15_oversized_frame_cuts_the_sender() -> None:
+def test_ack2_oversized_frame_cuts_the_sender() -> None:
     with AckListener() as acks:
         send_frames(acks.port, [[b"ack", b"1" * 300, b"0", b"0"]])
         assert wait_until(lambda: acks.stats().malformed == 1)
         assert acks.stats().received == 0
 
 
-def test_zmq15_small_malformed_messages_are_dropped_not_cut() -> None:
+def test_ack2_small_malformed_messages_are_dropped_not_cut() -> None:
     """A short non-ack message is counted and dropped; the same connection's next ack counts."""
     with AckListener() as acks:
         done = AckRecorder()
@@ -82,7 +82,7 @@ def test_zmq15_small_malformed_messages_are_dropped_not_cut() -> None:
         b"\xff" * 200,
     ],
 )
-def test_zmq15_raw_junk_is_cut_and_the_listener_serves_on(junk: bytes) -> None:
+def test_ack2_raw_junk_is_cut_and_the_listener_serves_on(junk: bytes) -> None:
     with AckListener() as acks:
         with socket.create_connection(("127.0.0.1", acks.port), timeout=5) as raw:
             raw.sendall(junk)
@@ -101,7 +101,7 @@ def test_zmq15_raw_junk_is_cut_and_the_listener_serves_on(junk: bytes) -> None:
         assert done.wait(5)
 
 
-def test_zmq15_many_senders_at_once_all_complete() -> None:
+def test_ack2_many_senders_at_once_all_complete() -> None:
     with AckListener() as acks:
         done = threading.Event()
         rooms: list[int] = []
@@ -129,13 +129,13 @@ def test_zmq15_many_senders_at_once_all_complete() -> None:
 
 
 @pytest.mark.parametrize("ip", ["not-an-ip", "0.0.0.0", "::", "224.0.0.1", "fe80::1%eth0", ""])
-def test_zmq16_listener_ip_is_validated_at_construction(ip: str) -> None:
+def test_ack3_listener_ip_is_validated_at_construction(ip: str) -> None:
     """Before: AckListener(ip='not-an-ip') raised a raw ZMQError from bind."""
     with pytest.raises(InvalidArgument, match="AckListener ip"):
         AckListener(ip)
 
 
-def test_zmq16_listener_on_ipv6_loopback() -> None:
+def test_ack3_listener_on_ipv6_loopback() -> None:
     try:
         probe = socket.socket(socket.AF_INET6)
         probe.bind(("::1", 0))

@@ -1,4 +1,4 @@
-"""The reference prefill rank against a dead decode, and its start failures (spec/zmq.md ZMQ-14).
+"""The reference prefill rank against a dead decode, and its start failures (spec/protocol.md ACK-1, ACK-4).
 
 Real processes and sockets on 127.0.0.1: a prefill rank subprocess, a live decode's ack
 listener, and a dead decode (an ack listener that was closed: nothing listens on its port).
@@ -28,7 +28,7 @@ def server() -> Iterator[BootstrapServer]:
         yield running
 
 
-def test_zmq14_dead_decode_does_not_delay_a_live_decodes_ack(server: BootstrapServer) -> None:
+def test_ack1_dead_decode_does_not_delay_a_live_decodes_ack(server: BootstrapServer) -> None:
     """Before: each ack to the dead decode blocked the rank for SNDTIMEO (1 s), so after ten
     of them the live decode's ack arrived 10.02 s late."""
     dead = AckListener()
@@ -61,7 +61,7 @@ def test_zmq14_dead_decode_does_not_delay_a_live_decodes_ack(server: BootstrapSe
     assert stats["ack_failures"] == 10
 
 
-def test_zmq14_live_decode_acks_keep_flowing_while_another_is_dead(
+def test_ack1_live_decode_acks_keep_flowing_while_another_is_dead(
     server: BootstrapServer,
 ) -> None:
     dead = AckListener()
@@ -90,7 +90,7 @@ def test_zmq14_live_decode_acks_keep_flowing_while_another_is_dead(
         assert time.monotonic() - start < 5.0  # before: 50 x SNDTIMEO = 50 s
 
 
-def test_start_failure_carries_the_childs_last_stderr_lines(server: BootstrapServer) -> None:
+def test_ack4_start_failure_carries_the_childs_last_stderr_lines(server: BootstrapServer) -> None:
     """Before: "prefill rank exited with 1 before READY", no reason."""
     rank = PrefillRankProcess(server.address, "wrong-token")
     with pytest.raises(PrefillRankStartFailed) as caught:

@@ -11,7 +11,7 @@ by the rooms currently expected (ZMQ-12).
 
 Call ``expect`` *before* sending the metadata: an ack that arrives first is dropped as unknown.
 
-Bounded memory per message (ZMQ-15): libzmq delivers a multipart message only once all of
+Bounded memory per message (ACK-2): libzmq delivers a multipart message only once all of
 its frames arrived, and ``MAXMSGSIZE`` bounds each frame, not their number, so one message of
 200,000 small frames made a ``PULL`` socket buffer ~130 MB. The listener therefore binds a
 ``ZMQ_STREAM`` socket (raw TCP bytes, read in small chunks with a low high-water mark) and
@@ -20,7 +20,7 @@ then frames parsed as they arrive. A peer whose message has more than four frame
 larger than 256 bytes, is disconnected at that frame; nothing of it is buffered. Senders are
 ordinary libzmq ``PUSH`` sockets and see a normal ``PULL`` peer.
 
-Trust boundary (ZMQ-16): an ack is not authenticated. Anyone who can reach the ack port can
+Trust boundary (ACK-3): an ack is not authenticated. Anyone who can reach the ack port can
 complete a room that is currently expected (never one that is not, and never twice). Like
 SGLang's own ZMQ channels, the ack port belongs on the cluster-internal network between
 prefill and decode; bind it to that interface, never to a public one.

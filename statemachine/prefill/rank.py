@@ -19,7 +19,7 @@ prints ``READY <port>`` and serves the :class:`~statemachine.backend.SimpleBacke
 Delayed acks wait in a heap, so a slow prefill still receives and counts messages on time.
 Acks leave through :class:`AckSender`: one queue and one non-blocking ``PUSH`` socket per
 decode peer, flushed when the poller says the socket is writable, so a dead decode never
-delays the acks of a live one (ZMQ-14; before, each ack to a dead decode blocked the rank for
+delays the acks of a live one (ACK-1; before, each ack to a dead decode blocked the rank for
 ``SNDTIMEO`` and ten of them held a live decode's ack back 10 s). An ack not sent within
 ``--ack-send-timeout-ms`` (or pushed out of a full queue) is dropped and counted in
 ``ack_failures``.
@@ -107,7 +107,7 @@ class _Peer:
 
 
 class AckSender:
-    """Per-decode-peer queues and non-blocking PUSH sockets (ZMQ-14).
+    """Per-decode-peer queues and non-blocking PUSH sockets (ACK-1).
 
     ``send`` queues an ack and tries a non-blocking send at once; what cannot go out now
     waits until :meth:`flush` is called for a writable socket (the serving loop polls
