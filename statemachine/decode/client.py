@@ -226,14 +226,21 @@ def transport_reason(
         return f"no complete reply within the {total:g} s request deadline"
     if any(issubclass(k, ConnectionRefusedError) for k in kinds):
         return "connection refused (is a bootstrap server listening there?)"
+    timed_out = any(issubclass(k, TimeoutError) for k in kinds)
+    # urllib3's NewConnectionError subclasses ConnectTimeoutError: a connect that failed for
+    # another reason (no route, unreachable network) must not read "timed out".
     if any(
         issubclass(k, (requests.exceptions.ConnectTimeout, urllib3.exceptions.ConnectTimeoutError))
         for k in kinds
     ):
-        return f"connect timed out after {connect_timeout:g} s"
-    if any(
+        if timed_out or not any(
+            issubclass(k, urllib3.exceptions.NewConnectionError) for k in kinds
+        ):
+            return f"connect timed out after {connect_timeout:g} s"
+        root = next((c for c in causes if isinstance(c, OSError) and c.errno), causes[-1])
+        return f"could not connect ({root})"
+    if timed_out or any(
         issubclass(k, (requests.exceptions.ReadTimeout, urllib3.exceptions.ReadTimeoutError))
-        or issubclass(k, TimeoutError)
         for k in kinds
     ):
         return f"read timed out after {read_timeout:g} s"
