@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import zmq
@@ -154,3 +155,35 @@ def test_ack3_listener_on_ipv6_loopback() -> None:
         sock.close()
         context.term()
         assert done.wait(5)
+
+
+def test_ack2_idle_connections_cannot_lock_senders_out() -> None:
+    """A flood of connections that never speak ZMTP displaces no real sender: at the cap the
+    longest-silent one still mid-handshake is cut to admit the newcomer."""
+    with AckListener(max_peers=8) as acks:
+        idle = [socket.create_connection(("127.0.0.1", acks.port)) for _ in range(20)]
+        try:
+            done = AckRecorder()
+            acks.expect(11, 1, done)
+            send_frames(acks.port, [ack_frames(11, 0, 0)])
+            assert done.wait(5)
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_ack2_silent_connection_is_cut_after_the_handshake_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("statemachine.decode.acks.HANDSHAKE_TIMEOUT", 0.3)
+    with (
+        AckListener() as acks,
+        socket.create_connection(("127.0.0.1", acks.port), timeout=5) as raw,
+    ):
+        raw.settimeout(5)
+        received = b""
+        start = time.monotonic()
+        while chunk := raw.recv(4096):  # our greeting, then EOF when cut
+            received += chunk
+        assert received.startswith(b"\xff")
+        assert time.monotonic() - start < 3.0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,8 +44,10 @@ ACK_FRAMES = 4
 _MAX_ACK_BYTES = 256
 #: Largest ZMTP command we read (a peer's READY with its metadata).
 _MAX_COMMAND_BYTES = 1024
-#: Connected senders at a time; a newer one past it is disconnected at once.
+#: Connected senders at a time; past it a new one displaces the longest-silent one.
 MAX_PEERS = 1024
+#: Seconds a sender has to complete the ZMTP handshake before it is disconnected.
+HANDSHAKE_TIMEOUT = 5.0
 #: Chunks libzmq may hold per sender before it stops reading that sender's TCP socket.
 _STREAM_RCVHWM = 16
 
@@ -124,7 +127,7 @@ class _Pending:
 class AckListener:
     """PULL socket + daemon thread that completes rooms; see the module docstring."""
 
-    def __init__(self, ip: str = "127.0.0.1") -> None:
+    def __init__(self, ip: str = "127.0.0.1", *, max_peers: int = MAX_PEERS) -> None:
         # The ip travels in every metadata message as the address prefill ranks connect to:
         # a peer IP literal (not 0.0.0.0, not a name), checked before any socket exists.
         self.ip = require_rank_ip("AckListener ip", ip)
@@ -143,7 +146,7 @@ class AckListener:
             self._pull.close(linger=0)
             self._context.term()
             raise
-        self._zmtp = _ZmtpPull(self._pull, self._on_message, self._on_malformed)
+        self._zmtp = _ZmtpPull(self._pull, self._on_message, self._on_malformed, max_peers)
         wake_url = f"inproc://ack-listener-wake-{id(self)}"
         self._wake_rx = self._context.socket(zmq.PAIR)
         self._wake_rx.setsockopt(zmq.LINGER, 0)
@@ -234,7 +237,10 @@ class AckListener:
         poller.register(self._wake_rx, zmq.POLLIN)
         try:
             while True:
-                ready = dict(poller.poll())
+                # Wake at least once a second while a sender is mid-handshake, to cut it off
+                # at HANDSHAKE_TIMEOUT; otherwise sleep until something arrives.
+                ready = dict(poller.poll(1000 if self._zmtp.handshaking() else None))
+                self._zmtp.sweep()
                 if self._wake_rx in ready:
                     return
                 # Drain what is there without going back to poll for each chunk.
@@ -292,12 +298,14 @@ class _Cut(Exception):
 
 
 class _PeerState:
-    __slots__ = ("buffer", "frames", "stage")
+    __slots__ = ("buffer", "frames", "last", "since", "stage")
 
-    def __init__(self) -> None:
+    def __init__(self, now: float) -> None:
         self.buffer = bytearray()
         self.frames: list[bytes] = []
         self.stage = 0  # 0: greeting, 1: waiting for READY, 2: messages
+        self.since = now  # connected at
+        self.last = now  # last bytes at
 
 
 class _ZmtpPull:
@@ -314,32 +322,55 @@ class _ZmtpPull:
         sock: zmq.Socket[bytes],
         on_message: Callable[[list[bytes]], None],
         on_malformed: Callable[[], None],
+        max_peers: int = MAX_PEERS,
     ) -> None:
         self._sock = sock
         self._on_message = on_message
         self._on_malformed = on_malformed
+        self._max_peers = max_peers
         self._peers: dict[bytes, _PeerState] = {}
+
+    def handshaking(self) -> bool:
+        return any(peer.stage < 2 for peer in self._peers.values())
+
+    def sweep(self) -> None:
+        """Cut off senders that did not complete the handshake within HANDSHAKE_TIMEOUT."""
+        if not self._peers:
+            return
+        too_old = time.monotonic() - HANDSHAKE_TIMEOUT
+        for peer_id, peer in list(self._peers.items()):
+            if peer.stage < 2 and peer.since < too_old:
+                self._cut(peer_id)
 
     def on_chunk(self, peer_id: bytes, data: bytes) -> None:
         peer = self._peers.get(peer_id)
         if not data:  # STREAM's connect / disconnect notification
             if peer is not None:
                 del self._peers[peer_id]
-            elif len(self._peers) >= MAX_PEERS:
-                self._disconnect(peer_id)
-            else:
-                self._peers[peer_id] = _PeerState()
-                self._send(peer_id, _HANDSHAKE)
+                return
+            if len(self._peers) >= self._max_peers:
+                # Make room: the longest-silent sender, those still mid-handshake first (a
+                # flood of idle connections cannot lock the prefill ranks out).
+                victim = min(
+                    self._peers, key=lambda i: (self._peers[i].stage == 2, self._peers[i].last)
+                )
+                self._cut(victim)
+            self._peers[peer_id] = _PeerState(time.monotonic())
+            self._send(peer_id, _HANDSHAKE)
             return
         if peer is None:
             return  # a peer we cut off: its last bytes
+        peer.last = time.monotonic()
         peer.buffer += data
         try:
             self._parse(peer)
         except _Cut:
             self._on_malformed()
-            del self._peers[peer_id]
-            self._disconnect(peer_id)
+            self._cut(peer_id)
+
+    def _cut(self, peer_id: bytes) -> None:
+        self._peers.pop(peer_id, None)
+        self._disconnect(peer_id)
 
     def _parse(self, peer: _PeerState) -> None:
         buf = peer.buffer

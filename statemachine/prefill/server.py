@@ -388,7 +388,7 @@ class _RateLimitedLog:
         self._last: dict[str, float] = {}
         self._count: dict[str, int] = {}
 
-    def warning(self, topic: str, message: str, *, exc_info: bool = False) -> None:
+    def warning(self, topic: str, message: str) -> None:
         count = self._count.get(topic, 0) + 1
         now = self._clock()
         last = self._last.get(topic)
@@ -397,7 +397,10 @@ class _RateLimitedLog:
             return
         self._last[topic] = now
         self._count[topic] = 0
-        _log.warning("%s (%d time(s) since the last such line)", message, count, exc_info=exc_info)
+        if count > 1:
+            _log.warning("%s (%d more since the last such line)", message, count - 1)
+        else:
+            _log.warning("%s", message)
 
 
 def default_max_connections() -> int:
