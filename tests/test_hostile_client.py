@@ -323,3 +323,36 @@ def test_http25_every_accepted_rank_ip_connects(
 def test_http25_reasons_are_named(ip: str, reason: str) -> None:
     problem = rank_ip_problem(ip)
     assert problem is not None and reason in problem
+
+
+# --- HTTP-35: a bootstrap host name resolves within the deadline ------------------------------
+
+
+def test_http35_silent_resolver_is_bounded_by_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A resolver that never answers cannot be run here (it would be the machine's), so the
+    lookup function is replaced by one that stalls; everything else is real."""
+    release = threading.Event()
+
+    def silent(host: str, port: int) -> str:
+        release.wait(3.0)
+        raise OSError("resolver gave up")
+
+    monkeypatch.setattr("statemachine.decode.client._first_address", silent)
+    client = BootstrapClient(deadline=0.5)
+    try:
+        elapsed, result = timed(lambda: client.health("bootstrap.silent-resolver.test:8998"))
+    finally:
+        release.set()
+    assert isinstance(result, TransportFailure)
+    assert "host name did not resolve within the 0.5 s request deadline" in str(result)
+    assert elapsed <= 0.5 + SLACK
+
+
+def test_http35_host_names_still_work_and_are_cached() -> None:
+    with running_server(token=TOKEN) as server, BootstrapClient() as client:
+        addr = f"localhost:{server.port}"
+        assert client.health(addr) == server.instance_id
+        client.close()  # a new connection: the name is looked up again (from the cache)
+        assert client.health(addr) == server.instance_id

@@ -20,7 +20,9 @@ left. The deadline is per thread (a ``threading.local``), like the sessions it a
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
+import ipaddress
 import json
 import random
 import socket
@@ -138,15 +140,89 @@ class _DeadlineSocket(socket.socket):
         super().sendall(data, flags)
 
 
+class NameLookupTimeout(TimeoutError):
+    """A bootstrap host name did not resolve within the time left to the request."""
+
+
+class _Resolver:
+    """Host-name lookups for bootstrap addresses, bounded by the request's deadline.
+
+    ``getaddrinfo`` cannot be interrupted, so lookups run on a small pool of daemon threads
+    and the caller waits at most the time left; answers are cached for ``TTL`` seconds
+    (bounded), so a resolver that stops answering delays nothing whose name is cached, and
+    at most ``WORKERS`` threads can ever be stuck on it.
+    """
+
+    TTL = 30.0
+    WORKERS = 4
+    MAX_CACHED = 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, int], tuple[float, str]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def resolve(self, host: str, port: int) -> str:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get((host, port))
+            if hit is not None and hit[0] > now:
+                return hit[1]
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.WORKERS, thread_name_prefix="bootstrap-resolver"
+                )
+            pool = self._pool
+        limits: tuple[float, float] | None = getattr(_LIMITS, "value", None)
+        left = None if limits is None else max(0.0, limits[0] - now)
+        future = pool.submit(_first_address, host, port)
+        try:
+            ip = future.result(timeout=left)
+        except concurrent.futures.TimeoutError:
+            raise NameLookupTimeout(f"name {host!r} did not resolve in time") from None
+        with self._lock:
+            if len(self._cache) >= self.MAX_CACHED:
+                self._cache.clear()
+            self._cache[(host, port)] = (time.monotonic() + self.TTL, ip)
+        return ip
+
+
+def _first_address(host: str, port: int) -> str:
+    """The name's first address, IPv4 before IPv6 (a dual-stack ``localhost`` must reach a
+    server bound to 127.0.0.1)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    found.sort(key=lambda info: info[0] != socket.AF_INET)
+    return str(found[0][4][0])
+
+
+_RESOLVER = _Resolver()
+
+
 class _DeadlineConnection(HTTPConnection):
-    """urllib3's connection, with its freshly connected socket re-wrapped as a deadline one."""
+    """urllib3's connection: a host name is resolved within the deadline (:class:`_Resolver`),
+    and the freshly connected socket is re-wrapped as a deadline one."""
 
     def _new_conn(self) -> socket.socket:
-        sock = super()._new_conn()
+        host = self._dns_host
+        if not _is_ip_literal(host):
+            # Connect to the address; the Host header keeps the name.
+            self._dns_host = _RESOLVER.resolve(host, self.port)
+        try:
+            sock = super()._new_conn()
+        finally:
+            self._dns_host = host
         timeout = sock.gettimeout()
         wrapped = _DeadlineSocket(sock.family, sock.type, sock.proto, fileno=sock.detach())
         wrapped.settimeout(timeout)
         return wrapped
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class _DeadlinePool(HTTPConnectionPool):
@@ -218,12 +294,17 @@ def transport_reason(
     connect_timeout, read_timeout, total = timeouts
     causes = list(_causes(exc))
     kinds = tuple(type(c) for c in causes)
+    if any(issubclass(k, NameLookupTimeout) for k in kinds):
+        return f"host name did not resolve within the {total:g} s request deadline"
     if any(issubclass(k, DeadlinePassed) for k in kinds) or (
         deadline is not None
         and deadline.passed()
         and any(issubclass(k, TimeoutError) for k in kinds)
     ):
         return f"no complete reply within the {total:g} s request deadline"
+    if any(issubclass(k, socket.gaierror) for k in kinds):
+        gai = next(c for c in causes if isinstance(c, socket.gaierror))
+        return f"host name did not resolve ({gai.strerror})"
     if any(issubclass(k, ConnectionRefusedError) for k in kinds):
         return "connection refused (is a bootstrap server listening there?)"
     timed_out = any(issubclass(k, TimeoutError) for k in kinds)
