@@ -20,7 +20,6 @@ left. The deadline is per thread (a ``threading.local``), like the sessions it a
 
 from __future__ import annotations
 
-import concurrent.futures
 import http.client
 import ipaddress
 import json
@@ -147,10 +146,11 @@ class NameLookupTimeout(TimeoutError):
 class _Resolver:
     """Host-name lookups for bootstrap addresses, bounded by the request's deadline.
 
-    ``getaddrinfo`` cannot be interrupted, so lookups run on a small pool of daemon threads
-    and the caller waits at most the time left; answers are cached for ``TTL`` seconds
-    (bounded), so a resolver that stops answering delays nothing whose name is cached, and
-    at most ``WORKERS`` threads can ever be stuck on it.
+    ``getaddrinfo`` cannot be interrupted, so each lookup runs on a daemon thread (it never
+    holds up interpreter exit) and the caller waits at most the time left; at most
+    ``WORKERS`` lookups are in flight, so a resolver that stops answering can hold only that
+    many threads. Answers are cached for ``TTL`` seconds (bounded), so it delays nothing whose
+    name is cached.
     """
 
     TTL = 30.0
@@ -160,7 +160,7 @@ class _Resolver:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, int], tuple[float, str]] = {}
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._in_flight = 0
 
     def resolve(self, host: str, port: int) -> str:
         now = time.monotonic()
@@ -168,23 +168,35 @@ class _Resolver:
             hit = self._cache.get((host, port))
             if hit is not None and hit[0] > now:
                 return hit[1]
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    self.WORKERS, thread_name_prefix="bootstrap-resolver"
-                )
-            pool = self._pool
+            if self._in_flight >= self.WORKERS:
+                raise NameLookupTimeout(f"name {host!r}: {self.WORKERS} lookups already stuck")
+            self._in_flight += 1
         limits: tuple[float, float] | None = getattr(_LIMITS, "value", None)
         left = None if limits is None else max(0.0, limits[0] - now)
-        future = pool.submit(_first_address, host, port)
-        try:
-            ip = future.result(timeout=left)
-        except concurrent.futures.TimeoutError:
-            raise NameLookupTimeout(f"name {host!r} did not resolve in time") from None
+        done = threading.Event()
+        answer: list[str | BaseException] = []
+
+        def lookup() -> None:
+            try:
+                answer.append(_first_address(host, port))
+            except BaseException as exc:  # handed to the waiting caller
+                answer.append(exc)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                done.set()
+
+        threading.Thread(target=lookup, name="bootstrap-resolver", daemon=True).start()
+        if not done.wait(left):
+            raise NameLookupTimeout(f"name {host!r} did not resolve in time")
+        result = answer[0]
+        if isinstance(result, BaseException):
+            raise result
         with self._lock:
             if len(self._cache) >= self.MAX_CACHED:
                 self._cache.clear()
-            self._cache[(host, port)] = (time.monotonic() + self.TTL, ip)
-        return ip
+            self._cache[(host, port)] = (time.monotonic() + self.TTL, result)
+        return result
 
 
 def _first_address(host: str, port: int) -> str:
