@@ -1,4 +1,4 @@
-"""The reference prefill rank against a dead decode, and its start failures (spec/protocol.md ACK-1, ACK-4).
+"""The reference prefill rank: a dead decode, and start failures (spec/protocol.md ACK-1, ACK-4).
 
 Real processes and sockets on 127.0.0.1: a prefill rank subprocess, a live decode's ack
 listener, and a dead decode (an ack listener that was closed: nothing listens on its port).

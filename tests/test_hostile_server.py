@@ -299,6 +299,11 @@ def test_http73_expect_not_answered_100_for_a_refused_body(server: BootstrapServ
     assert raw_exchange(server, big) == [b"HTTP/1.1 413 Request Entity Too Large"]
 
 
+def test_http73_unknown_expectation_is_417(server: BootstrapServer) -> None:
+    head = expect_head("/query_dp_ranks", 10, auth=False).replace(b"100-continue", b"200-ok")
+    assert raw_exchange(server, head) == [b"HTTP/1.1 417 Expectation Failed"]
+
+
 def test_http73_expect_answered_100_for_an_accepted_body(server: BootstrapServer) -> None:
     body = json.dumps({"bootstrap_room": 3, "dp_rank": 1}).encode()
     head = expect_head("/register_dp_rank", len(body), auth=True)
