@@ -8,7 +8,7 @@ behind a stable address from the old one (HTTP-50). Routes and status codes: spe
 Bad input never crashes a handler: every body and parameter is checked and rejected with a
 4xx (HTTP-60..66); the generated-junk tests in ``tests/test_server.py`` hold this.
 
-Standing under attack (HTTP-70..75): every connection goes through a :class:`_Guard` protocol
+Standing under attack (HTTP-70..73): every connection goes through a :class:`_Guard` protocol
 wrapped around aiohttp's own, which knows what the connection is doing (idle, sending headers,
 sending a body, being answered) and since when. A sweeper closes connections that stay in one
 phase too long (header, body and idle deadlines); at the connection cap a new connection
