@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -444,3 +446,14 @@ def test_http72_fd_exhaustion_is_one_line_and_the_server_recovers() -> None:
     assert "Traceback" not in log
     lines = [line for line in log.splitlines() if "cannot accept a connection" in line]
     assert 1 <= len(lines) <= 2, log
+
+
+def test_http57_cli_refuses_a_token_with_whitespace_at_start_up() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "statemachine", "serve", "--port", "0", "--token", "tok "],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "error: token has leading/trailing whitespace" in result.stderr
