@@ -33,6 +33,7 @@ from statemachine.errors import (
     RequestRejected,
     SendFailed,
     TransportFailure,
+    UnknownRoom,
     WaitingTimeout,
 )
 from statemachine.lifecycle import KVPoll, Lifecycle
@@ -105,6 +106,7 @@ __all__ = [
     "SimpleBackend",
     "Topology",
     "TransportFailure",
+    "UnknownRoom",
     "WaitingTimeout",
     "ZmqTransport",
 ]

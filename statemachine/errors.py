@@ -95,3 +95,16 @@ class MissingExtra(BootstrapError, ImportError):
         )
         self.extra = extra
         self.module = module
+
+
+# --- hostile peers: bootstrap HTTP (hostile branch) -------------------------------------------
+
+
+class UnknownRoom(NotFound):
+    """The bootstrap server knows no dp rank for this room (yet): ``POST /query_dp_ranks``
+    answered without it. The prefill registers a room's dp rank when the request reaches it,
+    so this can be temporary: ask again, or pass the dp rank explicitly."""
+
+    def __init__(self, message: str, *, addr: str, room: int) -> None:
+        super().__init__(message, addr=addr, status=200)
+        self.room = room

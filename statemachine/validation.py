@@ -4,8 +4,14 @@ Shared by the client (which must never cache a half-valid reply) and the server 
 answer bad input with a 4xx, never a crash). Everything here is pure: no I/O, no state.
 
 Type rules: an integer field must be a JSON integer, and ``True``/``False`` are *not*
-integers here even though ``bool`` subclasses ``int`` in Python. Unknown extra keys in a reply
-are ignored, because old SGLang clients broke when servers added fields.
+integers here even though ``bool`` subclasses ``int`` in Python. Unknown extra keys in a
+topology reply are carried in ``Topology.extra`` (bounded), never rejected, because old SGLang
+clients broke when servers added fields.
+
+Rank ips are IP literals only (HTTP-25): a host name would be resolved by libzmq on the
+context's single I/O thread, where one resolver that never answers delays every socket of the
+process. :func:`rank_ip_problem` is the one rule, used by the server on registration, by the
+client on every route reply and by the ack listener on its bind address.
 """
 
 from __future__ import annotations
@@ -14,13 +20,49 @@ import ipaddress
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from statemachine.errors import BootstrapError, MalformedReply
 
 #: Largest reply body the client reads; anything larger is a malformed reply (HTTP-24).
 MAX_REPLY_BYTES = 1 << 20
+
+# Bounds on topology fields (HTTP-63), shared by the server (registration) and the client
+# (topology reply). Generous for any real deployment, small enough that a bogus claim cannot
+# make the server wait for billions of ranks or overflow an int64 anywhere.
+#: Largest tp, cp, dp or pp size.
+MAX_PARALLEL_SIZE = 4096
+#: Largest number of ranks (dp x cp x tp x pp) in one topology.
+MAX_WORLD = 65536
+MAX_PAGE_SIZE = 1 << 20
+#: Longest short string field (kv_cache_dtype, load_balance_method, decode_allocation_policy).
+MAX_LABEL = 64
+#: Carried-through fields we do not interpret: at most this many, key and JSON value bounded.
+MAX_EXTRA_FIELDS = 16
+MAX_EXTRA_KEY = 64
+MAX_EXTRA_VALUE_BYTES = 1024
+#: ``dsv41_spec_layout`` (a JSON object) serialised.
+MAX_LAYOUT_BYTES = 4096
+INT64_MAX = 2**63 - 1
+
+#: Keys of the topology reply (reference: SGLang's decode reads these).
+TOPOLOGY_KEYS = frozenset(
+    (
+        "attn_tp_size",
+        "attn_cp_size",
+        "dp_size",
+        "pp_size",
+        "page_size",
+        "kv_cache_dtype",
+        "follow_bootstrap_room",
+        "enable_dsa_cache_layer_split",
+        "prefill_http_port",
+        "decode_allocation_policy",
+        "dsv41_spec_layout",
+    )
+)
 
 # RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens, 1-63 chars
 # each, 253 in all, optional trailing dot. ASCII only: IDNA names arrive already encoded.
@@ -42,9 +84,12 @@ class RouteReply(NamedTuple):
     instance_id: str | None
 
 
+_EMPTY: Mapping[str, object] = MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """The prefill's parallel layout, as answered by the ``-1`` topology query."""
+    """The prefill's parallel layout, as answered by the ``-1`` topology query (HTTP-22)."""
 
     attn_tp_size: int
     attn_cp_size: int
@@ -54,6 +99,13 @@ class Topology:
     kv_cache_dtype: str | None
     follow_bootstrap_room: bool | None
     instance_id: str | None
+    enable_dsa_cache_layer_split: bool | None = None
+    #: The prefill's HTTP API port (SGLang re-triggers a prefill through it).
+    prefill_http_port: int | None = None
+    decode_allocation_policy: str | None = None
+    dsv41_spec_layout: Mapping[str, object] | None = field(default=None, hash=False)
+    #: Reply keys this version does not interpret, carried through (read-only, bounded).
+    extra: Mapping[str, object] = field(default_factory=lambda: _EMPTY, hash=False)
 
 
 # --- scalar checks ----------------------------------------------------------------------------
@@ -64,15 +116,69 @@ def is_int(value: object) -> bool:
     return type(value) is int
 
 
+def _literal_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why an IP literal is not a peer one can connect to, or None."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return _literal_problem(address.ipv4_mapped)
+    if address.is_unspecified or (
+        isinstance(address, ipaddress.IPv4Address) and address.packed[0] == 0
+    ):
+        return "an unspecified address (0.0.0.0/8 or ::) names no peer"
+    if address.is_multicast:
+        return "a multicast address names no single peer"
+    if address == _BROADCAST:
+        return "the broadcast address names no single peer"
+    return None
+
+
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+
+
+def rank_ip_problem(ip: object) -> str | None:
+    """Why ``ip`` cannot be a ZMQ peer address, or None if it can (HTTP-25).
+
+    Accepted: an IPv4 or IPv6 literal (ASCII, no IPv6 scope id) that is not unspecified,
+    multicast or the broadcast address. Host names are refused so that nothing is ever resolved
+    on libzmq's shared I/O thread; scope ids are refused because ``connect()`` resolves them to
+    an interface and fails on an unknown one.
+    """
+    if not isinstance(ip, str):
+        return f"must be a str, got {type(ip).__name__}"
+    if not ip or len(ip) > 45 or not ip.isascii():
+        return "must be an IPv4 or IPv6 literal"
+    if "%" in ip:
+        return "must not carry an IPv6 scope id (%...)"
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return "must be an IPv4 or IPv6 literal (host names are not resolved)"
+    return _literal_problem(address)
+
+
+def is_rank_ip(ip: object) -> bool:
+    """True when :func:`rank_ip_problem` finds nothing wrong with ``ip``."""
+    return rank_ip_problem(ip) is None
+
+
+def require_rank_ip(name: str, ip: object) -> str:
+    """``ip`` if it is a peer IP literal, else :class:`InvalidArgument` saying why."""
+    problem = rank_ip_problem(ip)
+    if problem is not None:
+        raise InvalidArgument(f"{name} {ip!r} {problem}")
+    return ip  # type: ignore[return-value]
+
+
 def is_valid_host(host: object) -> bool:
-    """An IPv4/IPv6 literal or an RFC 1123 host name (no all-numeric last label)."""
-    if not isinstance(host, str) or not host or len(host) > 253:
+    """A bootstrap address host: a peer IP literal (see :func:`rank_ip_problem`) or an
+    RFC 1123 host name (no all-numeric last label)."""
+    if not isinstance(host, str) or not host or len(host) > 253 or not host.isascii():
         return False
     try:
         ipaddress.ip_address(host)
-        return True
     except ValueError:
         pass
+    else:
+        return rank_ip_problem(host) is None
     if _HOSTNAME.fullmatch(host) is None:
         return False
     # "01.2.3.4" is not an IP literal (leading zeros) and must not pass as a name either.
@@ -87,6 +193,8 @@ def parse_addr(addr: object) -> tuple[str, int]:
     """Split a ``"host:port"`` bootstrap address (IPv6 as ``"[::1]:8998"``); raise on junk."""
     if not isinstance(addr, str):
         raise InvalidArgument(f"bootstrap address must be a str, got {type(addr).__name__}")
+    if "://" in addr:
+        raise InvalidArgument(f"bad bootstrap address {addr!r}: no scheme: give host:port")
     host, sep, port_text = addr.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -103,9 +211,9 @@ def parse_addr(addr: object) -> tuple[str, int]:
 
 
 def require_index(name: str, value: object) -> int:
-    """A non-negative integer argument (rank, room)."""
-    if not is_int(value) or value < 0:  # type: ignore[operator]
-        raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
+    """A non-negative integer argument (rank, room) that fits an int64."""
+    if not is_int(value) or not 0 <= value <= INT64_MAX:  # type: ignore[operator]
+        raise InvalidArgument(f"{name} must be an int in 0..2**63-1, got {value!r}")
     return value  # type: ignore[return-value]
 
 
@@ -138,48 +246,119 @@ def _field(
     )
 
 
-def _positive_int(obj: Mapping[str, object], key: str, *, addr: str, status: int) -> int:
-    value = obj.get(key)
-    if not is_int(value) or value < 1:  # type: ignore[operator]
-        raise _field(obj, key, "an int >= 1", addr=addr, status=status)
-    return value  # type: ignore[return-value]
-
-
 def route_reply(
     obj: Mapping[str, object], *, addr: str, status: int, instance_id: str | None
 ) -> RouteReply:
-    """``{"rank_ip": host, "rank_port": 1..65535}``; extra keys ignored (HTTP-21)."""
+    """``{"rank_ip": ip literal, "rank_port": 1..65535}``; extra keys ignored (HTTP-21)."""
     ip = obj.get("rank_ip")
-    if not is_valid_host(ip):
-        raise _field(obj, "rank_ip", "an IP literal or host name", addr=addr, status=status)
+    problem = rank_ip_problem(ip)
+    if problem is not None:
+        raise _field(obj, "rank_ip", f"a peer IP literal ({problem})", addr=addr, status=status)
     port = obj.get("rank_port")
     if not is_valid_port(port):
         raise _field(obj, "rank_port", "an int in 1..65535", addr=addr, status=status)
     return RouteReply(ip, port, instance_id)  # type: ignore[arg-type]
 
 
+def _bounded_int(
+    obj: Mapping[str, object], key: str, low: int, high: int, *, addr: str, status: int
+) -> int:
+    value = obj.get(key)
+    if not is_int(value) or not low <= value <= high:  # type: ignore[operator]
+        raise _field(obj, key, f"an int in {low}..{high}", addr=addr, status=status)
+    return value  # type: ignore[return-value]
+
+
+def _optional_value(
+    obj: Mapping[str, object], key: str, check: object, want: str, *, addr: str, status: int
+) -> object:
+    """``obj[key]`` when absent/null (None) or when ``check(value)`` holds; else malformed."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not check(value):  # type: ignore[operator]
+        raise _field(obj, key, f"null or {want}", addr=addr, status=status)
+    return value
+
+
+def json_size(value: object) -> int:
+    """Bytes of ``value`` as compact JSON (what a bound on a carried value measures)."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def bounded_extra(items: Mapping[str, object], known: frozenset[str]) -> dict[str, object]:
+    """The keys of ``items`` not in ``known``, bounded: at most MAX_EXTRA_FIELDS keys of at most
+    MAX_EXTRA_KEY chars whose JSON value is at most MAX_EXTRA_VALUE_BYTES; the rest is dropped
+    (a field we do not interpret is carried when it fits, never a reason to fail)."""
+    extra: dict[str, object] = {}
+    for key, value in items.items():
+        if key in known or len(key) > MAX_EXTRA_KEY:
+            continue
+        try:
+            if json_size(value) > MAX_EXTRA_VALUE_BYTES:
+                continue
+        except (TypeError, ValueError, RecursionError):
+            continue
+        extra[key] = value
+        if len(extra) == MAX_EXTRA_FIELDS:
+            break
+    return extra
+
+
+def _is_label(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= MAX_LABEL
+
+
+def _is_layout(value: object) -> bool:
+    try:
+        return isinstance(value, dict) and json_size(value) <= MAX_LAYOUT_BYTES
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
 def topology_reply(
     obj: Mapping[str, object], *, addr: str, status: int, instance_id: str | None
 ) -> Topology:
-    """The four sizes are required ints >= 1; the rest may be absent or null (HTTP-22)."""
-    page_size = obj.get("page_size")
-    if page_size is not None and (not is_int(page_size) or page_size < 1):  # type: ignore[operator]
-        raise _field(obj, "page_size", "null or an int >= 1", addr=addr, status=status)
-    dtype = obj.get("kv_cache_dtype")
-    if dtype is not None and not isinstance(dtype, str):
-        raise _field(obj, "kv_cache_dtype", "null or a str", addr=addr, status=status)
-    follow = obj.get("follow_bootstrap_room")
-    if follow is not None and not isinstance(follow, bool):
-        raise _field(obj, "follow_bootstrap_room", "null or a bool", addr=addr, status=status)
+    """The four sizes are required ints in 1..MAX_PARALLEL_SIZE with a product of at most
+    MAX_WORLD; the rest may be absent or null; unknown keys go to ``extra`` (HTTP-22)."""
+    sizes = [
+        _bounded_int(obj, key, 1, MAX_PARALLEL_SIZE, addr=addr, status=status)
+        for key in ("attn_tp_size", "attn_cp_size", "dp_size", "pp_size")
+    ]
+    if sizes[0] * sizes[1] * sizes[2] * sizes[3] > MAX_WORLD:
+        raise MalformedReply(
+            f"{addr}: topology of {sizes[0] * sizes[1] * sizes[2] * sizes[3]} ranks is more "
+            f"than {MAX_WORLD}",
+            addr=addr,
+            status=status,
+        )
+    a: dict[str, Any] = {"addr": addr, "status": status}
+    page_size = _optional_value(
+        obj, "page_size", lambda v: is_int(v) and 1 <= v <= MAX_PAGE_SIZE, "an int >= 1", **a
+    )
+    layout = _optional_value(obj, "dsv41_spec_layout", _is_layout, "a small JSON object", **a)
     return Topology(
-        attn_tp_size=_positive_int(obj, "attn_tp_size", addr=addr, status=status),
-        attn_cp_size=_positive_int(obj, "attn_cp_size", addr=addr, status=status),
-        dp_size=_positive_int(obj, "dp_size", addr=addr, status=status),
-        pp_size=_positive_int(obj, "pp_size", addr=addr, status=status),
+        attn_tp_size=sizes[0],
+        attn_cp_size=sizes[1],
+        dp_size=sizes[2],
+        pp_size=sizes[3],
         page_size=page_size,  # type: ignore[arg-type]
-        kv_cache_dtype=dtype,
-        follow_bootstrap_room=follow,
+        kv_cache_dtype=_optional_value(obj, "kv_cache_dtype", _is_label, "a str", **a),  # type: ignore[arg-type]
+        follow_bootstrap_room=_optional_value(  # type: ignore[arg-type]
+            obj, "follow_bootstrap_room", lambda v: isinstance(v, bool), "a bool", **a
+        ),
         instance_id=instance_id,
+        enable_dsa_cache_layer_split=_optional_value(  # type: ignore[arg-type]
+            obj, "enable_dsa_cache_layer_split", lambda v: isinstance(v, bool), "a bool", **a
+        ),
+        prefill_http_port=_optional_value(  # type: ignore[arg-type]
+            obj, "prefill_http_port", is_valid_port, "an int in 1..65535", **a
+        ),
+        decode_allocation_policy=_optional_value(  # type: ignore[arg-type]
+            obj, "decode_allocation_policy", _is_label, "a str", **a
+        ),
+        dsv41_spec_layout=None if layout is None else MappingProxyType(layout),  # type: ignore[arg-type]
+        extra=MappingProxyType(bounded_extra(obj, TOPOLOGY_KEYS)),
     )
 
 

@@ -147,3 +147,77 @@ def running_server(**kw: Any) -> Iterator[BootstrapServer]:
         yield server
     finally:
         server.stop()
+
+
+class TrickleServer:
+    """A raw TCP server on 127.0.0.1 that answers every request one byte per ``interval``.
+
+    ``phase="headers"`` trickles from the first byte of the status line; ``phase="body"``
+    sends the status line and headers at once, then trickles a body of ``body_size`` bytes.
+    Each connection is served by a daemon thread that stops when the client hangs up, after
+    ``max_seconds``, or at ``close()`` - never left running.
+    """
+
+    def __init__(
+        self,
+        *,
+        interval: float = 1.0,
+        phase: str = "headers",
+        body_size: int = 1000,
+        max_seconds: float = 30.0,
+    ) -> None:
+        self.interval = interval
+        self.phase = phase
+        self.body_size = body_size
+        self.max_seconds = max_seconds
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        self._accept_thread = threading.Thread(target=self._accept, daemon=True)
+
+    def __enter__(self) -> TrickleServer:
+        self._accept_thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._accept_thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        body = b'{"rank_ip": "127.0.0.1", "rank_port": 5000, "pad": "' + b"x" * self.body_size
+        body += b'"}'
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        head += b"Content-Length: %d\r\n\r\n" % len(body)
+        with conn:
+            conn.settimeout(0.5)
+            try:
+                conn.recv(65536)  # the request (small: one segment on loopback)
+                if self.phase == "body":
+                    conn.sendall(head)
+                    slow = body
+                else:
+                    slow = head + body
+                end = time.monotonic() + self.max_seconds
+                for i in range(len(slow)):
+                    if self._stop.wait(self.interval) or time.monotonic() > end:
+                        return
+                    conn.sendall(slow[i : i + 1])
+            except OSError:
+                return  # the client gave up: what the tests want

@@ -88,8 +88,10 @@ def test_http11_get_topology(ready_server: BootstrapServer, client: BootstrapCli
         pp_size=1,
         page_size=16,
         kv_cache_dtype="bfloat16",
-        follow_bootstrap_room=None,
+        follow_bootstrap_room=True,
         instance_id=ready_server.instance_id,
+        enable_dsa_cache_layer_split=False,
+        decode_allocation_policy="early",
     )
 
 
@@ -182,14 +184,13 @@ def test_http21_extra_keys_ignored_and_header_read(
     scripted: ScriptedServer, client: BootstrapClient
 ) -> None:
     """HTTP-21: unknown extra keys are ignored (old clients broke on them)."""
-    body = {**_VALID_ROUTE, "new_field": [1, 2], "rank_ip": "prefill-0.svc.cluster.local"}
+    body = {**_VALID_ROUTE, "new_field": [1, 2], "rank_ip": "fd00::7"}
     scripted.set(200, json.dumps(body).encode(), headers={INSTANCE_HEADER: "abc"})
-    assert client.get_rank(scripted.address, **RANK) == RouteReply(
-        "prefill-0.svc.cluster.local", 17000, "abc"
-    )
+    assert client.get_rank(scripted.address, **RANK) == RouteReply("fd00::7", 17000, "abc")
     scripted.set(200, json.dumps({**_VALID_TOPOLOGY, "extra": True}).encode())
     topology = client.get_topology(scripted.address)
     assert (topology.dp_size, topology.page_size, topology.instance_id) == (2, None, None)
+    assert topology.extra == {"extra": True}  # carried through, not interpreted
     scripted.set(200, b'{"5": 1, "6": 2, "x": "junk"}')
     assert client.query_dp_ranks(scripted.address, [5, 7]) == {5: 1}
 
@@ -208,6 +209,14 @@ def test_http21_extra_keys_ignored_and_header_read(
         {"rank_ip": "bad host", "rank_port": 17000},
         {"rank_ip": "01.2.3.4", "rank_port": 17000},
         {"rank_ip": "-x.example", "rank_port": 17000},
+        {"rank_ip": "prefill-0.svc.cluster.local", "rank_port": 17000},  # names: HTTP-25
+        {"rank_ip": "0.0.0.0", "rank_port": 17000},
+        {"rank_ip": "::", "rank_port": 17000},
+        {"rank_ip": "255.255.255.255", "rank_port": 17000},
+        {"rank_ip": "224.0.0.1", "rank_port": 17000},
+        {"rank_ip": "ff02::1", "rank_port": 17000},
+        {"rank_ip": "::1%a b", "rank_port": 17000},
+        {"rank_ip": "fe80::1%eth0", "rank_port": 17000},
         {"rank_ip": 167772167, "rank_port": 17000},
         {"rank_ip": None, "rank_port": 17000},
     ],

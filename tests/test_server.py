@@ -90,7 +90,10 @@ def test_http11_topology_query(server: BootstrapServer) -> None:
         "pp_size": 1,
         "page_size": 16,
         "kv_cache_dtype": "bfloat16",
-        "follow_bootstrap_room": None,
+        "follow_bootstrap_room": True,
+        "enable_dsa_cache_layer_split": False,
+        "prefill_http_port": None,
+        "decode_allocation_policy": "early",
     }
 
 

@@ -10,22 +10,67 @@ twice counts once). Acks for rooms nobody expects are counted and dropped, so me
 by the rooms currently expected (ZMQ-12).
 
 Call ``expect`` *before* sending the metadata: an ack that arrives first is dropped as unknown.
+
+Bounded memory per message (ACK-2): libzmq delivers a multipart message only once all of
+its frames arrived, and ``MAXMSGSIZE`` bounds each frame, not their number, so one message of
+200,000 small frames made a ``PULL`` socket buffer ~130 MB. The listener therefore binds a
+``ZMQ_STREAM`` socket (raw TCP bytes, read in small chunks with a low high-water mark) and
+speaks the receiving side of ZMTP 3.0 itself (:class:`_ZmtpPull`): greeting, NULL handshake,
+then frames parsed as they arrive. A peer whose message has more than four frames, or a frame
+larger than 256 bytes, is disconnected at that frame; nothing of it is buffered. Senders are
+ordinary libzmq ``PUSH`` sockets and see a normal ``PULL`` peer.
+
+Trust boundary (ACK-3): an ack is not authenticated. Anyone who can reach the ack port can
+complete a room that is currently expected (never one that is not, and never twice). Like
+SGLang's own ZMQ channels, the ack port belongs on the cluster-internal network between
+prefill and decode; bind it to that interface, never to a public one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
 
 from statemachine.backend import MalformedFrames
+from statemachine.validation import require_rank_ip
 
 ACK_KIND = b"ack"
 ACK_FRAMES = 4
 _MAX_ACK_BYTES = 256
+#: Largest ZMTP command we read (a peer's READY with its metadata).
+_MAX_COMMAND_BYTES = 1024
+#: Connected senders at a time; past it a new one displaces the longest-silent one.
+MAX_PEERS = 1024
+#: Seconds a sender has to complete the ZMTP handshake before it is disconnected.
+HANDSHAKE_TIMEOUT = 5.0
+#: Chunks libzmq may hold per sender before it stops reading that sender's TCP socket.
+_STREAM_RCVHWM = 16
+
+# ZMTP 3.0 (rfc.zeromq.org/spec/23): a 64-byte greeting, then a READY command (NULL mechanism).
+_GREETING = (
+    b"\xff"
+    + bytes(8)
+    + b"\x7f"  # signature
+    + b"\x03\x00"  # version 3.0
+    + b"NULL".ljust(20, b"\x00")  # mechanism
+    + b"\x00"  # as-server: no
+    + bytes(31)  # filler
+)
+_FLAG_MORE, _FLAG_LONG, _FLAG_COMMAND = 0x01, 0x02, 0x04
+
+
+def _ready_command(socket_type: bytes) -> bytes:
+    prop = b"\x0bSocket-Type" + len(socket_type).to_bytes(4, "big") + socket_type
+    body = b"\x05READY" + prop
+    return bytes((_FLAG_COMMAND, len(body))) + body
+
+
+_HANDSHAKE = _GREETING + _ready_command(b"PULL")
 
 _log = logging.getLogger(__name__)
 
@@ -82,17 +127,26 @@ class _Pending:
 class AckListener:
     """PULL socket + daemon thread that completes rooms; see the module docstring."""
 
-    def __init__(self, ip: str = "127.0.0.1") -> None:
-        self.ip = ip
+    def __init__(self, ip: str = "127.0.0.1", *, max_peers: int = MAX_PEERS) -> None:
+        # The ip travels in every metadata message as the address prefill ranks connect to:
+        # a peer IP literal (not 0.0.0.0, not a name), checked before any socket exists.
+        self.ip = require_rank_ip("AckListener ip", ip)
         # An own context: close() can then wake the thread through an inproc pair and
         # terminate the context without touching anybody else's sockets.
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._pull = self._context.socket(zmq.PULL)
+        self._pull = self._context.socket(zmq.STREAM)
         self._pull.setsockopt(zmq.LINGER, 0)
-        # An ack is a few dozen bytes; a peer sending anything much larger is disconnected by
-        # libzmq before it is buffered, which keeps the listener's memory bounded.
-        self._pull.setsockopt(zmq.MAXMSGSIZE, _MAX_ACK_BYTES)
-        self.port: int = self._pull.bind_to_random_port(f"tcp://{ip}")
+        self._pull.setsockopt(zmq.RCVHWM, _STREAM_RCVHWM)
+        if ":" in ip:
+            self._pull.setsockopt(zmq.IPV6, 1)
+        host = f"[{ip}]" if ":" in ip else ip
+        try:
+            self.port: int = self._pull.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._pull.close(linger=0)
+            self._context.term()
+            raise
+        self._zmtp = _ZmtpPull(self._pull, self._on_message, self._on_malformed, max_peers)
         wake_url = f"inproc://ack-listener-wake-{id(self)}"
         self._wake_rx = self._context.socket(zmq.PAIR)
         self._wake_rx.setsockopt(zmq.LINGER, 0)
@@ -183,26 +237,34 @@ class AckListener:
         poller.register(self._wake_rx, zmq.POLLIN)
         try:
             while True:
-                ready = dict(poller.poll())
+                # Wake at least once a second while a sender is mid-handshake, to cut it off
+                # at HANDSHAKE_TIMEOUT; otherwise sleep until something arrives.
+                ready = dict(poller.poll(1000 if self._zmtp.handshaking() else None))
+                self._zmtp.sweep()
                 if self._wake_rx in ready:
                     return
-                # Drain what is there without going back to poll for each message.
+                # Drain what is there without going back to poll for each chunk.
                 while True:
                     try:
-                        frames = self._pull.recv_multipart(zmq.NOBLOCK)
+                        peer, data = self._pull.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._on_message(frames)
+                    except ValueError:  # not [routing id, data]: cannot happen on STREAM
+                        continue
+                    self._zmtp.on_chunk(peer, data)
         finally:
             self._pull.close()
             self._wake_rx.close()
+
+    def _on_malformed(self) -> None:
+        with self._lock:
+            self._malformed += 1
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
             ack = parse_ack(frames)
         except MalformedFrames:
-            with self._lock:
-                self._malformed += 1
+            self._on_malformed()
             return
         with self._lock:
             self._received += 1
@@ -226,3 +288,145 @@ class AckListener:
             with self._lock:
                 self._callback_errors += 1
             _log.exception("ack callback for room %d raised", ack.room)
+
+
+# --- the receiving side of ZMTP 3.0 over a ZMQ_STREAM socket ----------------------------------
+
+
+class _Cut(Exception):
+    """The peer broke the protocol or a bound: disconnect it."""
+
+
+class _PeerState:
+    __slots__ = ("buffer", "frames", "last", "since", "stage")
+
+    def __init__(self, now: float) -> None:
+        self.buffer = bytearray()
+        self.frames: list[bytes] = []
+        self.stage = 0  # 0: greeting, 1: waiting for READY, 2: messages
+        self.since = now  # connected at
+        self.last = now  # last bytes at
+
+
+class _ZmtpPull:
+    """ZMTP 3.0 PULL side for the peers of one ``ZMQ_STREAM`` socket (listener thread only).
+
+    Each peer's bytes are parsed as they arrive; a buffer never holds more than one chunk plus
+    one partial frame header and body (at most a few hundred bytes past the chunk), and a
+    message is handed on as soon as its last frame is in: at most ACK_FRAMES frames of at most
+    _MAX_ACK_BYTES each, or the peer is cut off there.
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        on_message: Callable[[list[bytes]], None],
+        on_malformed: Callable[[], None],
+        max_peers: int = MAX_PEERS,
+    ) -> None:
+        self._sock = sock
+        self._on_message = on_message
+        self._on_malformed = on_malformed
+        self._max_peers = max_peers
+        self._peers: dict[bytes, _PeerState] = {}
+
+    def handshaking(self) -> bool:
+        return any(peer.stage < 2 for peer in self._peers.values())
+
+    def sweep(self) -> None:
+        """Cut off senders that did not complete the handshake within HANDSHAKE_TIMEOUT."""
+        if not self._peers:
+            return
+        too_old = time.monotonic() - HANDSHAKE_TIMEOUT
+        for peer_id, peer in list(self._peers.items()):
+            if peer.stage < 2 and peer.since < too_old:
+                self._cut(peer_id)
+
+    def on_chunk(self, peer_id: bytes, data: bytes) -> None:
+        peer = self._peers.get(peer_id)
+        if not data:  # STREAM's connect / disconnect notification
+            if peer is not None:
+                del self._peers[peer_id]
+                return
+            if len(self._peers) >= self._max_peers:
+                # Make room: the longest-silent sender, those still mid-handshake first (a
+                # flood of idle connections cannot lock the prefill ranks out).
+                victim = min(
+                    self._peers, key=lambda i: (self._peers[i].stage == 2, self._peers[i].last)
+                )
+                self._cut(victim)
+            self._peers[peer_id] = _PeerState(time.monotonic())
+            self._send(peer_id, _HANDSHAKE)
+            return
+        if peer is None:
+            return  # a peer we cut off: its last bytes
+        peer.last = time.monotonic()
+        peer.buffer += data
+        try:
+            self._parse(peer)
+        except _Cut:
+            self._on_malformed()
+            self._cut(peer_id)
+
+    def _cut(self, peer_id: bytes) -> None:
+        self._peers.pop(peer_id, None)
+        self._disconnect(peer_id)
+
+    def _parse(self, peer: _PeerState) -> None:
+        buf = peer.buffer
+        pos = 0
+        if peer.stage == 0:
+            if len(buf) < len(_GREETING):
+                if buf and buf[0] != 0xFF:
+                    raise _Cut
+                return
+            if buf[0] != 0xFF or not buf[9] & 1 or buf[10] < 3 or buf[12:16] != b"NULL":
+                raise _Cut  # not ZMTP 3 with the NULL mechanism
+            pos = len(_GREETING)
+            peer.stage = 1
+        end = len(buf)
+        while end - pos >= 2:
+            flags = buf[pos]
+            if flags & ~(_FLAG_MORE | _FLAG_LONG | _FLAG_COMMAND):
+                raise _Cut
+            if flags & _FLAG_LONG:
+                if end - pos < 9:
+                    break
+                size = int.from_bytes(buf[pos + 1 : pos + 9], "big")
+                header = 9
+            else:
+                size = buf[pos + 1]
+                header = 2
+            command = bool(flags & _FLAG_COMMAND)
+            if size > (_MAX_COMMAND_BYTES if command else _MAX_ACK_BYTES):
+                raise _Cut  # cut at the header: the body is never buffered
+            if end - pos < header + size:
+                break
+            body = bytes(buf[pos + header : pos + header + size])
+            pos += header + size
+            if command:
+                if peer.stage == 1:
+                    if not body.startswith(b"\x05READY"):
+                        raise _Cut
+                    peer.stage = 2
+                continue  # later commands (PING, ...) carry nothing for us
+            if peer.stage != 2:
+                raise _Cut
+            frames = peer.frames
+            frames.append(body)
+            if len(frames) > ACK_FRAMES:
+                raise _Cut  # a fifth frame: this is no ack, and the rest is never read
+            if not flags & _FLAG_MORE:
+                peer.frames = []
+                self._on_message(frames)
+        del buf[:pos]
+
+    def _send(self, peer_id: bytes, data: bytes) -> None:
+        try:
+            self._sock.send_multipart([peer_id, data], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._peers.pop(peer_id, None)
+
+    def _disconnect(self, peer_id: bytes) -> None:
+        # On a STREAM socket an empty message to a peer closes its connection.
+        self._send(peer_id, b"")

@@ -10,21 +10,33 @@ route, topology, dp-rank lookup and health probe alike - goes over one keep-aliv
 Every failure is a typed :class:`~statemachine.errors.BootstrapHTTPError` carrying ``addr`` and
 ``status`` (HTTP-40..45); after a transport failure the thread's session for that address is
 dropped so the next query starts on a fresh connection (HTTP-34).
+
+Every exchange has a wall-clock deadline (HTTP-35): requests' timeouts bound one connect and
+one socket read each, so a server trickling one byte per second would hold a query forever.
+The sessions' connections therefore use :class:`_DeadlineSocket`, whose every receive and send
+first sets the socket timeout to ``min(read_timeout, time left)`` and fails once no time is
+left. The deadline is per thread (a ``threading.local``), like the sessions it applies to.
 """
 
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import random
+import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import requests
+import urllib3.exceptions
 from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection
+from urllib3.connectionpool import HTTPConnectionPool
 
 from statemachine.errors import (
     BootstrapHTTPError,
@@ -33,6 +45,7 @@ from statemachine.errors import (
     NotReady,
     RequestRejected,
     TransportFailure,
+    UnknownRoom,
 )
 from statemachine.validation import (
     MAX_REPLY_BYTES,
@@ -54,6 +67,7 @@ __all__ = [
     "InvalidArgument",
     "RouteReply",
     "Topology",
+    "UnknownRoom",
     "register_rank",
 ]
 
@@ -77,22 +91,282 @@ class ClientStats:
     sessions_closed: int
 
 
+#: Default wall-clock bound on one exchange: connect + send + read of the whole reply (HTTP-35).
+DEFAULT_DEADLINE = 5.0
+#: Longest piece of a server's error text quoted in an exception message.
+MAX_QUOTED_ERROR = 200
+
+# --- the per-request deadline -----------------------------------------------------------------
+
+_LIMITS = threading.local()  # .value: (deadline on time.monotonic(), read timeout) or None
+
+
+class DeadlinePassed(TimeoutError):
+    """Raised by a :class:`_DeadlineSocket` once the exchange's deadline has passed."""
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose receives and sends never outlive the calling thread's deadline.
+
+    ``http.client`` reads the status line and headers with ``readline`` on a buffered file
+    over ``recv_into``, and the body with further ``recv_into`` calls; the request goes out
+    with ``sendall``. Re-arming the timeout before each of them bounds the whole exchange
+    however slowly the peer trickles (one settimeout per receive: ~1 us).
+    """
+
+    __slots__ = ()
+
+    def _arm(self) -> None:
+        limits: tuple[float, float] | None = getattr(_LIMITS, "value", None)
+        if limits is None:
+            return
+        deadline, read_timeout = limits
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlinePassed("request deadline passed")
+        self.settimeout(min(left, read_timeout))
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return super().recv_into(buffer, nbytes, flags)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        self._arm()
+        return super().recv(bufsize, flags)
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        self._arm()
+        super().sendall(data, flags)
+
+
+class NameLookupTimeout(TimeoutError):
+    """A bootstrap host name did not resolve within the time left to the request."""
+
+
+class _Resolver:
+    """Host-name lookups for bootstrap addresses, bounded by the request's deadline.
+
+    ``getaddrinfo`` cannot be interrupted, so each lookup runs on a daemon thread (it never
+    holds up interpreter exit) and the caller waits at most the time left; at most
+    ``WORKERS`` lookups are in flight, so a resolver that stops answering can hold only that
+    many threads. Answers are cached for ``TTL`` seconds (bounded), so it delays nothing whose
+    name is cached.
+    """
+
+    TTL = 30.0
+    WORKERS = 4
+    MAX_CACHED = 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, int], tuple[float, str]] = {}
+        self._in_flight = 0
+
+    def resolve(self, host: str, port: int) -> str:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get((host, port))
+            if hit is not None and hit[0] > now:
+                return hit[1]
+            if self._in_flight >= self.WORKERS:
+                raise NameLookupTimeout(f"name {host!r}: {self.WORKERS} lookups already stuck")
+            self._in_flight += 1
+        limits: tuple[float, float] | None = getattr(_LIMITS, "value", None)
+        left = None if limits is None else max(0.0, limits[0] - now)
+        done = threading.Event()
+        answer: list[str | BaseException] = []
+
+        def lookup() -> None:
+            try:
+                answer.append(_first_address(host, port))
+            except BaseException as exc:  # handed to the waiting caller
+                answer.append(exc)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                done.set()
+
+        threading.Thread(target=lookup, name="bootstrap-resolver", daemon=True).start()
+        if not done.wait(left):
+            raise NameLookupTimeout(f"name {host!r} did not resolve in time")
+        result = answer[0]
+        if isinstance(result, BaseException):
+            raise result
+        with self._lock:
+            if len(self._cache) >= self.MAX_CACHED:
+                self._cache.clear()
+            self._cache[(host, port)] = (time.monotonic() + self.TTL, result)
+        return result
+
+
+def _first_address(host: str, port: int) -> str:
+    """The name's first address, IPv4 before IPv6 (a dual-stack ``localhost`` must reach a
+    server bound to 127.0.0.1)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    found.sort(key=lambda info: info[0] != socket.AF_INET)
+    return str(found[0][4][0])
+
+
+_RESOLVER = _Resolver()
+
+
+class _DeadlineConnection(HTTPConnection):
+    """urllib3's connection: a host name is resolved within the deadline (:class:`_Resolver`),
+    and the freshly connected socket is re-wrapped as a deadline one."""
+
+    def _new_conn(self) -> socket.socket:
+        host = self._dns_host
+        if not _is_ip_literal(host):
+            # Connect to the address; the Host header keeps the name.
+            self._dns_host = _RESOLVER.resolve(host, self.port)
+        try:
+            sock = super()._new_conn()
+        finally:
+            self._dns_host = host
+        timeout = sock.gettimeout()
+        wrapped = _DeadlineSocket(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        wrapped.settimeout(timeout)
+        return wrapped
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class _DeadlinePool(HTTPConnectionPool):
+    ConnectionCls = _DeadlineConnection
+
+
+class _DeadlineAdapter(HTTPAdapter):
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _DeadlinePool}
+
+
+class _Deadline:
+    """Context manager: arm the calling thread's deadline for one exchange."""
+
+    __slots__ = ("at", "read_timeout")
+
+    def __init__(self, seconds: float, read_timeout: float) -> None:
+        self.at = time.monotonic() + seconds
+        self.read_timeout = read_timeout
+
+    def __enter__(self) -> _Deadline:
+        _LIMITS.value = (self.at, self.read_timeout)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _LIMITS.value = None
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+
 def new_session() -> requests.Session:
     """A keep-alive session holding at most one connection, for plain http only (HTTP-31).
 
     ``trust_env`` is off: bootstrap traffic is cluster-internal and must not go through an
-    ``HTTP_PROXY`` from the environment (and the per-request proxy lookup is costly).
+    ``HTTP_PROXY`` from the environment (and the per-request proxy lookup is costly). Its
+    connections honour the calling thread's deadline (HTTP-35).
     """
     session = requests.Session()
     session.trust_env = False
     session.adapters.clear()  # no https:// adapter: an https URL fails instead of pooling
-    session.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=1))
+    session.mount("http://", _DeadlineAdapter(pool_connections=1, pool_maxsize=1))
     return session
 
 
-def _status_error(addr: str, status: int, what: str) -> BootstrapHTTPError:
-    """The typed error for a non-200 status (HTTP-40..44)."""
+# --- error messages ---------------------------------------------------------------------------
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it wraps: causes, contexts, urllib3's ``reason``, exception args."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo and len(seen) < 32:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        wrapped = [current.__cause__, current.__context__, getattr(current, "reason", None)]
+        wrapped += list(current.args)
+        todo.extend(e for e in wrapped if isinstance(e, BaseException))
+
+
+def transport_reason(
+    exc: BaseException, deadline: _Deadline | None, timeouts: tuple[float, float, float]
+) -> str:
+    """What went wrong, in words a caller can act on (no urllib3 "Max retries" noise)."""
+    connect_timeout, read_timeout, total = timeouts
+    causes = list(_causes(exc))
+    kinds = tuple(type(c) for c in causes)
+    if any(issubclass(k, NameLookupTimeout) for k in kinds):
+        return f"host name did not resolve within the {total:g} s request deadline"
+    if any(issubclass(k, DeadlinePassed) for k in kinds) or (
+        deadline is not None
+        and deadline.passed()
+        and any(issubclass(k, TimeoutError) for k in kinds)
+    ):
+        return f"no complete reply within the {total:g} s request deadline"
+    if any(issubclass(k, socket.gaierror) for k in kinds):
+        gai = next(c for c in causes if isinstance(c, socket.gaierror))
+        return f"host name did not resolve ({gai.strerror})"
+    if any(issubclass(k, ConnectionRefusedError) for k in kinds):
+        return "connection refused (is a bootstrap server listening there?)"
+    timed_out = any(issubclass(k, TimeoutError) for k in kinds)
+    # urllib3's NewConnectionError subclasses ConnectTimeoutError: a connect that failed for
+    # another reason (no route, unreachable network) must not read "timed out".
+    if any(
+        issubclass(k, (requests.exceptions.ConnectTimeout, urllib3.exceptions.ConnectTimeoutError))
+        for k in kinds
+    ):
+        if timed_out or not any(
+            issubclass(k, urllib3.exceptions.NewConnectionError) for k in kinds
+        ):
+            return f"connect timed out after {connect_timeout:g} s"
+        root = next((c for c in causes if isinstance(c, OSError) and c.errno), causes[-1])
+        return f"could not connect ({root})"
+    if timed_out or any(
+        issubclass(k, (requests.exceptions.ReadTimeout, urllib3.exceptions.ReadTimeoutError))
+        for k in kinds
+    ):
+        return f"read timed out after {read_timeout:g} s"
+    if any(issubclass(k, ConnectionResetError) for k in kinds):
+        return "connection reset by the server"
+    if any(issubclass(k, http.client.RemoteDisconnected) for k in kinds):
+        return "the server closed the connection without replying"
+    root = causes[-1] if causes else exc
+    return f"connection failed ({type(root).__name__}: {str(root)[:MAX_QUOTED_ERROR]})"
+
+
+def _quoted_error(body: bytes) -> str:
+    """The server's reason from an error body: its JSON ``error`` text, else the text itself;
+    bounded and printable."""
+    text = body[: 4 * MAX_QUOTED_ERROR].decode("utf-8", "replace")
+    try:
+        obj = json.loads(body) if len(body) <= 4096 else None
+    except (ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, dict) and isinstance(obj.get("error"), str):
+        text = obj["error"]
+    text = "".join(c if c.isprintable() else " " for c in text).strip()
+    if len(text) > MAX_QUOTED_ERROR:
+        text = text[:MAX_QUOTED_ERROR] + "..."
+    return text
+
+
+def _status_error(addr: str, status: int, what: str, body: bytes = b"") -> BootstrapHTTPError:
+    """The typed error for a non-200 status (HTTP-40..44); a 4xx quotes the server's reason."""
     text = f"{addr}: {what} answered HTTP {status}"
+    reason = _quoted_error(body) if 400 <= status < 500 else ""
+    if reason:
+        text = f"{text}: {reason}"
     if status == 503:
         return NotReady(text, addr=addr, status=status)
     if status == 404:
@@ -128,12 +402,25 @@ def _read_body(response: requests.Response, addr: str) -> bytes:
 _TRANSPORT_ERRORS = (requests.RequestException, http.client.HTTPException, OSError)
 
 
+class _ThreadSessions:
+    """One thread's sessions. When the thread exits, ``threading.local`` drops this holder and
+    a finalizer closes and counts the sessions left in it (HTTP-33)."""
+
+    __slots__ = ("__weakref__", "sessions")
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, requests.Session] = {}
+
+
 class BootstrapClient:
     """Queries prefill bootstrap servers over per-thread, per-address keep-alive sessions.
 
     Safe to share between threads: each thread gets its own sessions. ``close()`` releases the
-    *calling* thread's sessions; a thread that exits without calling it leaves its sessions to
-    the garbage collector (``threading.local`` drops them with the thread).
+    *calling* thread's sessions; the sessions of a thread that exits without calling it are
+    closed (and counted in :meth:`stats`) when the thread's locals are dropped.
+
+    ``deadline`` bounds each exchange in wall-clock seconds, connect + send + whole reply
+    (HTTP-35); ``connect_timeout`` bounds the connect and ``read_timeout`` one silence.
     """
 
     def __init__(
@@ -141,19 +428,29 @@ class BootstrapClient:
         *,
         connect_timeout: float = 2.0,
         read_timeout: float = 5.0,
+        deadline: float = DEFAULT_DEADLINE,
         max_sessions_per_thread: int = 64,
     ) -> None:
-        for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
+        for name, value in (
+            ("connect_timeout", connect_timeout),
+            ("read_timeout", read_timeout),
+            ("deadline", deadline),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
         if type(max_sessions_per_thread) is not int or max_sessions_per_thread < 1:
             raise InvalidArgument("max_sessions_per_thread must be an int >= 1")
-        self._timeout = (float(connect_timeout), float(read_timeout))
+        self._deadline = float(deadline)
+        self._read_timeout = float(read_timeout)
+        # The connect timeout never exceeds the deadline: the deadline is armed before connect.
+        self._timeout = (min(float(connect_timeout), self._deadline), float(read_timeout))
+        self._timeouts = (float(connect_timeout), float(read_timeout), self._deadline)
         self._max_sessions = max_sessions_per_thread
         self._local = threading.local()
         # Counters are touched by every thread; one short uncontended lock per request costs
         # well under a microsecond against a ~100 us HTTP round trip, and keeps them exact.
-        self._stats_lock = threading.Lock()
+        # Reentrant: a thread-exit finalizer may run on a thread that holds it.
+        self._stats_lock = threading.RLock()
         self._requests = 0
         self._errors = dict.fromkeys(ERROR_KINDS, 0)
         self._opened = 0
@@ -164,10 +461,17 @@ class BootstrapClient:
 
     def _sessions(self) -> dict[str, requests.Session]:
         try:
-            sessions: dict[str, requests.Session] = self._local.sessions
+            holder: _ThreadSessions = self._local.holder
         except AttributeError:
-            sessions = self._local.sessions = {}
-        return sessions
+            holder = self._local.holder = _ThreadSessions()
+            # The finalizer holds the dict and a weak reference to the client, never the
+            # holder (which would keep it alive) nor the client (which would leak it).
+            weakref.finalize(holder, _close_orphans, holder.sessions, weakref.ref(self))
+        return holder.sessions
+
+    def _count_orphans(self, count: int) -> None:
+        with self._stats_lock:
+            self._closed += count
 
     def _session(self, addr: str) -> requests.Session:
         sessions = self._sessions()
@@ -230,26 +534,29 @@ class BootstrapClient:
         session = self._session(addr)
         with self._stats_lock:
             self._requests += 1
+        deadline = _Deadline(self._deadline, self._read_timeout)
         try:
             try:
-                response = session.request(
-                    method,
-                    url,
-                    data=body,
-                    headers=_JSON_HEADERS if body is not None else None,
-                    timeout=self._timeout,
-                    allow_redirects=False,
-                    stream=True,
-                )
-                # Drain the body even on an error status: a fully read reply leaves the
-                # connection reusable, so polling a 503 does not open a connection per poll.
-                payload = _read_body(response, addr)
+                with deadline:
+                    response = session.request(
+                        method,
+                        url,
+                        data=body,
+                        headers=_JSON_HEADERS if body is not None else None,
+                        timeout=self._timeout,
+                        allow_redirects=False,
+                        stream=True,
+                    )
+                    # Drain the body even on an error status: a fully read reply leaves the
+                    # connection reusable, so polling a 503 does not open a connection per poll.
+                    payload = _read_body(response, addr)
                 if response.status_code != 200:
-                    raise _status_error(addr, response.status_code, what)
+                    raise _status_error(addr, response.status_code, what, payload)
             except requests.exceptions.ContentDecodingError as exc:
-                raise MalformedReply(f"{addr}: {what}: {exc}", addr=addr, status=None) from None
+                raise MalformedReply(f"{addr}: {what}: {exc}", addr=addr, status=None) from exc
             except _TRANSPORT_ERRORS as exc:
-                raise TransportFailure(f"{addr}: {what}: {exc}", addr=addr) from None
+                reason = transport_reason(exc, deadline, self._timeouts)
+                raise TransportFailure(f"{addr}: {what}: {reason}", addr=addr) from exc
         except BootstrapHTTPError as exc:
             self._count_error(exc)
             if isinstance(exc, TransportFailure):
@@ -318,6 +625,20 @@ class BootstrapClient:
             self._count_error(exc)
             raise
 
+    def dp_rank_of(self, addr: str, room: int) -> int:
+        """The dp rank serving ``room``; :class:`~statemachine.errors.UnknownRoom` (a
+        ``NotFound``) when the server does not know the room yet (HTTP-13)."""
+        found = self.query_dp_ranks(addr, [room])
+        try:
+            return found[room]
+        except KeyError:
+            raise UnknownRoom(
+                f"{addr}: no dp rank registered for room {room} (yet): the prefill registers "
+                "it when the request reaches it; ask again, or give the dp rank explicitly",
+                addr=addr,
+                room=room,
+            ) from None
+
     def health(self, addr: str) -> str | None:
         """Probe ``GET /health``; return the server's instance id (HTTP-14). Raises on failure."""
         _, instance_id = self._exchange(addr, "GET", f"http://{addr}/health", "GET /health")
@@ -340,6 +661,19 @@ class BootstrapClient:
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
+def _close_orphans(
+    sessions: dict[str, requests.Session], client: weakref.ref[BootstrapClient]
+) -> None:
+    """Finalizer of an exited thread's sessions: close them and count them as closed."""
+    count = len(sessions)
+    for session in sessions.values():
+        session.close()
+    sessions.clear()
+    owner = client()
+    if owner is not None and count:
+        owner._count_orphans(count)
+
+
 # --- registration (prefill side) ---------------------------------------------------------------
 
 
@@ -359,10 +693,15 @@ def route_payload(
     system_dp_size: int | None = None,
     page_size: int = 16,
     kv_cache_dtype: str = "bfloat16",
+    load_balance_method: str = "follow_bootstrap_room",
+    enable_dsa_cache_layer_split: bool = False,
+    prefill_http_port: int | None = None,
+    decode_allocation_policy: str = "early",
+    dsv41_spec_layout: Mapping[str, object] | None = None,
 ) -> dict[str, Any]:
-    """The ``PUT /route`` body an SGLang prefill rank sends (reference §1).
-
-    The system dp rank/size default to the attention dp rank/size.
+    """The ``PUT /route`` body an SGLang prefill rank sends (spec/protocol.md §2.1): the 14
+    topology and endpoint fields plus the five layout/policy fields of current SGLang, with
+    SGLang's defaults. The system dp rank/size default to the attention dp rank/size.
     """
     return {
         "attn_tp_size": tp_size,
@@ -379,6 +718,11 @@ def route_payload(
         "rank_port": rank_port,
         "page_size": page_size,
         "kv_cache_dtype": kv_cache_dtype,
+        "load_balance_method": load_balance_method,
+        "enable_dsa_cache_layer_split": enable_dsa_cache_layer_split,
+        "prefill_http_port": prefill_http_port,
+        "decode_allocation_policy": decode_allocation_policy,
+        "dsv41_spec_layout": None if dsv41_spec_layout is None else dict(dsv41_spec_layout),
     }
 
 
@@ -391,6 +735,7 @@ def register_rank(
     backoff_scale: float = 1.0,
     connect_timeout: float = 2.0,
     read_timeout: float = 5.0,
+    deadline: float = DEFAULT_DEADLINE,
     sleep: Callable[[float], None] = time.sleep,
 ) -> str | None:
     """Register one prefill rank with ``PUT /route``, SGLang-style (HTTP-15).
@@ -398,7 +743,8 @@ def register_rank(
     Retries transport failures and 503 up to ``attempts`` times in all, sleeping
     ``min(2**i, 30) * backoff_scale`` seconds times a jitter in [0.5, 1) between tries so that
     ranks restarted together do not retry in lock-step. A 4xx (wrong token, bad payload,
-    topology conflict) is permanent and raised at once. Returns the server's instance id.
+    topology conflict) is permanent and raised at once. Each attempt is bounded by ``deadline``
+    seconds (HTTP-35). Returns the server's instance id.
     """
     parse_addr(addr)
     if type(attempts) is not int or attempts < 1:
@@ -413,22 +759,33 @@ def register_rank(
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
     url = f"http://{addr}/route"
+    timeouts = (connect_timeout, read_timeout, deadline)
     with new_session() as session:
         for attempt in range(attempts):
+            limit = _Deadline(deadline, read_timeout)
             try:
-                response = session.put(
-                    url,
-                    data=body,
-                    headers=headers,
-                    timeout=(connect_timeout, read_timeout),
-                    allow_redirects=False,
-                )
+                with limit:
+                    response = session.put(
+                        url,
+                        data=body,
+                        headers=headers,
+                        timeout=(min(connect_timeout, deadline), read_timeout),
+                        allow_redirects=False,
+                        stream=True,
+                    )
+                    reply = _read_body(response, addr)
                 if response.status_code == 200:
                     instance_id: str | None = response.headers.get(INSTANCE_HEADER)
                     return instance_id
-                error: BootstrapHTTPError = _status_error(addr, response.status_code, "PUT /route")
+                error: BootstrapHTTPError = _status_error(
+                    addr, response.status_code, "PUT /route", reply
+                )
+            except MalformedReply as exc:
+                error = exc
             except _TRANSPORT_ERRORS as exc:
-                error = TransportFailure(f"{addr}: PUT /route: {exc}", addr=addr)
+                reason = transport_reason(exc, limit, timeouts)
+                error = TransportFailure(f"{addr}: PUT /route: {reason}", addr=addr)
+                error.__cause__ = exc
             if not isinstance(error, (TransportFailure, NotReady)) or attempt + 1 == attempts:
                 raise error
             delay = min(2.0**attempt, 30.0) * backoff_scale

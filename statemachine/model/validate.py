@@ -144,6 +144,10 @@ class Validator:
         self.seen_tokens: set[Token] = set()
         #: PoolInvalidate entry sets not yet claimed by a receiver's Invalidate step
         self.pending_invalidations: list[dict[Key, Token]] = []
+        #: the instance id of each generation, where PoolPublish named it
+        self.instance_of: dict[Token, str | None] = {}
+        #: per address, the instance ids seen answering, in order of first appearance
+        self.instances_seen: dict[str, list[str]] = {}
 
     # --- pool events ------------------------------------------------------------------------
 
@@ -167,6 +171,16 @@ class Validator:
         self.pool[key] = held
         self.published.setdefault(key, set()).add(held)
         self.seen_tokens.update((held, fresh))
+        for token, name in ((held, "instance"), (fresh, "fresh_instance")):
+            if name in event:
+                instance = event[name]
+                if instance is not None and not isinstance(instance, str):
+                    raise TraceFormatError(f"{name} must be a string or null")
+                self.instance_of[token] = instance
+                if instance is not None:
+                    seen = self.instances_seen.setdefault(str(key[0]), [])
+                    if instance not in seen:
+                        seen.append(instance)
 
     def _invalidate(self, event: Mapping[str, Any]) -> None:
         entries = _entries(event)
@@ -216,6 +230,7 @@ class Validator:
                         f"retirement of {addr!r} removed {foreign or gone}, not only "
                         "entries of that address",
                     )
+                self._check_retired_instance(event, addr, exact, gone)
                 for k in gone:
                     del self.pool[k]
             elif removed == len(exact):
@@ -234,6 +249,35 @@ class Validator:
             )
         for k in exact:
             del self.pool[k]
+
+    def _check_retired_instance(
+        self, event: Mapping[str, Any], addr: str, exact: list[Key], gone: list[Key]
+    ) -> None:
+        """POOL-6: exactly the entries of the named instance go, and only an instance that
+        was seen replaced (another id answered at that address after it) may be retired."""
+        instance = event.get("instance_id")
+        if not isinstance(instance, str):
+            return  # an old trace without the id: the address check above is all we can do
+        known = {k: self.instance_of[t] for k in exact if (t := self.pool[k]) in self.instance_of}
+        wrong = [list(k) for k in gone if k in known and known[k] != instance]
+        if wrong:
+            raise _Violated(
+                "ExactNodeFailure",
+                f"retirement of instance {instance!r} at {addr!r} removed {wrong}, entries "
+                "of another instance (a stale observer dropping a newer instance's entries)",
+            )
+        kept = [list(k) for k in exact if known.get(k) == instance and k not in gone]
+        if kept:
+            raise _Violated(
+                "ExactNodeFailure", f"retirement of instance {instance!r} left {kept} behind"
+            )
+        seen = self.instances_seen.get(addr, [])
+        if instance in seen and seen[-1] == instance and gone:
+            raise _Violated(
+                "ExactNodeFailure",
+                f"retired instance {instance!r} at {addr!r}, the newest one seen there: "
+                "nothing shows it was replaced",
+            )
 
     # --- receiver events --------------------------------------------------------------------
 

@@ -17,6 +17,12 @@ prints ``READY <port>`` and serves the :class:`~statemachine.backend.SimpleBacke
   so is metadata addressed to another pp rank.
 
 Delayed acks wait in a heap, so a slow prefill still receives and counts messages on time.
+Acks leave through :class:`AckSender`: one queue and one non-blocking ``PUSH`` socket per
+decode peer, flushed when the poller says the socket is writable, so a dead decode never
+delays the acks of a live one (ACK-1; before, each ack to a dead decode blocked the rank for
+``SNDTIMEO`` and ten of them held a live decode's ack back 10 s). An ack not sent within
+``--ack-send-timeout-ms`` (or pushed out of a full queue) is dropped and counted in
+``ack_failures``.
 SIGTERM/SIGINT end it cleanly: sockets closed with LINGER=0, one ``STATS {json}`` line with
 the message counters on stdout, exit 0.
 
@@ -27,6 +33,7 @@ restart it.
 from __future__ import annotations
 
 import argparse
+import collections
 import heapq
 import json
 import os
@@ -35,10 +42,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 import zmq
 
@@ -52,10 +60,16 @@ from statemachine.backend import (
 )
 from statemachine.decode.acks import ack_frames
 from statemachine.decode.client import register_rank, route_payload
-from statemachine.decode.transport import Endpoint, ZmqTransport
-from statemachine.errors import BootstrapError, SendFailed
+from statemachine.decode.transport import Endpoint, endpoint_url
+from statemachine.errors import BootstrapError
 
 MAX_SESSIONS = 1024
+#: Decode peers with an ack socket at a time (the least recently used is closed past it).
+MAX_PEERS = 1024
+#: Acks waiting for one decode peer; the oldest is dropped past it.
+MAX_QUEUED_ACKS = 1024
+#: stderr lines of a failed start attached to :class:`PrefillRankStartFailed`.
+STDERR_TAIL_LINES = 20
 COUNTERS = (
     "register",
     "metadata",
@@ -68,7 +82,136 @@ COUNTERS = (
 
 
 class PrefillRankStartFailed(BootstrapError):
-    """The prefill rank process exited or stayed silent before printing ``READY``."""
+    """The prefill rank process exited or stayed silent before printing ``READY``.
+
+    ``stderr_tail`` holds the child's last stderr lines (also in the message): the reason.
+    """
+
+    def __init__(self, message: str, stderr_tail: str = "") -> None:
+        if stderr_tail:
+            message = f"{message}; its last stderr lines:\n{stderr_tail}"
+        super().__init__(message)
+        self.stderr_tail = stderr_tail
+
+
+# --- acks out ---------------------------------------------------------------------------------
+
+
+class _Peer:
+    __slots__ = ("queue", "socket")
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.socket = sock
+        #: (drop-by time on time.monotonic(), frames), oldest first
+        self.queue: collections.deque[tuple[float, list[bytes]]] = collections.deque()
+
+
+class AckSender:
+    """Per-decode-peer queues and non-blocking PUSH sockets (ACK-1).
+
+    ``send`` queues an ack and tries a non-blocking send at once; what cannot go out now
+    waits until :meth:`flush` is called for a writable socket (the serving loop polls
+    :meth:`waiting` for ``POLLOUT``) or is dropped by :meth:`expire` after ``timeout_ms``.
+    One thread only.
+    """
+
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], counts: dict[str, int], timeout_ms: int
+    ) -> None:
+        self._context = context
+        self._counts = counts
+        self._timeout = timeout_ms / 1000.0
+        self._peers: collections.OrderedDict[Endpoint, _Peer] = collections.OrderedDict()
+
+    def send(self, endpoint: Endpoint, frames: list[bytes]) -> None:
+        peer = self._peer(endpoint)
+        if peer is None:
+            self._counts["ack_failures"] += 1
+            return
+        if len(peer.queue) >= MAX_QUEUED_ACKS:
+            peer.queue.popleft()
+            self._counts["ack_failures"] += 1
+        peer.queue.append((time.monotonic() + self._timeout, frames))
+        self._flush(endpoint, peer)
+
+    def _peer(self, endpoint: Endpoint) -> _Peer | None:
+        peer = self._peers.get(endpoint)
+        if peer is not None:
+            self._peers.move_to_end(endpoint)
+            return peer
+        sock = self._context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Only completed connections take messages: nothing is queued inside libzmq for a
+        # decode that is not there, so our queue (and its timeout) is the only one.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        if ":" in endpoint[0]:
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.connect(endpoint_url(endpoint))
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            return None
+        peer = self._peers[endpoint] = _Peer(sock)
+        while len(self._peers) > MAX_PEERS:
+            _, oldest = self._peers.popitem(last=False)
+            self._close(oldest)
+        return peer
+
+    def _flush(self, endpoint: Endpoint, peer: _Peer) -> None:
+        queue = peer.queue
+        while queue:
+            try:
+                peer.socket.send_multipart(queue[0][1], zmq.NOBLOCK)
+            except zmq.Again:
+                return  # not connected (yet): wait for POLLOUT or the timeout
+            except zmq.ZMQError:
+                self._counts["ack_failures"] += len(queue)
+                queue.clear()
+                del self._peers[endpoint]
+                peer.socket.close(linger=0)
+                return
+            queue.popleft()
+            self._counts["acks_sent"] += 1
+
+    def waiting(self) -> list[zmq.Socket[bytes]]:
+        """Sockets with queued acks: poll them for POLLOUT."""
+        return [peer.socket for peer in self._peers.values() if peer.queue]
+
+    def flush(self, writable: set[zmq.Socket[bytes]]) -> None:
+        for endpoint, peer in list(self._peers.items()):
+            if peer.queue and peer.socket in writable:
+                self._flush(endpoint, peer)
+
+    def expire(self) -> float | None:
+        """Drop acks past their time (closing a peer left with none); seconds to the next."""
+        now = time.monotonic()
+        soonest: float | None = None
+        for endpoint, peer in list(self._peers.items()):
+            queue = peer.queue
+            if not queue:
+                continue
+            while queue and queue[0][0] <= now:
+                queue.popleft()
+                self._counts["ack_failures"] += 1
+            if not queue:
+                # The peer took nothing for a whole timeout: forget its socket (and the
+                # reconnect attempts libzmq would keep making to it).
+                del self._peers[endpoint]
+                self._close(peer)
+                continue
+            left = queue[0][0] - now
+            soonest = left if soonest is None else min(soonest, left)
+        return soonest
+
+    def _close(self, peer: _Peer) -> None:
+        self._counts["ack_failures"] += len(peer.queue)
+        peer.queue.clear()
+        peer.socket.close(linger=0)
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            self._close(peer)
+        self._peers.clear()
 
 
 # --- the process ------------------------------------------------------------------------------
@@ -105,13 +248,11 @@ class _Rank:
             old = self.port
             self.port = self.pull.bind_to_random_port(f"tcp://{args.host}")
             self.pull.unbind(f"tcp://{args.host}:{old}")
-        self.acks = ZmqTransport(
-            mode="immediate", send_timeout_ms=args.ack_send_timeout_ms, context=context
-        )
         self.sessions: dict[str, Endpoint] = {}
         self.due: list[tuple[float, int, Endpoint, list[bytes]]] = []  # heap
         self.seq = 0
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self.acks = AckSender(context, self.counts, args.ack_send_timeout_ms)
 
     def on_message(self, frames: list[bytes]) -> None:
         kind = message_kind(frames)
@@ -149,12 +290,7 @@ class _Rank:
             self.counts["malformed"] += 1
 
     def send_ack(self, endpoint: Endpoint, frames: list[bytes]) -> None:
-        try:
-            self.acks.send(endpoint, frames)
-        except SendFailed:
-            self.counts["ack_failures"] += 1  # the decode went away; nothing to retry for
-        else:
-            self.counts["acks_sent"] += 1
+        self.acks.send(endpoint, frames)  # counts acks_sent / ack_failures itself
 
     def send_due_acks(self) -> int | None:
         """Send the acks whose time has come; return ms until the next one (None: none)."""
@@ -202,11 +338,15 @@ def serve(args: argparse.Namespace) -> int:
             print(f"prefill_rank: registration failed: {exc}", file=sys.stderr, flush=True)
             return 1
         print(f"READY {rank.port}", flush=True)
-        poller = zmq.Poller()
-        poller.register(rank.pull, zmq.POLLIN)
-        poller.register(wake_rx.fileno(), zmq.POLLIN)
         timeout: int | None = None
         while not stop:
+            # A fresh poller each round: the ack sockets polled for POLLOUT are those with
+            # queued acks, which changes as acks go out or expire (a handful at most).
+            poller = zmq.Poller()
+            poller.register(rank.pull, zmq.POLLIN)
+            poller.register(wake_rx.fileno(), zmq.POLLIN)
+            for sock in rank.acks.waiting():
+                poller.register(sock, zmq.POLLOUT)
             events = dict(poller.poll(timeout))
             if rank.pull in events:
                 # Drain without a poll per message.
@@ -216,7 +356,8 @@ def serve(args: argparse.Namespace) -> int:
                     except zmq.Again:
                         break
                     rank.on_message(frames)
-            timeout = rank.send_due_acks()
+            rank.acks.flush({s for s, ev in events.items() if ev & zmq.POLLOUT})
+            timeout = _soonest_ms(rank.send_due_acks(), rank.acks.expire())
         print("STATS " + json.dumps(rank.counts, sort_keys=True), flush=True)
         return 0
     finally:
@@ -225,6 +366,14 @@ def serve(args: argparse.Namespace) -> int:
         signal.set_wakeup_fd(-1)
         wake_rx.close()
         wake_tx.close()
+
+
+def _soonest_ms(due_ms: int | None, expiry_s: float | None) -> int | None:
+    """The poll timeout: until the next delayed ack or the next ack expiry (None: neither)."""
+    expiry_ms = None if expiry_s is None else max(1, int(expiry_s * 1000.0 + 0.999))
+    if due_ms is None:
+        return expiry_ms
+    return due_ms if expiry_ms is None else min(due_ms, expiry_ms)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -328,10 +477,18 @@ class PrefillRankProcess:
         argv += self._args
         if avoid_port:
             argv += ["--avoid-port", str(avoid_port)]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+        )
+        assert proc.stderr is not None
+        tail = _StderrTail(proc.stderr)
         self._proc = proc
         try:
             self._port = _wait_ready(proc, self.ready_timeout)
+        except PrefillRankStartFailed as exc:
+            _reap(proc, signal.SIGKILL, 5.0)
+            self._proc = None
+            raise PrefillRankStartFailed(str(exc), tail.text(5.0)) from None
         except BaseException:
             _reap(proc, signal.SIGKILL, 5.0)
             self._proc = None
@@ -370,6 +527,28 @@ class PrefillRankProcess:
         self.kill()
 
 
+class _StderrTail:
+    """Drains a child's stderr on a daemon thread: echoes it to ours (so it stays visible) and
+    keeps the last STDERR_TAIL_LINES lines (so a failed start can say why). Ends at EOF."""
+
+    def __init__(self, pipe: IO[bytes]) -> None:
+        self._lines: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._thread = threading.Thread(target=self._drain, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _drain(self, pipe: IO[bytes]) -> None:
+        with pipe:
+            for raw in pipe:
+                line = raw.decode(errors="replace").rstrip("\n")
+                self._lines.append(line[:500])
+                print(line, file=sys.stderr, flush=True)
+
+    def text(self, timeout: float) -> str:
+        """The kept lines, once the child's stderr closed (or after ``timeout`` seconds)."""
+        self._thread.join(timeout)
+        return "\n".join(self._lines)
+
+
 def _wait_ready(proc: subprocess.Popen[bytes], timeout: float) -> int:
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
@@ -394,14 +573,22 @@ def _wait_ready(proc: subprocess.Popen[bytes], timeout: float) -> int:
 
 
 def _reap(proc: subprocess.Popen[bytes], sig: signal.Signals, timeout: float) -> bytes:
-    """Send ``sig`` (SIGKILL after ``timeout`` if still alive), wait, return remaining stdout."""
+    """Send ``sig`` (SIGKILL after ``timeout`` if still alive), wait, return remaining stdout.
+
+    stderr is drained by the process's :class:`_StderrTail` thread, not here.
+    """
     if proc.poll() is None:
         proc.send_signal(sig)
+    assert proc.stdout is not None
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
+    if proc.stdout.closed:  # reaped before
+        return b""
+    with proc.stdout:
+        out = proc.stdout.read()
     return out or b""
 
 

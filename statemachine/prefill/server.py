@@ -7,29 +7,54 @@ behind a stable address from the old one (HTTP-50). Routes and status codes: spe
 
 Bad input never crashes a handler: every body and parameter is checked and rejected with a
 4xx (HTTP-60..66); the generated-junk tests in ``tests/test_server.py`` hold this.
+
+Standing under attack (HTTP-70..73): every connection goes through a :class:`_Guard` protocol
+wrapped around aiohttp's own, which knows what the connection is doing (idle, sending headers,
+sending a body, being answered) and since when. A sweeper closes connections that stay in one
+phase too long (header, body and idle deadlines); at the connection cap a new connection
+evicts the longest-stalled one instead of being refused, so a slowloris cannot lock
+legitimate clients out; accept failures (fd exhaustion) are logged as one rate-limited line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import hmac
 import json
+import logging
 import re
+import resource
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
 from statemachine.errors import MissingExtra
 from statemachine.progname import prog
-from statemachine.validation import is_int, is_valid_host, is_valid_port
+from statemachine.validation import (
+    INT64_MAX,
+    MAX_LABEL,
+    MAX_LAYOUT_BYTES,
+    MAX_PAGE_SIZE,
+    MAX_PARALLEL_SIZE,
+    MAX_WORLD,
+    TOPOLOGY_KEYS,
+    bounded_extra,
+    is_int,
+    is_valid_port,
+    json_size,
+    rank_ip_problem,
+)
 
 try:
     from aiohttp import web
@@ -42,6 +67,29 @@ DEFAULT_MAX_BODY = 64 * 1024
 DEFAULT_DP_TTL = 120.0
 #: Hard cap on remembered room -> dp rank entries, on top of the TTL.
 DEFAULT_MAX_DP_ENTRIES = 100_000
+#: Seconds a connection may take from its first byte to the end of a request's headers.
+DEFAULT_HEADER_TIMEOUT = 5.0
+#: Seconds a request may take to deliver its body once its headers arrived.
+DEFAULT_BODY_TIMEOUT = 10.0
+#: Seconds a keep-alive connection may stay silent between requests.
+DEFAULT_IDLE_TIMEOUT = 60.0
+#: fds kept free under the process limit for everything that is not a client connection.
+FD_RESERVE = 64
+#: Topologies claimed by registrations before one is complete (HTTP-54).
+MAX_CANDIDATES = 4
+#: SGLang's default ``load_balance_method``; it means ``follow_bootstrap_room`` is true.
+FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
+#: Seconds between two log lines about the connection cap or failed accepts.
+LOG_INTERVAL = 10.0
+#: Connections accepted per readiness event of the listening socket.
+ACCEPT_BATCH = 16
+#: Seconds accepting pauses after an accept failed for lack of fds, or at the cap with
+#: nothing to evict (HTTP-71/72).
+ACCEPT_PAUSE = 0.05
+#: A connection this young (seconds) is never evicted at the cap (HTTP-71).
+EVICT_GRACE = 0.1
+
+_log = logging.getLogger(__name__)
 
 _RANK_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 # Optional sign, at most 18 digits: fits an int64, and never feeds int() a huge string.
@@ -57,12 +105,43 @@ _ROUTE_LABELS = frozenset(
         ("GET", "/health"),
     )
 )
+#: Registration keys this server interprets (reference §1 and §7); any other key is carried
+#: through to the topology reply, bounded. ``follow_bootstrap_room`` is read by nobody: SGLang
+#: derives it from ``load_balance_method`` and never sends it.
+REGISTRATION_KEYS = frozenset(
+    (
+        "attn_tp_size",
+        "attn_tp_rank",
+        "attn_cp_size",
+        "attn_cp_rank",
+        "attn_dp_size",
+        "attn_dp_rank",
+        "pp_size",
+        "pp_rank",
+        "system_dp_size",
+        "system_dp_rank",
+        "rank_ip",
+        "rank_port",
+        "page_size",
+        "kv_cache_dtype",
+        "load_balance_method",
+        "enable_dsa_cache_layer_split",
+        "prefill_http_port",
+        "decode_allocation_policy",
+        "dsv41_spec_layout",
+        "follow_bootstrap_room",
+    )
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class BadRequest(Exception):
     """A request body or parameter failed validation: answered 400 with this message."""
+
+
+class _ClientGone(Exception):
+    """The connection closed while its body was read (deadline, eviction or the client)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +152,16 @@ class ServerStats:
     connections_open: int
     connections_peak: int
     requests: Mapping[str, int]
+    #: connections closed by the server: a phase deadline passed, or evicted at the cap
+    connections_timed_out: int = 0
+    connections_evicted: int = 0
+    #: accept() calls that failed for lack of fds or memory (logged rate-limited)
+    accept_failures: int = 0
 
 
-@dataclass(slots=True)
-class _TopologyState:
-    """First-writer-wins topology of the prefill (HTTP-51)."""
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """The topology a registration claims: what two ranks of one prefill must agree on."""
 
     attn_tp_size: int
     attn_cp_size: int
@@ -85,22 +169,61 @@ class _TopologyState:
     pp_size: int
     page_size: int | None
     kv_cache_dtype: str | None
-    follow_bootstrap_room: bool | None
 
     @property
     def world(self) -> int:
         return self.dp_size * self.attn_cp_size * self.attn_tp_size * self.pp_size
 
+    def describe(self) -> str:
+        return (
+            f"dp={self.dp_size} cp={self.attn_cp_size} tp={self.attn_tp_size} "
+            f"pp={self.pp_size} page_size={self.page_size} kv_cache_dtype={self.kv_cache_dtype}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Info:
+    """What the topology reply says besides the claim, taken from a topology's first
+    registration as SGLang does (never compared between ranks)."""
+
+    follow_bootstrap_room: bool
+    enable_dsa_cache_layer_split: bool | None
+    prefill_http_port: int | None
+    decode_allocation_policy: str | None
+    dsv41_spec_layout: dict[str, Any] | None
+    extra: dict[str, Any]
+
+
+@dataclass(slots=True)
+class _Topology:
+    """One claimed topology and the ranks registered under it (HTTP-54)."""
+
+    claim: _Claim
+    info: _Info
+    ranks: dict[tuple[int, int, int, int], tuple[str, int]] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ranks) == self.claim.world
+
     def as_reply(self) -> dict[str, object]:
-        return {
-            "attn_tp_size": self.attn_tp_size,
-            "attn_cp_size": self.attn_cp_size,
-            "dp_size": self.dp_size,
-            "pp_size": self.pp_size,
-            "page_size": self.page_size,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "follow_bootstrap_room": self.follow_bootstrap_room,
-        }
+        claim, info = self.claim, self.info
+        reply: dict[str, object] = dict(info.extra)
+        reply.update(
+            attn_tp_size=claim.attn_tp_size,
+            attn_cp_size=claim.attn_cp_size,
+            dp_size=claim.dp_size,
+            pp_size=claim.pp_size,
+            page_size=claim.page_size,
+            kv_cache_dtype=claim.kv_cache_dtype,
+            follow_bootstrap_room=info.follow_bootstrap_room,
+            enable_dsa_cache_layer_split=info.enable_dsa_cache_layer_split,
+            prefill_http_port=info.prefill_http_port,
+            decode_allocation_policy=info.decode_allocation_policy,
+        )
+        if info.dsv41_spec_layout is not None:  # SGLang sends it only when set
+            reply["dsv41_spec_layout"] = info.dsv41_spec_layout
+        return reply
 
 
 # --- body validation --------------------------------------------------------------------------
@@ -116,12 +239,11 @@ def _load_json_object(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def _int_field(obj: Mapping[str, Any], key: str, low: int, high: int | None = None) -> int:
+def _int_field(obj: Mapping[str, Any], key: str, low: int, high: int) -> int:
     value = obj.get(key)
-    if type(value) is int and value >= low and (high is None or value <= high):
+    if type(value) is int and low <= value <= high:
         return value
-    bound = f"{low}..{high}" if high is not None else f">= {low}"
-    raise BadRequest(f"{key!r} must be an int {bound}")
+    raise BadRequest(f"{key!r} must be an int in {low}..{high}")
 
 
 def _optional(obj: Mapping[str, Any], key: str, kind: type, check: Callable[[Any], bool]) -> Any:
@@ -133,23 +255,28 @@ def _optional(obj: Mapping[str, Any], key: str, kind: type, check: Callable[[Any
     return value
 
 
+def _size_and_rank(obj: Mapping[str, Any], size_key: str, rank_key: str) -> tuple[int, int]:
+    size = _int_field(obj, size_key, 1, MAX_PARALLEL_SIZE)
+    return size, _int_field(obj, rank_key, 0, size - 1)
+
+
+def _layout(value: Any) -> bool:
+    return json_size(value) <= MAX_LAYOUT_BYTES
+
+
 def parse_registration(
     obj: Mapping[str, Any],
-) -> tuple[tuple[int, int, int, int], tuple[str, int], _TopologyState]:
-    """Check a ``PUT /route`` body: (rank key, (ip, port), the topology it claims)."""
-    tp_size = _int_field(obj, "attn_tp_size", 1)
-    tp_rank = _int_field(obj, "attn_tp_rank", 0, tp_size - 1)
-    cp_size = _int_field(obj, "attn_cp_size", 1)
-    cp_rank = _int_field(obj, "attn_cp_rank", 0, cp_size - 1)
-    attn_dp_size = _int_field(obj, "attn_dp_size", 1)
-    attn_dp_rank = _int_field(obj, "attn_dp_rank", 0, attn_dp_size - 1)
-    pp_size = _int_field(obj, "pp_size", 1)
-    pp_rank = _int_field(obj, "pp_rank", 0, pp_size - 1)
-    system_dp_size = _int_field(obj, "system_dp_size", 1)
-    system_dp_rank = _int_field(obj, "system_dp_rank", 0, system_dp_size - 1)
+) -> tuple[tuple[int, int, int, int], tuple[str, int], _Claim, _Info]:
+    """Check a ``PUT /route`` body: (rank key, (ip, port), the topology it claims, the rest)."""
+    tp_size, tp_rank = _size_and_rank(obj, "attn_tp_size", "attn_tp_rank")
+    cp_size, cp_rank = _size_and_rank(obj, "attn_cp_size", "attn_cp_rank")
+    attn_dp_size, attn_dp_rank = _size_and_rank(obj, "attn_dp_size", "attn_dp_rank")
+    pp_size, pp_rank = _size_and_rank(obj, "pp_size", "pp_rank")
+    system_dp_size, system_dp_rank = _size_and_rank(obj, "system_dp_size", "system_dp_rank")
     rank_ip = obj.get("rank_ip")
-    if not isinstance(rank_ip, str) or not is_valid_host(rank_ip):
-        raise BadRequest("'rank_ip' must be an IP literal or a host name")
+    problem = rank_ip_problem(rank_ip)
+    if problem is not None:
+        raise BadRequest(f"'rank_ip' {problem}")
     rank_port = obj.get("rank_port")
     if not is_valid_port(rank_port):
         raise BadRequest("'rank_port' must be an int in 1..65535")
@@ -157,16 +284,32 @@ def parse_registration(
     dp_size, dp_rank = (
         (attn_dp_size, attn_dp_rank) if system_dp_size == 1 else (system_dp_size, system_dp_rank)
     )
-    topology = _TopologyState(
+    claim = _Claim(
         attn_tp_size=tp_size,
         attn_cp_size=cp_size,
         dp_size=dp_size,
         pp_size=pp_size,
-        page_size=_optional(obj, "page_size", int, lambda v: v >= 1),
-        kv_cache_dtype=_optional(obj, "kv_cache_dtype", str, lambda v: len(v) <= 64),
-        follow_bootstrap_room=_optional(obj, "follow_bootstrap_room", bool, lambda v: True),
+        page_size=_optional(obj, "page_size", int, lambda v: 1 <= v <= MAX_PAGE_SIZE),
+        kv_cache_dtype=_optional(obj, "kv_cache_dtype", str, lambda v: len(v) <= MAX_LABEL),
     )
-    return (dp_rank, cp_rank, tp_rank, pp_rank), (rank_ip, rank_port), topology  # type: ignore[return-value]
+    if claim.world > MAX_WORLD:
+        raise BadRequest(f"a topology of {claim.world} ranks is more than {MAX_WORLD}")
+    method = _optional(obj, "load_balance_method", str, lambda v: len(v) <= MAX_LABEL)
+    info = _Info(
+        # SGLang: follow_bootstrap_room = (load_balance_method == "follow_bootstrap_room"),
+        # and a registration without the key means the default method.
+        follow_bootstrap_room=(method or FOLLOW_BOOTSTRAP_ROOM) == FOLLOW_BOOTSTRAP_ROOM,
+        enable_dsa_cache_layer_split=_optional(
+            obj, "enable_dsa_cache_layer_split", bool, lambda v: True
+        ),
+        prefill_http_port=_optional(obj, "prefill_http_port", int, is_valid_port),
+        decode_allocation_policy=_optional(
+            obj, "decode_allocation_policy", str, lambda v: len(v) <= MAX_LABEL
+        ),
+        dsv41_spec_layout=_optional(obj, "dsv41_spec_layout", dict, _layout),
+        extra=bounded_extra(obj, REGISTRATION_KEYS | TOPOLOGY_KEYS),
+    )
+    return (dp_rank, cp_rank, tp_rank, pp_rank), (rank_ip, rank_port), claim, info  # type: ignore[return-value]
 
 
 def _rank_params(query: MultiMapping[str]) -> list[int]:
@@ -180,15 +323,111 @@ def _rank_params(query: MultiMapping[str]) -> list[int]:
     return values
 
 
+# --- connection guard -------------------------------------------------------------------------
+
+#: What a connection is doing; each phase has its own deadline (HTTP-70).
+IDLE, HEADERS, BODY, BUSY = 0, 1, 2, 3
+
+
+class _Guard(asyncio.Protocol):
+    """Wraps aiohttp's per-connection protocol to know each connection's phase and its start.
+
+    The transport talks to this object; every call is forwarded to aiohttp's handler, with one
+    extra store on ``data_received`` (the first byte after an idle spell starts the header
+    clock). ``phase``/``since`` are also set by the server's middleware (headers parsed ->
+    ``BODY``; body read -> ``BUSY``; answered -> ``IDLE``). Loop thread only: no locks.
+    """
+
+    __slots__ = ("born", "inner", "owner", "phase", "served", "since", "transport")
+
+    def __init__(self, owner: BootstrapServer, inner: asyncio.Protocol) -> None:
+        self.owner = owner
+        self.inner = inner
+        self.phase = IDLE
+        self.since = self.born = 0.0
+        self.served = False  # completed a request: evicted last
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.since = self.born = self.owner._now()
+        self.inner.connection_made(transport)
+        self.owner._admit(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.phase == IDLE:
+            self.phase = HEADERS
+            self.since = self.owner._now()
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.owner._release(self)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _guard_of(request: web.Request) -> _Guard | None:
+    transport = request.transport
+    guard = transport.get_protocol() if transport is not None else None
+    return guard if isinstance(guard, _Guard) else None
+
+
+class _RateLimitedLog:
+    """At most one log line per ``interval`` per topic, saying how many events it stands for."""
+
+    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+
+    def warning(self, topic: str, message: str) -> None:
+        count = self._count.get(topic, 0) + 1
+        now = self._clock()
+        last = self._last.get(topic)
+        if last is not None and now - last < self._interval:
+            self._count[topic] = count
+            return
+        self._last[topic] = now
+        self._count[topic] = 0
+        if count > 1:
+            _log.warning("%s (%d more since the last such line)", message, count - 1)
+        else:
+            _log.warning("%s", message)
+
+
+def default_max_connections() -> int:
+    """The connection cap: the fd limit less a reserve for everything else, in 16..4096."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft - FD_RESERVE))
+
+
 # --- the server -------------------------------------------------------------------------------
 
 
 class BootstrapServer:
-    """A bootstrap server on ``host:port`` in a background thread. ``port=0`` picks a free port.
+    """A bootstrap server on ``host:port`` in a background thread. ``port=0`` picks a free port
+    on the first ``start()``; later starts of the same object bind that port again.
 
     ``token`` guards the registration routes (``Authorization: Bearer <token>``). Without a
-    token they answer 401 (fail closed) unless ``insecure=True`` (HTTP-53). ``clock`` is the
-    time source for dp-rank expiry (tests pass a fake one).
+    token they answer 401 (fail closed, with a warning at construction) unless
+    ``insecure=True`` (HTTP-53). ``clock`` is the time source for dp-rank expiry (tests pass a
+    fake one). ``header_timeout``, ``body_timeout``, ``idle_timeout`` and ``max_connections``
+    (default: the fd limit less 64) bound what a client can hold (HTTP-70..72).
     """
 
     def __init__(
@@ -201,14 +440,39 @@ class BootstrapServer:
         dp_ttl: float = DEFAULT_DP_TTL,
         max_body: int = DEFAULT_MAX_BODY,
         max_dp_entries: int = DEFAULT_MAX_DP_ENTRIES,
+        header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        max_connections: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if token is not None and (not isinstance(token, str) or not token):
-            raise ValueError("token must be a non-empty str (or None)")
+        if token is not None:
+            if not isinstance(token, str) or not token:
+                raise ValueError("token must be a non-empty str (or None)")
+            if token != token.strip() or not token.isprintable() or not token.isascii():
+                # HTTP strips header whitespace, so such a token could never authenticate.
+                raise ValueError(
+                    "token has leading/trailing whitespace or non-printable characters: "
+                    "no Authorization header could ever match it"
+                )
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         if not dp_ttl > 0 or not max_body > 0 or not max_dp_entries > 0:
             raise ValueError("dp_ttl, max_body and max_dp_entries must be positive")
+        if not min(header_timeout, body_timeout, idle_timeout) > 0:
+            raise ValueError("header_timeout, body_timeout and idle_timeout must be positive")
+        if max_connections is not None and (
+            type(max_connections) is not int or max_connections < 1
+        ):
+            raise ValueError("max_connections must be an int >= 1 (or None)")
+        if token is None and not insecure:
+            warnings.warn(
+                "BootstrapServer without a token: every registration (PUT /route, "
+                "POST /register_dp_rank) will be answered 401; pass token=... "
+                "(or insecure=True on a trusted network)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.host = host
         self._wanted_port = port
         self._token = token.encode() if token is not None else None
@@ -216,28 +480,42 @@ class BootstrapServer:
         self._dp_ttl = dp_ttl
         self._max_body = max_body
         self._max_dp_entries = max_dp_entries
+        self._timeouts = {IDLE: idle_timeout, HEADERS: header_timeout, BODY: body_timeout}
+        self._wanted_connections = max_connections
+        self._max_connections = max_connections or 0
         self._clock = clock
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: socket.socket | None = None
+        self._handlers: web.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self.port = 0
         self.instance_id = ""
         self._reset_state()
 
     def _reset_state(self) -> None:
         # Everything below lives on the event loop thread once started.
-        self._topology: _TopologyState | None = None
-        self._ranks: dict[tuple[int, int, int, int], dict[str, object]] = {}
+        self._pinned: _Topology | None = None
+        self._candidates: dict[_Claim, _Topology] = {}
         self._dp_ranks: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        self._conns: dict[_Guard, None] = {}
+        self._starting = 0  # accepted, transport not made yet
         self._accepted = 0
-        self._open = 0
         self._peak = 0
+        self._timed_out = 0
+        self._evicted = 0
+        self._accept_failures = 0
         self._requests: dict[str, int] = {}
+        self._ratelog = _RateLimitedLog(LOG_INTERVAL, time.monotonic)
 
     @property
     def address(self) -> str:
         """``"host:port"`` as a client dials it."""
         return f"{self.host}:{self.port}"
+
+    def _now(self) -> float:
+        return time.monotonic()
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -246,6 +524,7 @@ class BootstrapServer:
         if self._thread is not None:
             raise RuntimeError("server already started")
         self._reset_state()
+        self._max_connections = self._wanted_connections or default_max_connections()
         self.instance_id = secrets.token_hex(16)
         ready = threading.Event()
         failure: list[BaseException] = []
@@ -260,19 +539,33 @@ class BootstrapServer:
             self._thread.join(timeout)
             self._thread = None
             raise failure[0]
+        # A restart of this object keeps its address (a stable endpoint for its clients).
+        self._wanted_port = self.port
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         """Close every connection and the listening socket; idempotent."""
-        thread, loop, runner = self._thread, self._loop, self._runner
+        thread, loop = self._thread, self._loop
         if thread is None or loop is None:
             return
-        if runner is not None:
-            future = asyncio.run_coroutine_threadsafe(runner.cleanup(), loop)
-            future.result(timeout)
+        future = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+        future.result(timeout)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
-        self._thread = self._loop = self._runner = None
+        self._thread = self._loop = self._runner = self._listener = self._sweeper = None
+
+    async def _shutdown(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        listener = self._listener
+        if listener is not None:
+            asyncio.get_running_loop().remove_reader(listener.fileno())
+            listener.close()
+            self._listener = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for guard in list(self._conns):
+            guard.close()
 
     def __enter__(self) -> BootstrapServer:
         return self.start()
@@ -283,6 +576,7 @@ class BootstrapServer:
     def _run(self, ready: threading.Event, failure: list[BaseException]) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
+        loop.set_exception_handler(self._on_loop_error)
         try:
             loop.run_until_complete(self._serve())
             self._loop = loop
@@ -300,46 +594,210 @@ class BootstrapServer:
     async def _serve(self) -> None:
         app = web.Application(client_max_size=self._max_body, middlewares=[self._middleware])
         app.on_response_prepare.append(self._stamp)
-        app.router.add_put("/route", self._put_route)
+        app.router.add_put("/route", self._put_route, expect_handler=self._expect_auth)
         app.router.add_get("/route", self._get_route)
-        app.router.add_post("/register_dp_rank", self._register_dp_rank)
-        app.router.add_post("/query_dp_ranks", self._query_dp_ranks)
+        app.router.add_post(
+            "/register_dp_rank", self._register_dp_rank, expect_handler=self._expect_auth
+        )
+        app.router.add_post("/query_dp_ranks", self._query_dp_ranks, expect_handler=self._expect)
         app.router.add_get("/health", self._health)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=1.0,
+            # Our sweeper closes idle connections (and counts them); aiohttp's timer backs it up.
+            keepalive_timeout=2 * self._timeouts[IDLE],
+            max_headers=64,
+            lingering_time=min(1.0, self._timeouts[BODY]),
+        )
         await runner.setup()
-        self._count_connections(runner)
-        site = web.TCPSite(runner, self.host, self._wanted_port, reuse_address=True)
+        handlers = runner.server
+        assert handlers is not None
+        self._handlers = handlers
         try:
-            await site.start()
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            listener = socket.create_server(
+                (self.host, self._wanted_port), family=family, backlog=1024
+            )
         except BaseException:
             await runner.cleanup()
             raise
+        listener.setblocking(False)
+        loop = asyncio.get_running_loop()
         self._runner = runner
-        self.port = int(runner.addresses[0][1])
+        self._listener = listener
+        self.port = int(listener.getsockname()[1])
+        loop.add_reader(listener.fileno(), self._on_accept)
+        self._sweeper = loop.create_task(self._sweep())
 
-    def _count_connections(self, runner: web.AppRunner) -> None:
-        """Count connections where aiohttp's Server learns of them (HTTP-55).
+    # --- connections ---------------------------------------------------------------------------
 
-        ``web.Server.connection_made/connection_lost`` are called by every connection's
-        protocol, exactly once each; aiohttp offers no signal for them, so wrap the instance's
-        methods. Runs on the loop thread only, so plain ints need no lock.
+    def _on_accept(self) -> None:
+        """Accept a few connections per readiness event, each only after making room.
+
+        Our own accept loop rather than asyncio's ``create_server``: asyncio accepts up to
+        ``backlog`` connections per event before any protocol sees one (so a burst passes any
+        cap), and on EMFILE it keeps looping, logging a traceback and scheduling a retry per
+        failed accept (41,352 of them in 12 s in the issue). Here the cap is applied before
+        each accept, and a failed accept evicts a stalled connection, logs one rate-limited
+        line and pauses accepting for ``ACCEPT_PAUSE`` seconds.
         """
-        server = runner.server
-        assert server is not None
-        made, lost = server.connection_made, server.connection_lost
+        listener = self._listener
+        loop = self._loop_or_running()
+        if listener is None:
+            return
+        for _ in range(ACCEPT_BATCH):
+            if not self._make_room():
+                # Every connection is being answered or still starting: wait a moment
+                # (the backlog holds the newcomers) rather than pass the cap.
+                self._pause_accepting(loop, listener, ACCEPT_PAUSE)
+                return
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                self._accept_failed(exc, loop, listener)
+                return
+            conn.setblocking(False)
+            self._starting += 1
+            loop.create_task(self._start_connection(conn))
 
-        def connection_made(handler: Any, transport: Any) -> None:
-            made(handler, transport)
-            self._accepted += 1
-            self._open += 1
-            self._peak = max(self._peak, self._open)
+    async def _start_connection(self, conn: socket.socket) -> None:
+        handlers = self._handlers
+        assert handlers is not None
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.connect_accepted_socket(lambda: _Guard(self, handlers()), sock=conn)
+        except OSError:
+            conn.close()  # the client went away before its transport existed
+        finally:
+            self._starting -= 1
 
-        def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
-            self._open -= 1
-            lost(handler, exc)
+    def _accept_failed(
+        self, exc: OSError, loop: asyncio.AbstractEventLoop, listener: socket.socket
+    ) -> None:
+        self._accept_failures += 1
+        self._ratelog.warning(
+            "accept",
+            f"bootstrap server cannot accept a connection: {exc.strerror} "
+            f"({len(self._conns)} open, cap {self._max_connections}); closing a stalled one "
+            f"and pausing accepts for {ACCEPT_PAUSE:g} s (raise the fd limit or lower "
+            "max_connections)",
+        )
+        self._evict()
+        self._pause_accepting(loop, listener, ACCEPT_PAUSE)
 
-        server.connection_made = connection_made  # type: ignore[method-assign]
-        server.connection_lost = connection_lost  # type: ignore[method-assign]
+    def _pause_accepting(
+        self, loop: asyncio.AbstractEventLoop, listener: socket.socket, seconds: float
+    ) -> None:
+        loop.remove_reader(listener.fileno())
+
+        def resume() -> None:
+            if self._listener is listener:
+                loop.add_reader(listener.fileno(), self._on_accept)
+
+        loop.call_later(seconds, resume)
+
+    def _loop_or_running(self) -> asyncio.AbstractEventLoop:
+        return self._loop or asyncio.get_running_loop()
+
+    def _make_room(self) -> bool:
+        """Below the cap: True. At the cap, close the longest-stalled connection so the next
+        one can be admitted; False when there is none to close."""
+        if len(self._conns) + self._starting < self._max_connections:
+            return True
+        if not self._evict():
+            return False
+        self._ratelog.warning(
+            "cap",
+            f"bootstrap server at its cap of {self._max_connections} connections: closed "
+            "the longest-stalled one to admit a new one (raise the fd limit or "
+            "max_connections if these are legitimate clients)",
+        )
+        return True
+
+    def _evict(self) -> bool:
+        """Close the longest-stalled connection, never one being answered (HTTP-71).
+
+        Connections that never completed a request go first, those stuck mid-request
+        (headers or body) before idle ones, the oldest first; one younger than EVICT_GRACE
+        is spared (a legitimate client sends its request within milliseconds of connecting,
+        so a burst of new connections cannot push out one that just connected). A
+        connection that completed a request is closed only when no other is left: a burst
+        of attackers never pushes out a client using its keep-alive connection. False when
+        nothing may be closed now (the accept loop pauses instead).
+        """
+        victim: _Guard | None = None
+        victim_key = (True, 0.0)
+        young = self._now() - EVICT_GRACE
+        spared = False
+        for other in self._conns:
+            if other.phase == BUSY or other.served:
+                continue
+            if other.born > young:
+                spared = True
+                continue
+            key = (other.phase == IDLE, other.since)
+            if victim is None or key < victim_key:
+                victim, victim_key = other, key
+        if victim is None and not spared:
+            served = [c for c in self._conns if c.phase != BUSY]
+            victim = min(served, key=lambda c: c.since, default=None)
+        if victim is None:
+            return False
+        self._evicted += 1
+        victim.phase = BUSY  # closed once
+        victim.close()
+        self._conns.pop(victim, None)  # its fd is freed on the next loop iteration
+        return True
+
+    def _admit(self, guard: _Guard) -> None:
+        conns = self._conns
+        conns[guard] = None
+        self._accepted += 1
+        self._peak = max(self._peak, len(conns))
+
+    def _release(self, guard: _Guard) -> None:
+        self._conns.pop(guard, None)
+
+    async def _sweep(self) -> None:
+        """Close connections that stayed in one phase past its deadline (HTTP-70)."""
+        timeouts = self._timeouts
+        tick = max(0.05, min(1.0, min(timeouts.values()) / 4))
+        while True:
+            await asyncio.sleep(tick)
+            now = self._now()
+            for guard in list(self._conns):
+                limit = timeouts.get(guard.phase)
+                if limit is not None and now - guard.since > limit:
+                    self._timed_out += 1
+                    guard.phase = BUSY  # closed once
+                    guard.close()
+
+    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """Loop errors as one rate-limited line each, never a traceback per accept (HTTP-72)."""
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (
+            errno.EMFILE,
+            errno.ENFILE,
+            errno.ENOBUFS,
+            errno.ENOMEM,
+        ):
+            self._accept_failures += 1
+            self._ratelog.warning(
+                "accept",
+                f"bootstrap server cannot accept connections: {exc.strerror} "
+                f"({len(self._conns)} open, cap {self._max_connections}); asyncio retries in "
+                "1 s (raise the fd limit or lower max_connections)",
+            )
+            return
+        self._ratelog.warning(
+            "loop", f"bootstrap server event loop: {context.get('message')}: {exc!r}"
+        )
 
     def stats(self, timeout: float = 5.0) -> ServerStats:
         """Connection and request counters, snapshotted on the loop thread."""
@@ -353,7 +811,15 @@ class BootstrapServer:
         return asyncio.run_coroutine_threadsafe(snap(), loop).result(timeout)
 
     def _snapshot(self) -> ServerStats:
-        return ServerStats(self._accepted, self._open, self._peak, dict(self._requests))
+        return ServerStats(
+            connections_accepted=self._accepted,
+            connections_open=len(self._conns),
+            connections_peak=self._peak,
+            requests=dict(self._requests),
+            connections_timed_out=self._timed_out,
+            connections_evicted=self._evicted,
+            accept_failures=self._accept_failures,
+        )
 
     # --- middleware ----------------------------------------------------------------------------
 
@@ -366,10 +832,22 @@ class BootstrapServer:
         if label not in _ROUTE_LABELS:
             label = "other"
         self._requests[label] = self._requests.get(label, 0) + 1
+        guard = _guard_of(request)
+        if guard is not None:
+            guard.phase = BODY
+            guard.since = self._now()
         try:
             return await handler(request)
         except BadRequest as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        except _ClientGone:
+            # Nobody to answer; a reply keeps aiohttp from logging a traceback per closed body.
+            return web.json_response({"error": "request body not received in time"}, status=408)
+        finally:
+            if guard is not None:
+                guard.phase = IDLE
+                guard.since = self._now()
+                guard.served = True
 
     def _authorised(self, request: web.Request) -> bool:
         """Bearer token check in constant time; no token configured -> closed unless insecure."""
@@ -387,7 +865,21 @@ class BootstrapServer:
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
         # read() raises HTTPRequestEntityTooLarge (413) past client_max_size.
-        return _load_json_object(await request.read())
+        try:
+            raw = await request.read()
+        except ConnectionError:
+            raise _ClientGone from None
+        except RuntimeError:
+            # aiohttp raises RuntimeError("Connection closed.") when the transport was closed
+            # (deadline or eviction) before the read began.
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise _ClientGone from None
+            raise
+        guard = _guard_of(request)
+        if guard is not None:
+            guard.phase = BUSY
+        return _load_json_object(raw)
 
     @staticmethod
     def _unauthorised() -> web.Response:
@@ -397,48 +889,134 @@ class BootstrapServer:
             headers={"WWW-Authenticate": "Bearer"},
         )
 
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: answer 100 only for a body this server will read (HTTP-73).
+
+        A body past ``max_body`` gets its 413 before it is sent; so does a registration
+        without the token its 401 (``_expect_auth``). The connection is then closed, as the
+        client may send the body anyway.
+        """
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return self._early(
+                web.json_response({"error": "only 'Expect: 100-continue' is known"}, status=417)
+            )
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            error = f"body of {length} bytes is larger than {self._max_body}"
+            return self._early(web.json_response({"error": error}, status=413))
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+        return None
+
+    async def _expect_auth(self, request: web.Request) -> web.StreamResponse | None:
+        if not self._authorised(request):
+            return self._early(self._unauthorised())
+        return await self._expect(request)
+
+    @staticmethod
+    def _early(response: web.StreamResponse) -> web.StreamResponse:
+        response.force_close()
+        return response
+
     # --- routes --------------------------------------------------------------------------------
 
     async def _put_route(self, request: web.Request) -> web.StreamResponse:
         if not self._authorised(request):
             return self._unauthorised()
-        key, (ip, port), claimed = parse_registration(await self._json_body(request))
-        topology = self._topology
-        if topology is None:
-            self._topology = topology = claimed
-        elif claimed != topology:
-            # First writer wins; a rank disagreeing with it is misconfigured (HTTP-51).
-            raise BadRequest("registration conflicts with the registered topology")
-        # Last writer wins for ports: a restarted rank re-registers its new port (HTTP-52).
-        self._ranks[key] = {"rank_ip": ip, "rank_port": port}
+        key, endpoint, claim, info = parse_registration(await self._json_body(request))
+        pinned = self._pinned
+        if pinned is not None:
+            if claim != pinned.claim:
+                # The topology is pinned once complete; a rank disagreeing with it is
+                # misconfigured (HTTP-51).
+                raise BadRequest(
+                    f"registration claims {claim.describe()} but the registered topology is "
+                    f"{pinned.claim.describe()}: fix this rank's parallel settings"
+                )
+            # Last writer wins for ports: a restarted rank re-registers its new port (HTTP-52).
+            pinned.ranks[key] = endpoint
+            return web.Response(text="OK")
+        self._register_candidate(key, endpoint, claim, info)
         return web.Response(text="OK")
+
+    def _register_candidate(
+        self,
+        key: tuple[int, int, int, int],
+        endpoint: tuple[str, int],
+        claim: _Claim,
+        info: _Info,
+    ) -> None:
+        """Before any topology is complete, keep registrations per claimed topology (HTTP-54).
+
+        The first claimed topology to have every one of its ranks registered is pinned and the
+        others are dropped, so one bogus first registration cannot block the real topology.
+        Bounded: at most MAX_CANDIDATES claims and MAX_WORLD ranks in all; past either bound
+        the claim with the fewest ranks (the oldest of those) is dropped first.
+        """
+        candidates = self._candidates
+        candidate = candidates.get(claim)
+        if candidate is None:
+            candidate = _Topology(claim, info)
+            while len(candidates) >= MAX_CANDIDATES:
+                self._drop_smallest_candidate()
+            candidates[claim] = candidate
+        if key not in candidate.ranks:
+            while sum(len(c.ranks) for c in candidates.values()) >= MAX_WORLD:
+                self._drop_smallest_candidate(keep=claim)
+        candidate.ranks[key] = endpoint
+        if candidate.complete:
+            self._pinned = candidate
+            others = [c for c in candidates.values() if c is not candidate]
+            candidates.clear()
+            if others:
+                _log.warning(
+                    "bootstrap topology pinned: %s; dropped %d registration(s) claiming "
+                    "other topologies: %s",
+                    claim.describe(),
+                    sum(len(c.ranks) for c in others),
+                    "; ".join(c.claim.describe() for c in others),
+                )
+
+    def _drop_smallest_candidate(self, keep: _Claim | None = None) -> None:
+        others = [c for c in self._candidates.values() if c.claim != keep]
+        smallest = min(others, key=lambda c: len(c.ranks))  # min() keeps the oldest on ties
+        del self._candidates[smallest.claim]
+        _log.warning(
+            "bootstrap server dropped %d registration(s) claiming %s: too many conflicting "
+            "topologies claimed before one was complete",
+            len(smallest.ranks),
+            smallest.claim.describe(),
+        )
 
     async def _get_route(self, request: web.Request) -> web.StreamResponse:
         dp, cp, tp, pp = _rank_params(request.query)
-        topology = self._topology
+        pinned = self._pinned
         if (dp, cp, tp, pp) == (-1, -1, -1, -1):
-            if topology is None or len(self._ranks) < topology.world:
+            if pinned is None:
                 return web.json_response({"error": "not every rank registered"}, status=503)
-            return web.json_response(topology.as_reply())
+            return web.json_response(pinned.as_reply())
         if min(dp, cp, tp, pp) < 0:
             raise BadRequest("ranks must be >= 0 (or all -1 for the topology)")
-        if topology is not None and (
-            dp >= topology.dp_size
-            or cp >= topology.attn_cp_size
-            or tp >= topology.attn_tp_size
-            or pp >= topology.pp_size
+        if pinned is None:
+            return web.json_response({"error": "not every rank registered"}, status=503)
+        claim = pinned.claim
+        if (
+            dp >= claim.dp_size
+            or cp >= claim.attn_cp_size
+            or tp >= claim.attn_tp_size
+            or pp >= claim.pp_size
         ):
             return web.json_response({"error": "no such rank"}, status=404)
-        if topology is None or len(self._ranks) < topology.world:
-            return web.json_response({"error": "not every rank registered"}, status=503)
-        return web.json_response(self._ranks[(dp, cp, tp, pp)])
+        ip, port = pinned.ranks[(dp, cp, tp, pp)]
+        return web.json_response({"rank_ip": ip, "rank_port": port})
 
     async def _register_dp_rank(self, request: web.Request) -> web.StreamResponse:
         if not self._authorised(request):
             return self._unauthorised()
         body = await self._json_body(request)
-        room = _int_field(body, "bootstrap_room", 0, 2**63 - 1)
-        dp_rank = _int_field(body, "dp_rank", 0, 2**31 - 1)
+        room = _int_field(body, "bootstrap_room", 0, INT64_MAX)
+        dp_rank = _int_field(body, "dp_rank", 0, MAX_PARALLEL_SIZE - 1)
         now = self._clock()
         self._expire(now)
         entries = self._dp_ranks
@@ -459,8 +1037,8 @@ class BootstrapServer:
     async def _query_dp_ranks(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
         rooms = body.get("bootstrap_rooms")
-        if not isinstance(rooms, list) or not all(is_int(r) for r in rooms):
-            raise BadRequest("'bootstrap_rooms' must be a list of ints")
+        if not isinstance(rooms, list) or not all(is_int(r) and 0 <= r <= INT64_MAX for r in rooms):
+            raise BadRequest("'bootstrap_rooms' must be a list of ints in 0..2**63-1")
         now = self._clock()
         self._expire(now)
         found: dict[str, int] = {}
@@ -499,9 +1077,11 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server = BootstrapServer(
-            args.host, args.port, token=args.token, insecure=args.insecure, dp_ttl=args.dp_ttl
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the CLI printed its own warning
+            server = BootstrapServer(
+                args.host, args.port, token=args.token, insecure=args.insecure, dp_ttl=args.dp_ttl
+            )
         server.start()
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
