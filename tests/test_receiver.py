@@ -29,12 +29,11 @@ from statemachine.errors import (
     Aborted,
     InvalidTransition,
     NotReady,
-    PeerLost,
     SendFailed,
     WaitingTimeout,
 )
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.pool import BootstrapPool, PoolKey, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 

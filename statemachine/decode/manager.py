@@ -140,6 +140,8 @@ class DecodeManager:
         transport_mode: Mode = "immediate",
         send_timeout_ms: int = 1000,
         clock: Callable[[], float] = time.monotonic,
+        fanout: bool = True,
+        single_flight: bool = True,
     ) -> None:
         if completion not in ("acks", "external"):
             raise ConfigurationError(f"completion must be 'acks' or 'external', not {completion!r}")
@@ -180,7 +182,10 @@ class DecodeManager:
         self.bootstrap_timeout_s = float(bootstrap_timeout_s)
         self.flight_timeout_s = float(flight_timeout_s)
         self.clock = clock
-        self.flights = Flights()
+        #: False: SGLang's behaviour for the benchmarks' anchor - no failure fan-out from
+        #: evidence (a request fails on its own send or timeout only), no single-flight.
+        self.fanout = fanout
+        self.flights: Flights | None = Flights() if single_flight else None
         self._inflight: dict[int, BootstrapReceiver] = {}
         self._lock = threading.Lock()  # guards everything below (never taken on the hit path)
         self._pending: dict[str, dict[int, BootstrapReceiver]] = {}
@@ -521,6 +526,8 @@ class DecodeManager:
         return found
 
     def _endpoint_dead(self, url: str, reason: str) -> int:
+        if not self.fanout:
+            return 0
         generations = self._generations_using(url)
         if not generations:
             return 0
@@ -542,6 +549,8 @@ class DecodeManager:
 
     def _on_dead(self, addr: str, reason: str) -> None:
         """Health monitor: ``addr`` stopped answering (the pool entries are already gone)."""
+        if not self.fanout:
+            return
         self.fail_address(
             addr,
             PrefillDead(
@@ -567,6 +576,8 @@ class DecodeManager:
         with self._lock:
             self._topologies.pop(addr, None)
             self._plans.pop(addr, None)
+        if not self.fanout:
+            return 0
         candidates = list(self.pool.snapshot().items())
         for receiver in self.in_flight():
             if receiver.addr == addr:
@@ -607,8 +618,8 @@ class DecodeManager:
                 completed=self._completed,
                 in_flight=len(self._inflight),
                 pending_dp=sum(len(rooms) for rooms in self._pending.values()),
-                flights_led=self.flights.led,
-                flights_followed=self.flights.followed,
+                flights_led=0 if self.flights is None else self.flights.led,
+                flights_followed=0 if self.flights is None else self.flights.followed,
                 fanout=dict(self._fanout),
                 detection=DetectionStats(
                     self._detections, self._detection_total, self._detection_max

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from statemachine import lifecycle as life
 from statemachine import trace
 from statemachine.backend import KVBackend, MetadataRequest
+from statemachine.decode.flight import Flight
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
 from statemachine.decode.source import BootstrapSource
 from statemachine.decode.transport import ZmqTransport
@@ -504,6 +505,8 @@ class BootstrapReceiver:
         """Single-flight: follow the fetches in flight for our keys, or lead all of them."""
         m = self._m
         flights = m.flights
+        if flights is None:  # the anchor's behaviour: every miss fetches for itself
+            return self._lead(plan, missing, {})
         deadline = m.clock() + m.flight_timeout_s
         while True:
             led, followed = flights.claim(missing)
@@ -550,14 +553,16 @@ class BootstrapReceiver:
                     or PeerLost(f"{self.addr}: the fetch this request waited for was abandoned"),
                 )
 
-    def _lead(self, plan: RankPlan, missing: list[PoolKey], led: dict[PoolKey, Any]) -> KVPoll:
+    def _lead(self, plan: RankPlan, missing: list[PoolKey], led: dict[PoolKey, Flight]) -> KVPoll:
         m = self._m
+        flights = m.flights
         self._fire(life.MISS)
         m._watch(self.addr)
         try:
             fresh = self._fetch(plan, missing)
         except BootstrapError as error:
-            m.flights.fail(led, error)
+            if flights is not None:
+                flights.fail(led, error)
             return self._fail(life.FETCH_FAIL, error)
         self.entries.update(fresh)
         self._fire(life.FETCH_OK)
@@ -565,7 +570,8 @@ class BootstrapReceiver:
             for generation in fresh.values():
                 m.transport.register(generation, m.backend)
         except SendFailed as error:
-            m.flights.fail(led, error)
+            if flights is not None:
+                flights.fail(led, error)
             m._send_failed(error)
             return self._fail(life.REGISTER_FAIL, error)
         self._fire(life.REGISTER_OK)
@@ -576,7 +582,8 @@ class BootstrapReceiver:
             if held is generation:
                 m._retain(generation)
             self.entries[key] = published[key] = held
-        m.flights.resolve({k: f for k, f in led.items() if k in published}, published)
+        if flights is not None:
+            flights.resolve({k: f for k, f in led.items() if k in published}, published)
         self._fire(life.PUBLISH)
         if self._lost is not None:  # failed by the fan-out while we fetched
             return self._fail(life.PEER_LOST, self._lost)
