@@ -194,9 +194,9 @@ class DecodeManager:
         self._retained: dict[Generation, tuple[Endpoint, ...]] = {}
         self._watched: set[str] = set()
         self._invalidations: dict[str, int] = {}
-        self._failures: dict[str, int] = {}
+        self._failures: dict[str, itertools.count[int]] = {}
         self._fanout: dict[str, int] = {}
-        self._completed = 0
+        self._completed = itertools.count()
         self._detections = 0
         self._detection_total = 0.0
         self._detection_max = 0.0
@@ -270,15 +270,6 @@ class DecodeManager:
         ``layout`` (or one rank without a layout); ``prefill_dp_rank`` is the router's, if any.
         """
         return BootstrapReceiver(self, addr, room, plan, prefill_dp_rank=prefill_dp_rank)
-
-    def _admit(self, receiver: BootstrapReceiver) -> None:
-        if self._closed:
-            raise ManagerClosed("the decode manager is closed: create a new one")
-        if self._inflight.setdefault(receiver.room, receiver) is not receiver:
-            raise InvalidRoom(
-                f"room {receiver.room} is already in flight: finish, abort or clear its "
-                "receiver before reusing the room"
-            )
 
     def in_flight(self) -> list[BootstrapReceiver]:
         """The receivers not yet ended (a snapshot)."""
@@ -374,13 +365,16 @@ class DecodeManager:
                 if rooms is not None and rooms.get(receiver.room) is receiver:
                     del rooms[receiver.room]
         if error is None:
-            with self._lock:
-                self._completed += 1
+            next(self._completed)  # lock-free: one C call
             return
         kind = type(error).__name__
-        with self._lock:
-            self._failures[kind] = self._failures.get(kind, 0) + 1
-            if isinstance(error, PeerLost) and error.evidence_at is not None:
+        counter = self._failures.get(kind)
+        if counter is None:
+            with self._lock:
+                counter = self._failures.setdefault(kind, itertools.count())
+        next(counter)
+        if isinstance(error, PeerLost) and error.evidence_at is not None:
+            with self._lock:
                 latency = max(0.0, self.clock() - error.evidence_at)
                 self._detections += 1
                 self._detection_total += latency
@@ -614,8 +608,8 @@ class DecodeManager:
                 publishes=pool.publishes,
                 adoptions=pool.adoptions,
                 invalidations=dict(self._invalidations),
-                failures=dict(self._failures),
-                completed=self._completed,
+                failures={k: _count_value(c) for k, c in self._failures.items()},
+                completed=_count_value(self._completed),
                 in_flight=len(self._inflight),
                 pending_dp=sum(len(rooms) for rooms in self._pending.values()),
                 flights_led=0 if self.flights is None else self.flights.led,
@@ -675,3 +669,9 @@ def _entries_of(receiver: BootstrapReceiver) -> tuple[Generation, ...]:
 def _stamp(error: BootstrapError, now: float) -> None:
     if isinstance(error, PeerLost) and error.evidence_at is None:
         error.evidence_at = now
+
+
+def _count_value(counter: itertools.count[int]) -> int:
+    """The next value of an ``itertools.count`` without advancing it (its repr is
+    ``count(N)``); counters bumped lock-free on the request path are read this way."""
+    return int(repr(counter)[6:-1])

@@ -39,6 +39,7 @@ from statemachine.errors import (
     ConfigurationError,
     InvalidRoom,
     InvalidTransition,
+    ManagerClosed,
     PeerLost,
     SendFailed,
     WaitingTimeout,
@@ -71,6 +72,9 @@ _INVALIDATE_NEEDS = "only a failed receiver has generations to invalidate (it do
 _FAILURE_NEEDS = "the request succeeded: only an unfinished or failed request has a failure"
 
 _TERMINAL = frozenset({life.DONE, life.INVALIDATED, life.ABORTED})
+#: Where ``Hit`` leads from ``idle``, read from the Machine's table once (the hit path's step).
+_HIT_TO = life.TABLE[life.HIT][life.IDLE]
+_INITIAL = life.INITIAL
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,6 @@ class BootstrapReceiver:
 
     __slots__ = (
         "_acked",
-        "_created_at",
         "_dp_rank",
         "_expecting",
         "_failure",
@@ -175,10 +178,10 @@ class BootstrapReceiver:
         "addr",
         "entries",
         "id",
-        "lifecycle",
         "on_change",
         "plan",
         "room",
+        "state",
     )
 
     def __init__(
@@ -196,42 +199,51 @@ class BootstrapReceiver:
             type(prefill_dp_rank) is not int or prefill_dp_rank < 0
         ):
             raise InvalidRoom(f"prefill_dp_rank must be an int >= 0, not {prefill_dp_rank!r}")
+        if manager._closed:
+            raise ManagerClosed("the decode manager is closed: create a new one")
         self._m = manager
         self.addr = addr
         self.room = room
         self.plan = plan
         self._dp_rank = prefill_dp_rank
         self.id = next(_receiver_ids)
-        self.lifecycle = life.Lifecycle()
+        #: The lifecycle state (``statemachine.lifecycle``), stepped only by ``_fire``.
+        self.state: str = _INITIAL
         #: The exact generation objects this receiver used, by key: what ``Invalidate`` drops.
         self.entries: dict[PoolKey, Generation] = {}
         self._failure: BootstrapError | None = None
         #: Set by the manager's fan-out (another thread): the owner's next call fires PeerLost.
         self._lost: BootstrapError | None = None
+        #: when the metadata was sent (or, while the dp rank is pending, when that began)
         self._sent_at = 0.0
-        self._created_at = 0.0
         self._acked = False
         self._expecting = False
         self._pending = False
         #: Called (from any thread) when this receiver has news for its owner: acks arrived or
         #: the manager failed it. A scheduler can set it to wake its wait.
         self.on_change: Callable[[], None] | None = None
-        manager._admit(self)
+        # Known to the manager by room (one dict store): what the fan-out scans.
+        if manager._inflight.setdefault(room, self) is not self:
+            raise InvalidRoom(
+                f"room {room} is already in flight: finish, abort or clear its receiver "
+                "before reusing the room"
+            )
 
     # --- lifecycle plumbing -------------------------------------------------------------
 
-    @property
-    def state(self) -> str:
-        return self.lifecycle.state
-
     def _fire(self, event: str) -> None:
-        self.lifecycle.fire(event)
+        """One lifecycle step through the Machine's table (LIFE-1); InvalidTransition if the
+        event is not allowed here."""
+        try:
+            self.state = life.TABLE[event][self.state]
+        except KeyError:
+            raise InvalidTransition(self.state, event) from None
         if trace.ENABLED:
             trace.emit(
                 event,
                 receiver=self.id,
                 entries=self.entries,
-                state=self.lifecycle.state,
+                state=self.state,
             )
 
     def _fail(self, event: str, error: BootstrapError) -> KVPoll:
@@ -263,10 +275,8 @@ class BootstrapReceiver:
         WaitingForInput on success, Failed on failure, Bootstrapping while the dp rank is
         pending.
         """
-        if self.lifecycle.state != life.IDLE:
-            raise InvalidTransition(
-                self.lifecycle.state, life.HIT, method="init", requires=_INIT_NEEDS
-            )
+        if self.state != life.IDLE:
+            raise InvalidTransition(self.state, life.HIT, method="init", requires=_INIT_NEEDS)
         if self._lost is not None:
             return self._fail(life.PEER_LOST, self._lost)
         if prefill_dp_rank is not None:
@@ -274,6 +284,8 @@ class BootstrapReceiver:
         m = self._m
         plan = self.plan
         dp_rank = self._dp_rank
+        if plan is None and m.layout is None:
+            plan = self.plan = DEFAULT_PLAN
         if plan is None or dp_rank is None:
             try:
                 if plan is None:
@@ -296,7 +308,10 @@ class BootstrapReceiver:
             else:
                 self.entries[key] = generation
         if missing is None:
-            self._fire(life.HIT)
+            # The Hit step, inlined: the destination comes from the Machine's table.
+            self.state = _HIT_TO
+            if trace.ENABLED:
+                trace.emit(life.HIT, receiver=self.id, entries=self.entries, state=_HIT_TO)
             return KVPoll.WaitingForInput
         return self._miss(plan, missing)
 
@@ -314,7 +329,7 @@ class BootstrapReceiver:
         and forgotten on every terminal path. Before a successful ``init`` this fails the
         request (``SendFail`` from ``idle``, as SGLang does) instead of raising.
         """
-        state = self.lifecycle.state
+        state = self.state
         if state == life.CACHED or state == life.IDLE:
             if self._lost is not None:
                 return self._fail(life.PEER_LOST, self._lost)
@@ -372,7 +387,7 @@ class BootstrapReceiver:
     def poll(self) -> KVPoll:
         """SGLang-compatible status; completes, times out (``elapsed >= timeout``) or applies
         the manager's fan-out failure."""
-        state = self.lifecycle.state
+        state = self.state
         if state == life.WAITING:
             if self._lost is not None:
                 self._fail(life.PEER_LOST, self._lost)
@@ -393,7 +408,7 @@ class BootstrapReceiver:
                 self._fail(life.PEER_LOST, self._lost)
             elif self._pending and self._bootstrap_expired():
                 self._fail(life.FETCH_FAIL, self._bootstrap_timeout())
-        return life.POLL_OF_STATE[self.lifecycle.state]
+        return life.POLL_OF_STATE[self.state]
 
     @property
     def failure(self) -> BootstrapError | None:
@@ -408,7 +423,7 @@ class BootstrapReceiver:
         """
         if self._failure is not None:
             raise self._failure
-        state = self.lifecycle.state
+        state = self.state
         if state in (life.IDLE, life.CACHED, life.WAITING):
             self._fail(
                 life.PEER_LOST,
@@ -429,7 +444,7 @@ class BootstrapReceiver:
         """The owner gives up. Every prefill rank that got this room's metadata is told once
         (so it frees the slot); idempotent. No invalidation: an abort says nothing about the
         prefill."""
-        state = self.lifecycle.state
+        state = self.state
         if state in life.ACTIVE_STATES:
             self._failure = Aborted(f"room {self.room} aborted in state {state}")
             self._fire(life.ABORT)
@@ -441,7 +456,7 @@ class BootstrapReceiver:
         """Forget this request. A terminal result is kept (Success stays Success, Failed stays
         Failed); an unfinished request becomes Failed (``Abort``), so a late completion can no
         longer complete it. The pool is not touched."""
-        state = self.lifecycle.state
+        state = self.state
         if state in life.ACTIVE_STATES:
             self._failure = Aborted(f"room {self.room} cleared in state {state}")
             self._fire(life.ABORT)
@@ -454,7 +469,7 @@ class BootstrapReceiver:
         Only allowed after a failure (the receiver does it by itself then); idempotent in
         ``invalidated``.
         """
-        state = self.lifecycle.state
+        state = self.state
         if state == life.INVALIDATED:
             return 0
         if state != life.FAILED:
@@ -478,7 +493,7 @@ class BootstrapReceiver:
             return self.room % topology.dp_size
         if not self._pending:
             self._pending = True
-            self._created_at = m.clock()
+            self._sent_at = m.clock()
             m._pend(self)
         elif self._bootstrap_expired():
             raise self._bootstrap_timeout()
@@ -492,7 +507,7 @@ class BootstrapReceiver:
             wake()
 
     def _bootstrap_expired(self) -> bool:
-        return self._m.clock() - self._created_at >= self._m.bootstrap_timeout_s
+        return self._m.clock() - self._sent_at >= self._m.bootstrap_timeout_s
 
     def _bootstrap_timeout(self) -> BootstrapTimeout:
         return BootstrapTimeout(
@@ -648,7 +663,7 @@ class BootstrapReceiver:
     @property
     def ended(self) -> bool:
         """True once the request reached a final state (done, invalidated or aborted)."""
-        return self.lifecycle.state in _TERMINAL
+        return self.state in _TERMINAL
 
     def __repr__(self) -> str:
         return f"BootstrapReceiver(id={self.id}, room={self.room}, state={self.state!r})"
