@@ -56,7 +56,6 @@ from statemachine.decode.transport import Endpoint, Mode, ZmqTransport, endpoint
 from statemachine.errors import (
     BootstrapError,
     ConfigurationError,
-    InvalidRoom,
     ManagerClosed,
     PeerLost,
     PrefillDead,
