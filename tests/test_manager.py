@@ -615,3 +615,28 @@ def test_pool_is_shared_not_owned() -> None:
     pool = BootstrapPool()
     with manager_for(pool=pool) as manager:
         assert manager.pool is pool
+
+
+def test_stats_and_prometheus_export_read_the_same_figures(slow_prefill: Prefill) -> None:
+    """stats() for code; the Prometheus collector renders the same figures at scrape time."""
+    prometheus = pytest.importorskip("prometheus_client")
+    from statemachine.decode.metrics import PrometheusCollector
+
+    with manager_for() as manager:
+        victims = in_flight_waiting(manager, slow_prefill, range(1, 3))
+        generation = manager.pool.get(key_of(slow_prefill))
+        assert generation is not None
+        manager.fail_generations([generation], RankDead("test", endpoint="tcp://x:1"))
+        assert poll_all_failed(victims)
+        stats = manager.stats()
+        assert stats.failures == {"RankDead": 2} and stats.fanout == {"RankDead": 2}
+        assert stats.invalidations == {"RankDead": 1}
+        assert stats.misses == 1 and stats.hits == 1 and stats.detection.count == 2
+        registry = prometheus.CollectorRegistry()
+        PrometheusCollector(manager).register(registry)
+        text = prometheus.generate_latest(registry).decode()
+        assert 'pd_bootstrap_requests_failed_total{reason="RankDead"} 2.0' in text
+        assert 'pd_bootstrap_invalidations_total{cause="RankDead"} 1.0' in text
+        assert "pd_bootstrap_cache_hits_total 1.0" in text
+        assert "pd_bootstrap_failure_detection_seconds_count 2.0" in text
+        assert "pd_bootstrap_zmq_sockets_open" in text
