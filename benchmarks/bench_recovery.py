@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         "that had such requests):"
     )
     for name, values in to_failed.items():
-        seen = [v for v in values if v is not None]
+        seen: list[float | None] = [v for v in values if v is not None]
         print(f"{name:>13}  {_fmt(_median(seen), ' s') if seen else 'n/a'} ({len(seen)} runs)")
-    seen_ours = [v for v in to_failed["ours"] if v is not None]
+    seen_ours: list[float | None] = [v for v in to_failed["ours"] if v is not None]
     ours_fail = _median(seen_ours) if seen_ours else None
     print(
         f"goal: ours fails them within 50 ms of the kill: {_fmt(ours_fail, ' s')} -> "
