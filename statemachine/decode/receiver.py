@@ -389,11 +389,11 @@ class BootstrapReceiver:
         the manager's fan-out failure."""
         state = self.state
         if state == life.WAITING:
-            if self._lost is not None:
-                self._fail(life.PEER_LOST, self._lost)
-            elif self._acked:
+            if self._acked:  # every ack arrived: the transfer is done, whatever came after
                 self._fire(life.COMPLETE)
                 self._m._ended(self, None)
+            elif self._lost is not None:
+                self._fail(life.PEER_LOST, self._lost)
             elif self._m.clock() - self._sent_at >= self._m.waiting_timeout_s:
                 self._fail(
                     life.TIMEOUT,
