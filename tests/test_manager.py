@@ -39,6 +39,7 @@ from statemachine.errors import (
     BootstrapError,
     BootstrapTimeout,
     ConfigurationError,
+    FetchWaitTimeout,
     InvalidRoom,
     InvalidTransition,
     NotReady,
@@ -51,7 +52,7 @@ from statemachine.errors import (
     WaitingTimeout,
 )
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import BootstrapPool
+from statemachine.pool import BootstrapPool, RankInfo
 from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import Topology
 
@@ -353,8 +354,6 @@ def test_mgr_4_kv_indices_numpy_and_sequences_pack_alike() -> None:
             MetadataRequest(1, bad, 0)
 
 
-from statemachine.pool import RankInfo  # noqa: E402
-
 PLAN_RANK = RankInfo("127.0.0.1", 1, 0)
 
 
@@ -640,3 +639,45 @@ def test_stats_and_prometheus_export_read_the_same_figures(slow_prefill: Prefill
         assert "pd_bootstrap_cache_hits_total 1.0" in text
         assert "pd_bootstrap_failure_detection_seconds_count 2.0" in text
         assert "pd_bootstrap_zmq_sockets_open" in text
+
+
+class SlowSource:
+    """A real BootstrapClient whose rank queries take ``delay`` longer (a slow server)."""
+
+    def __init__(self, delay: float) -> None:
+        self.client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
+        self.delay = delay
+
+    def get_rank(self, addr: str, *, dp_rank: int, cp_rank: int, tp_rank: int, pp_rank: int):  # type: ignore[no-untyped-def]
+        time.sleep(self.delay)
+        return self.client.get_rank(
+            addr, dp_rank=dp_rank, cp_rank=cp_rank, tp_rank=tp_rank, pp_rank=pp_rank
+        )
+
+    def get_topology(self, addr: str) -> Topology:
+        return self.client.get_topology(addr)
+
+    def query_dp_ranks(self, addr: str, rooms: list[int]) -> dict[int, int]:
+        return self.client.query_dp_ranks(addr, rooms)
+
+
+def test_mgr_3_a_follower_past_its_deadline_fails_and_the_leader_goes_on(
+    slow_prefill: Prefill,
+) -> None:
+    """A follower waits for the leader's fetch at most flight_timeout_s, then fails from idle
+    with FetchWaitTimeout; the leader's fetch still publishes. Any BootstrapSource will do."""
+    source = SlowSource(delay=0.3)
+    with manager_for(source=source, flight_timeout_s=0.05) as manager:
+        leader = manager.receiver(slow_prefill.addr, 1, PLAN, prefill_dp_rank=0)
+        thread = threading.Thread(target=leader.init)
+        thread.start()
+        assert wait_until(lambda: manager.flights is not None and len(manager.flights) == 1)
+        follower = manager.receiver(slow_prefill.addr, 2, PLAN, prefill_dp_rank=0)
+        assert follower.init() == KVPoll.Failed
+        assert isinstance(follower.failure, FetchWaitTimeout)
+        assert "retry" in str(follower.failure)
+        thread.join(POLL_LIMIT_S)
+        assert leader.state == life.CACHED
+        assert manager.pool.get(key_of(slow_prefill)) is leader.entries[key_of(slow_prefill)]
+        leader.clear()
+    source.client.close()
