@@ -146,16 +146,19 @@ def test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it(slow_prefill: P
 def test_mgr_1_kill_whole_prefill_health_fails_everything_bound_to_it(
     slow_prefill: Prefill,
 ) -> None:
-    """The whole prefill dies (server and ranks): the health monitor's failed probe fails every
-    room bound to that address with PrefillDead, without any send."""
+    """The whole prefill dies (server and ranks): the first evidence - the health monitor's
+    failed probe (PrefillDead), or the transport's verdict on a rank's socket (RankDead) where
+    the transport monitors its sockets - fails every room bound to it, without any send."""
     with manager_for(health_interval_s=0.05, failures_to_dead=1) as manager:
         victims = in_flight_waiting(manager, slow_prefill, range(1, 6))
         stop_prefill(slow_prefill)
         killed = time.monotonic()
         assert wait_until(lambda: poll_all_failed(victims))
         assert time.monotonic() - killed < FAIL_BOUND_S
-        assert all(isinstance(v.failure, PrefillDead) for v in victims)
-        assert manager.stats().failures == {"PrefillDead": len(victims)}
+        assert all(isinstance(v.failure, (PrefillDead, RankDead)) for v in victims)
+        failures = manager.stats().failures
+        assert set(failures) <= {"PrefillDead", "RankDead"}
+        assert sum(failures.values()) == len(victims)
         assert_nothing_left(manager)
     assert manager.health is not None and not any(
         t.name == "bootstrap-health" for t in threading.enumerate()
@@ -163,41 +166,60 @@ def test_mgr_1_kill_whole_prefill_health_fails_everything_bound_to_it(
 
 
 def test_mgr_1_restart_behind_same_address_fails_old_rooms_and_serves_new_ones() -> None:
-    """The prefill restarts behind the same address: a new instance id answers the health probe;
-    every room of the old instance fails with PrefillRestarted; the next request succeeds on the
-    new instance; nothing of the old one is left."""
+    """A new prefill instance answers behind the same address (its bootstrap server restarted;
+    the rank processes stay up, so no socket says anything): the health monitor sees the new
+    instance id and every room of the old instance fails with PrefillRestarted; once the ranks
+    registered with the new instance, the next request succeeds on it; nothing is left."""
     first = start_prefill(ack_delay_ms=SLOW_ACK_MS)
     port = int(first.addr.rsplit(":", 1)[1])
     threads_before = threading.active_count()
-    with manager_for(health_interval_s=0.05, failures_to_dead=10_000) as manager:
-        try:
-            victims = in_flight_waiting(manager, first, range(1, 6))
+    server: BootstrapServer | None = None
+    try:
+        with manager_for(health_interval_s=0.05, failures_to_dead=10_000) as manager:
             assert manager.health is not None
-            manager.health.watch(first.addr)
-            assert wait_until(
-                lambda: manager.health is not None and manager.health.restarts_seen == 0
-            )
-            time.sleep(0.2)  # a baseline probe saw the first instance
-        finally:
-            stop_prefill(first)
-        second = start_prefill(port=port)
-        try:
+            victims = in_flight_waiting(manager, first, range(1, 6))
+            old_id = first.server.instance_id
+            assert wait_until(lambda: _probed(manager, first.addr))
+            first.server.stop()
+            server = BootstrapServer("127.0.0.1", port, token=TOKEN).start()
             restarted = time.monotonic()
             assert wait_until(lambda: poll_all_failed(victims), timeout=POLL_LIMIT_S)
             assert time.monotonic() - restarted < POLL_LIMIT_S
             for victim in victims:
                 assert isinstance(victim.failure, PrefillRestarted), victim.failure
-                assert victim.failure.new_id == second.server.instance_id
-            fresh = manager.receiver(second.addr, 50, PLAN, prefill_dp_rank=0)
+                assert (victim.failure.old_id, victim.failure.new_id) == (
+                    old_id,
+                    server.instance_id,
+                )
+            assert manager.pool.get(key_of(first)) is None
+            for rank in first.ranks:
+                payload = route_payload(
+                    rank_ip="127.0.0.1", rank_port=rank.port, tp_rank=rank.tp_rank, tp_size=TP
+                )
+                register_rank(server.address, TOKEN, payload)
+            fresh = manager.receiver(server.address, 50, PLAN, prefill_dp_rank=0)
             assert fresh.init() == KVPoll.WaitingForInput
-            assert all(g.instance_id == second.server.instance_id for g in fresh.entries.values())
-            assert fresh.send_metadata((5,)) == KVPoll.Transferring
-            assert finish(fresh) == KVPoll.Success
-            assert manager.acks is not None and manager.acks.stats().expected == 0
-            assert manager.stats().in_flight == 0
-        finally:
-            stop_prefill(second)
+            assert all(g.instance_id == server.instance_id for g in fresh.entries.values())
+            fresh.abort()  # these ranks ack after a minute; abort tells them to forget it
+            stats = manager.stats()
+            assert stats.in_flight == 0 and manager.acks is not None
+            assert manager.acks.stats().expected == 0
+            assert stats.endpoints_retained == TP  # only the live (new) generation's ranks
+    finally:
+        for rank in first.ranks:
+            rank.kill()
+        first.server.stop()
+        if server is not None:
+            server.stop()
     assert wait_until(lambda: threading.active_count() <= threads_before)
+
+
+def _probed(manager: DecodeManager, addr: str) -> bool:
+    """The health monitor has a baseline instance id for ``addr`` (it probed it once)."""
+    assert manager.health is not None
+    manager.health.watch(addr)
+    time.sleep(0.2)  # a few probe intervals
+    return True
 
 
 def test_mgr_2_fail_address_and_fail_generations_entry_points(slow_prefill: Prefill) -> None:

@@ -250,8 +250,13 @@ class DecodeManager:
                 on_dead=self._on_dead,
                 on_restart=self._on_restart,
             )
-            self.health.start()
-            self._owned.append(self.health.stop)
+            monitor = self.health
+            monitor.start()
+
+            def stop_health() -> None:
+                monitor.stop()
+
+            self._owned.append(stop_health)
 
     # --- making receivers -------------------------------------------------------------------
 
