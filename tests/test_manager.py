@@ -502,6 +502,7 @@ def test_mgr_8_pending_rooms_batch_one_query_per_address_per_step() -> None:
             assert receivers[3].init() == KVPoll.Bootstrapping  # unknown: still pending
             assert manager.step() == 0
             time.sleep(0.3)
+            assert receivers[0].poll() == KVPoll.WaitingForInput  # resolved: no timeout
             assert receivers[3].poll() == KVPoll.Failed
             assert isinstance(receivers[3].failure, BootstrapTimeout)
             for receiver in receivers[:3]:

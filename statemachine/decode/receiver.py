@@ -502,6 +502,7 @@ class BootstrapReceiver:
     def _resolved(self, dp_rank: int) -> None:
         """The manager's batched query answered (called from the stepping thread)."""
         self._dp_rank = dp_rank
+        self._pending = False  # no bootstrap timeout any more: the next init() goes on
         wake = self.on_change
         if wake is not None:
             wake()
