@@ -25,6 +25,7 @@ from statemachine.decode.acks import AckListener
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.receiver import BootstrapReceiver, RankPlan
+from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import (
     Aborted,
     InvalidTransition,
@@ -135,8 +136,10 @@ def make_decode(
     waiting_timeout_s: float = 5.0,
     backend_for: Callable[[int], SimpleBackend] | None = None,
     pool: BootstrapPool | None = None,
+    transport: ZmqTransport | None = None,
 ) -> Iterator[DecodeSide]:
-    """A decode side; ``backend_for(ack_port)`` may supply a custom backend."""
+    """A decode side; ``backend_for(ack_port)`` may supply a custom backend; ``transport``
+    one the caller owns (say, one whose socket monitor is off, to script a stale hit)."""
     client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
 
     def factory(ip: str, port: int) -> SimpleBackend:
@@ -148,6 +151,7 @@ def make_decode(
         source=client,
         pool=pool,
         backend_factory=factory,
+        transport=transport,
         send_timeout_ms=500,
         waiting_timeout_s=waiting_timeout_s,
         health_interval_s=None,
