@@ -481,7 +481,11 @@ def test_mgr_8_pending_rooms_batch_one_query_per_address_per_step() -> None:
     ports = {(dp, 0): s.bind_to_random_port("tcp://127.0.0.1") for dp, s in enumerate(sockets)}
     server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
     try:
-        _register_ranks(server, ports, follow_bootstrap_room=False)
+        # SGLang's prefill says so with a load-balance method other than follow_bootstrap_room
+        # (older reference servers read the flag itself; both are sent).
+        _register_ranks(
+            server, ports, load_balance_method="round_robin", follow_bootstrap_room=False
+        )
         import requests
 
         for room, dp in ((1, 1), (2, 0), (3, 1)):
