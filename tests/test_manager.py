@@ -9,6 +9,7 @@ no thread after close. Requirement IDs: MGR-n (spec/manager.md), LIFE-n (spec/li
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -708,3 +709,25 @@ def test_mgr_3_a_follower_past_its_deadline_fails_and_the_leader_goes_on(
         assert manager.pool.get(key_of(slow_prefill)) is leader.entries[key_of(slow_prefill)]
         leader.clear()
     source.client.close()
+
+
+def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
+    slow_prefill: Prefill,
+) -> None:
+    """The transport's listener reporting an endpoint dead (here: a send to it by another
+    user of the transport failed; a socket-monitoring transport may say so first) fails the
+    requests in flight whose generation names it, with RankDead, and nothing else."""
+    with manager_for() as manager:
+        victims = in_flight_waiting(manager, slow_prefill, range(1, 4))
+        bystander = manager.receiver("127.0.0.1:1", 50, PLAN, prefill_dp_rank=0)
+        dead = ("127.0.0.1", slow_prefill.ranks[0].port)
+        slow_prefill.ranks[0].kill()
+        with contextlib.suppress(SendFailed):
+            for _ in range(50):  # until libzmq has noticed the kill
+                manager.transport.send(dead, [b"probe"])
+                time.sleep(0.01)
+        assert wait_until(lambda: poll_all_failed(victims))
+        assert all(isinstance(v.failure, RankDead) for v in victims)
+        assert bystander.poll() == KVPoll.Bootstrapping  # bound elsewhere: untouched
+        bystander.clear()
+        assert_nothing_left(manager)
