@@ -49,7 +49,7 @@ from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan, deriv
 from statemachine.decode.receiver import (
     DEFAULT_WAITING_TIMEOUT_S,
     BootstrapReceiver,
-    check_parts,
+    Decode,
 )
 from statemachine.decode.source import BootstrapSource
 from statemachine.decode.transport import Endpoint, Mode, ZmqTransport, endpoint_url
@@ -165,9 +165,10 @@ class DecodeManager:
                 session_id, health_interval_s, failures_to_dead, transport_mode,
                 send_timeout_ms,
             )  # fmt: skip
-            check_parts(
+            #: The shared parts as one bundle, checked (ConfigurationError on a wrong part).
+            self.decode = Decode(
                 pool=self.pool,
-                source=self.source,
+                client=self.source,
                 transport=self.transport,
                 backend=self.backend,
                 waiting_timeout_s=waiting_timeout_s,

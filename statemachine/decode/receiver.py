@@ -79,7 +79,8 @@ _INITIAL = life.INITIAL
 
 @dataclass(frozen=True)
 class Decode:
-    """The parts every receiver of one decode process shares (the manager builds one).
+    """The parts every receiver of one decode process shares, as one bundle: the manager
+    builds one from its parts (``DecodeManager.decode``).
 
     Checked at construction: a missing or wrong-typed part raises
     :class:`~statemachine.errors.ConfigurationError` here, not an ``AttributeError`` on the
