@@ -731,3 +731,39 @@ def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
         assert bystander.poll() == KVPoll.Bootstrapping  # bound elsewhere: untouched
         bystander.clear()
         assert_nothing_left(manager)
+
+
+def test_mgr_5_6_frames_carry_the_dummy_flag_and_abort_parses_strictly() -> None:
+    """MGR-5/MGR-6 frame layouts: the dummy flag is the last frame of register and metadata
+    (b"0"/b"1", nothing else); the abort message is [abort, room, session, pp rank]."""
+    from statemachine.backend import (
+        ABORT_FRAMES,
+        METADATA_FRAMES,
+        REGISTER_FRAMES,
+        MalformedFrames,
+        parse_abort,
+        parse_register,
+    )
+
+    backend = SimpleBackend("127.0.0.1", 5555, "session-d")
+    dummy, real = RankInfo("127.0.0.1", 1, 0, True), RankInfo("127.0.0.1", 2, 1, False)
+    request = MetadataRequest(9, (1, 2), 3)
+    assert parse_register(backend.register_frames(dummy)).is_dummy
+    assert not parse_register(backend.register_frames(real)).is_dummy
+    assert parse_metadata(backend.metadata_frames(dummy, request)).is_dummy
+    assert len(backend.register_frames(real)) == REGISTER_FRAMES
+    assert len(backend.metadata_frames(real, request)) == METADATA_FRAMES
+    abort = backend.abort_frames(real, 2**64 - 1)
+    assert len(abort) == ABORT_FRAMES
+    parsed = parse_abort(abort)
+    assert (parsed.room, parsed.session_id, parsed.target_pp_rank) == (2**64 - 1, "session-d", 1)
+    for bad_flag in (b"", b"2", b"true", b" 1"):
+        frames = backend.metadata_frames(real, request)
+        frames[-1] = bad_flag
+        with pytest.raises(MalformedFrames):
+            parse_metadata(frames)
+    for bad in ([b"abort", b"1", b"s"], [b"abort", b"-1", b"s", b"0"], [b"abort", b"1", b"", b"0"]):
+        with pytest.raises(MalformedFrames):
+            parse_abort(bad)
+    with pytest.raises(ValueError):
+        backend.abort_frames(real, -1)
