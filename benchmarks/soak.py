@@ -7,7 +7,10 @@ Checks, each printed with its figure; exit status 1 if any fails:
 * if the trace validator (``statemachine.model.validate``) is present, the NDJSON trace of the
   whole run passes it (``main([trace]) == 0``);
 * no leak: threads, open file descriptors (``/proc/self/fd``) and TCP sockets to the bootstrap
-  port are back to their levels before the run (after a short settle time).
+  port are back to their levels before the run (after a short settle time);
+* resources follow generations: at the end of the run (before shutdown) the transport holds
+  no more ZMQ sockets than the live generation has ranks, and no request is in flight or
+  expected by the ack listener after the loops stopped.
 
 ``python -m benchmarks.soak [--requests N] [--duration S] [--no-trace]``
 """
@@ -115,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
             threads_after <= threads_before,
         ),
         (f"open fds before/after: {fds_before}/{fds_after}", fds_after <= fds_before),
+        (
+            f"ZMQ sockets open at the end: {result.transport.sockets_open} "
+            f"(live generation: {config.tp_size * config.pp_size} ranks)",
+            result.transport.sockets_open <= config.tp_size * config.pp_size,
+        ),
+        (
+            f"acks still expected after the loops stopped: {result.acks.expected}",
+            result.acks.expected == 0,
+        ),
         (
             f"connections to the bootstrap port left open: {sockets.established}",
             sockets.established == 0,

@@ -9,23 +9,33 @@ message and sends them, nothing more.
 prefill rank process (:mod:`statemachine.prefill.rank`), the tests, the demo and the
 benchmarks. Every message is multipart; its first frame names the kind; integers are ASCII
 decimal; pointer and index lists are packed little-endian with :mod:`struct`. The layouts are
-specified in ``spec/zmq.md`` (ZMQ-9, ZMQ-10) and parsed back, strictly, by
-:func:`parse_register` and :func:`parse_metadata`, which raise :class:`MalformedFrames`.
+specified in ``spec/zmq.md`` (ZMQ-9, ZMQ-10) and ``spec/manager.md`` (the dummy flag and the
+abort message, MGR-8/MGR-9), and parsed back, strictly, by :func:`parse_register`,
+:func:`parse_metadata` and :func:`parse_abort`, which raise :class:`MalformedFrames`.
+
+As in SGLang, *every* rank of a generation gets the register and metadata messages, dummy
+ranks included: the last frame says whether this decode rank is a dummy peer for that prefill
+rank, so the prefill rank knows how many decode peers to wait for and transfers (and acks) only
+to the non-dummy one.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from statemachine.errors import BootstrapError
 from statemachine.pool import RankInfo
 
 REGISTER_KIND = b"register"
 METADATA_KIND = b"metadata"
+ABORT_KIND = b"abort"
+_FLAG = {False: b"0", True: b"1"}
 
 _INT32_MIN = -(2**31)
 _INT32_MAX = 2**31 - 1
@@ -43,34 +53,94 @@ class MalformedFrames(BootstrapError, ValueError):
         self.kind = kind
 
 
-@dataclass(frozen=True, slots=True)
 class MetadataRequest:
-    """The per-request part of a metadata message: which KV pages the prefill should fill."""
+    """The per-request part of a metadata message: which KV pages the prefill should fill.
 
-    room: int
-    kv_indices: tuple[int, ...]
-    aux_index: int
-    prefix_len: int = 0
+    ``kv_indices`` is any sequence of ints (a tuple, a list, an ``array.array``) or a 1-d numpy
+    integer array, as SGLang passes ``np.int32`` page indices. It is packed once, here, to the
+    wire's little-endian int32 bytes by C code (``array`` or numpy), never element by element in
+    Python; out-of-range or non-integer items raise at construction, so a bad request never
+    reaches a socket. numpy is optional: it is only used for an object that already is a numpy
+    array (the module is looked up in ``sys.modules``, never imported here).
+    """
 
-    def __post_init__(self) -> None:
-        _check_int("room", self.room, 0, _UINT64_MAX)
-        if not isinstance(self.kv_indices, tuple):
-            raise TypeError(f"kv_indices must be a tuple, not {type(self.kv_indices).__name__}")
-        for index in self.kv_indices:
-            _check_int("kv_indices item", index, _INT32_MIN, _INT32_MAX)
-        _check_int("aux_index", self.aux_index, 0, _INT32_MAX)
-        _check_int("prefix_len", self.prefix_len, 0, _INT32_MAX)
+    __slots__ = ("aux_index", "kv_bytes", "prefix_len", "room")
+
+    def __init__(
+        self, room: int, kv_indices: Sequence[int] | Any, aux_index: int, prefix_len: int = 0
+    ) -> None:
+        _check_int("room", room, 0, _UINT64_MAX)
+        _check_int("aux_index", aux_index, 0, _INT32_MAX)
+        _check_int("prefix_len", prefix_len, 0, _INT32_MAX)
+        self.room = room
+        self.aux_index = aux_index
+        self.prefix_len = prefix_len
+        #: the page indices as the wire carries them: ``<i4`` each
+        self.kv_bytes: bytes = pack_indices(kv_indices)
+
+    @property
+    def kv_indices(self) -> tuple[int, ...]:
+        """The page indices as a tuple (decoded from the packed bytes; not for the hot path)."""
+        values: tuple[int, ...] = struct.unpack(f"<{len(self.kv_bytes) // 4}i", self.kv_bytes)
+        return values
+
+    def __repr__(self) -> str:
+        return (
+            f"MetadataRequest(room={self.room}, kv_indices=<{len(self.kv_bytes) // 4} pages>, "
+            f"aux_index={self.aux_index}, prefix_len={self.prefix_len})"
+        )
+
+
+def pack_indices(indices: Sequence[int] | Any) -> bytes:
+    """Pack page indices to little-endian int32 bytes without a Python loop over them.
+
+    Raises ``TypeError`` for something that is not a sequence of ints (``str``/``bytes``, floats,
+    a numpy float or 2-d array) and ``ValueError`` for an item outside int32.
+    """
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(indices, numpy.ndarray):
+        if indices.ndim != 1 or indices.dtype.kind not in "iu":
+            raise TypeError(
+                f"kv_indices must be a 1-d integer array, not {indices.ndim}-d {indices.dtype}"
+            )
+        if indices.size and (int(indices.min()) < _INT32_MIN or int(indices.max()) > _INT32_MAX):
+            raise ValueError("kv_indices item out of int32 range")
+        packed: bytes = numpy.ascontiguousarray(indices, dtype="<i4").tobytes()
+        return packed
+    if isinstance(indices, (str, bytes, bytearray, memoryview)) or not isinstance(
+        indices, (Sequence, array)
+    ):
+        raise TypeError(f"kv_indices must be a sequence of ints, not {type(indices).__name__}")
+    if isinstance(indices, array) and indices.typecode == "i" and indices.itemsize == 4:
+        values = indices
+    else:
+        try:
+            values = array("i", indices)  # C loop: rejects floats and non-ints, checks range
+        except OverflowError:
+            raise ValueError("kv_indices item out of int32 range") from None
+        except TypeError:
+            raise TypeError("kv_indices items must be ints") from None
+    if values.itemsize != 4:  # pragma: no cover - C int is 4 bytes on every supported platform
+        raise TypeError("this platform's C int is not 4 bytes")
+    if sys.byteorder == "big":  # pragma: no cover - the wire is little-endian
+        values = array("i", values)
+        values.byteswap()
+    return values.tobytes()
 
 
 class KVBackend(Protocol):
-    """Builds the frames of the two messages the bootstrap layer sends to a prefill rank."""
+    """Builds the frames of the messages the bootstrap layer sends to a prefill rank."""
 
     def register_frames(self, rank: RankInfo) -> list[bytes]:
-        """KV args, sent once per new generation to every non-dummy rank in it."""
+        """KV args, sent once per new generation to every rank in it (dummy flagged)."""
         ...
 
     def metadata_frames(self, rank: RankInfo, request: MetadataRequest) -> list[bytes]:
-        """Per-request metadata, sent once per non-dummy rank."""
+        """Per-request metadata, sent once per rank (dummy flagged)."""
+        ...
+
+    def abort_frames(self, rank: RankInfo, room: int) -> list[bytes]:
+        """The room was aborted: the prefill rank may free its slot. Sent once per rank."""
         ...
 
 
@@ -87,6 +157,7 @@ class RegisterMessage:
     kv_item_len: int
     kv_ptrs: tuple[int, ...]
     aux_ptrs: tuple[int, ...]
+    is_dummy: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +172,22 @@ class MetadataMessage:
     kv_indices: tuple[int, ...]
     aux_index: int
     prefix_len: int
+    is_dummy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AbortMessage:
+    """A parsed abort notification: the decode gave up on ``room``."""
+
+    room: int
+    session_id: str
+    target_pp_rank: int
 
 
 # Frame counts, including the kind frame.
-REGISTER_FRAMES = 10
-METADATA_FRAMES = 9
+REGISTER_FRAMES = 11
+METADATA_FRAMES = 10
+ABORT_FRAMES = 4
 
 
 class SimpleBackend:
@@ -150,10 +232,11 @@ class SimpleBackend:
             _pack_u64(kv_ptrs),
             _pack_u64(aux_ptrs),
         )
-        self._register_cache: dict[int, list[bytes]] = {}
+        self._register_cache: dict[tuple[int, bool], list[bytes]] = {}
 
     def register_frames(self, rank: RankInfo) -> list[bytes]:
-        frames = self._register_cache.get(rank.pp_rank)
+        cache_key = (rank.pp_rank, rank.is_dummy)
+        frames = self._register_cache.get(cache_key)
         if frames is None:
             tp_rank, tp_size, item_len, kv, aux = self._tail
             frames = [
@@ -165,21 +248,26 @@ class SimpleBackend:
                 item_len,
                 kv,
                 aux,
+                _FLAG[rank.is_dummy],
             ]
-            self._register_cache[rank.pp_rank] = frames
+            self._register_cache[cache_key] = frames
         return list(frames)  # a copy: the caller may hold on to it
 
     def metadata_frames(self, rank: RankInfo, request: MetadataRequest) -> list[bytes]:
-        indices = request.kv_indices
         return [
             METADATA_KIND,
             b"%d" % request.room,
             *self._session,
             b"%d" % rank.pp_rank,
-            struct.pack(f"<{len(indices)}i", *indices),
+            request.kv_bytes,
             b"%d" % request.aux_index,
             b"%d" % request.prefix_len,
+            _FLAG[rank.is_dummy],
         ]
+
+    def abort_frames(self, rank: RankInfo, room: int) -> list[bytes]:
+        _check_int("room", room, 0, _UINT64_MAX)
+        return [ABORT_KIND, b"%d" % room, self._session[2], b"%d" % rank.pp_rank]
 
 
 # --- parsing (prefill side) -------------------------------------------------------------------
@@ -200,6 +288,7 @@ def parse_register(frames: Sequence[bytes]) -> RegisterMessage:
         kv_item_len=_int(frames[7], kind, "kv_item_len", 0, _INT32_MAX),
         kv_ptrs=_unpack(frames[8], "Q", 8, kind, "kv_ptrs"),
         aux_ptrs=_unpack(frames[9], "Q", 8, kind, "aux_ptrs"),
+        is_dummy=_flag(frames[10], kind),
     )
 
 
@@ -216,6 +305,18 @@ def parse_metadata(frames: Sequence[bytes]) -> MetadataMessage:
         kv_indices=_unpack(frames[6], "i", 4, kind, "kv_indices"),
         aux_index=_int(frames[7], kind, "aux_index", 0, _INT32_MAX),
         prefix_len=_int(frames[8], kind, "prefix_len", 0, _INT32_MAX),
+        is_dummy=_flag(frames[9], kind),
+    )
+
+
+def parse_abort(frames: Sequence[bytes]) -> AbortMessage:
+    """Parse a :class:`SimpleBackend` abort message; :class:`MalformedFrames` if it is not."""
+    kind = "abort"
+    _check_shape(frames, ABORT_KIND, ABORT_FRAMES, kind)
+    return AbortMessage(
+        room=_int(frames[1], kind, "room", 0, _UINT64_MAX),
+        session_id=_text(frames[2], kind, "session_id"),
+        target_pp_rank=_int(frames[3], kind, "target_pp_rank", 0, _INT32_MAX),
     )
 
 
@@ -260,6 +361,14 @@ def _int(frame: bytes, kind: str, name: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise MalformedFrames(f"{kind}: {name} {value} out of range", kind=kind)
     return value
+
+
+def _flag(frame: bytes, kind: str) -> bool:
+    if frame == b"1":
+        return True
+    if frame == b"0":
+        return False
+    raise MalformedFrames(f"{kind}: dummy flag must be b'0' or b'1': {frame[:8]!r}", kind=kind)
 
 
 def _text(frame: bytes, kind: str, name: str) -> str:

@@ -2,7 +2,8 @@
 
 Every failure the library reports is a subclass of :class:`BootstrapError`, so a decode worker
 can catch one family and still tell a retryable condition (:class:`NotReady`) from a permanent
-one (:class:`MalformedReply`) or a dead peer (:class:`TransportFailure`, :class:`SendFailed`).
+one (:class:`MalformedReply`) or a dead peer (:class:`TransportFailure`, :class:`SendFailed`,
+:class:`PeerLost`). Every message says what to do next.
 """
 
 from __future__ import annotations
@@ -16,12 +17,40 @@ class BootstrapError(Exception):
 
 
 class InvalidTransition(BootstrapError):
-    """An event was fired in a lifecycle state that does not allow it."""
+    """A receiver method (or a lifecycle event) was used in a state that does not allow it.
 
-    def __init__(self, state: str, event: str) -> None:
-        super().__init__(f"event {event!r} is not allowed in state {state!r}")
+    A programming error in the caller: the message names the method called (or, for a raw
+    :meth:`~statemachine.lifecycle.Lifecycle.fire`, the event), the state the receiver was in,
+    and what must come first.
+    """
+
+    def __init__(
+        self,
+        state: str,
+        event: str,
+        *,
+        method: str | None = None,
+        requires: str | None = None,
+    ) -> None:
+        if method is not None:
+            text = f"{method}() called in state {state!r}"
+        else:
+            text = f"lifecycle event {event!r} is not allowed in state {state!r}"
+        if requires:
+            text += f": {requires}"
+        super().__init__(text)
         self.state = state
         self.event = event
+        self.method = method
+        self.requires = requires
+
+
+class InvalidRoom(BootstrapError, ValueError):
+    """A bootstrap room must be an int in [0, 2**64): SGLang's rooms are unsigned 64-bit."""
+
+
+class ConfigurationError(BootstrapError, TypeError):
+    """A decode manager (or ``Decode`` bundle) was built with a missing or wrong-typed part."""
 
 
 # --- HTTP to the bootstrap server ------------------------------------------------------------
@@ -75,6 +104,79 @@ class WaitingTimeout(BootstrapError):
 
 
 class Aborted(BootstrapError):
+    """The request was aborted by its owner (``abort()``, or ``clear()`` before it ended)."""
+
+
+class BootstrapTimeout(BootstrapError):
+    """The prefill dp rank of a room stayed unknown past the bootstrap timeout.
+
+    The bootstrap server never learned which dp rank serves the room (the prefill did not
+    register it): retry the request, or route it with an explicit ``prefill_dp_rank``.
+    """
+
+
+class FetchWaitTimeout(BootstrapError):
+    """This request waited for another request's fetch of the same key past its deadline.
+
+    The fetch in flight is slow (a slow or dying bootstrap server): retry the request.
+    """
+
+
+class TopologyMismatch(BootstrapError):
+    """The prefill's layout cannot serve this decode (page size, KV dtype or tp sizes differ).
+
+    A deployment error, not a transient one: fix the decode's ``DecodeLayout`` or the
+    prefill's configuration; retrying does not help.
+    """
+
+
+class ManagerClosed(BootstrapError):
+    """The decode manager was closed: create a new one to serve more requests."""
+
+
+# --- failure fan-out (the manager) -----------------------------------------------------------
+
+
+class PeerLost(BootstrapError):
+    """A prefill rank or instance this request depended on is known dead or restarted.
+
+    The request cannot complete: retry it; the retry fetches the prefill's current ranks
+    (the generations this request used were dropped from the pool). Also raised, with a
+    generic message, by ``failure_exception()`` on a receiver that recorded no reason itself.
+    """
+
+    def __init__(self, message: str, *, addr: str | None = None) -> None:
+        super().__init__(message)
+        self.addr = addr
+        #: ``time.monotonic()`` when the manager got the evidence (None: no evidence, generic)
+        self.evidence_at: float | None = None
+
+
+class RankDead(PeerLost):
+    """One prefill rank's endpoint is dead (a failed send, or the ZMQ monitor's verdict)."""
+
+    def __init__(self, message: str, *, endpoint: str, addr: str | None = None) -> None:
+        super().__init__(message, addr=addr)
+        self.endpoint = endpoint
+
+
+class PrefillDead(PeerLost):
+    """The prefill's bootstrap server stopped answering its health probes."""
+
+
+class PrefillRestarted(PeerLost):
+    """The prefill behind this address restarted (a new instance id answered)."""
+
+    def __init__(self, message: str, *, addr: str, old_id: str, new_id: str) -> None:
+        super().__init__(message, addr=addr)
+        self.old_id = old_id
+        self.new_id = new_id
+
+
+class TransferFailed(PeerLost):
+    """A prefill rank reported that the KV transfer of this room failed."""
+
+
     """The request was aborted by its owner."""
 
 

@@ -87,7 +87,8 @@ def test_ours_recovers_without_losing_live_generations(tmp_path: Path) -> None:
 
 
 def test_sglang_anchor_recovers_through_waiting_timeout(tmp_path: Path) -> None:
-    data = _run_demo(tmp_path, "--zmq-mode=queueing")
+    # Recovery waits out the 2 s waiting timeout: 8 s leave it margin on a loaded machine.
+    data = _run_demo(tmp_path, "--zmq-mode=queueing", "--duration", "8")
     assert data["mode"] == "sglang"
     assert data["config"]["instance_id"] is False
     assert data["restart_to_first_success_s"] is not None

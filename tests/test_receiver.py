@@ -1,6 +1,6 @@
 """BootstrapReceiver against real parts: an aiohttp bootstrap server on 127.0.0.1, prefill rank
 *processes* with real ZMQ PULL sockets (killed and restarted for the restart tests), the real
-pool, client, transport and ack listener.
+pool, client, transport and ack listener, all owned by a real DecodeManager.
 
 Requirement IDs: LIFE-n (spec/lifecycle.md), POOL-n (spec/pool.md).
 """
@@ -20,20 +20,22 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from statemachine import lifecycle as life
-from statemachine.backend import MetadataRequest, SimpleBackend
+from statemachine.backend import SimpleBackend
 from statemachine.decode.acks import AckListener
 from statemachine.decode.client import BootstrapClient
-from statemachine.decode.receiver import BootstrapReceiver, Decode, RankPlan
+from statemachine.decode.manager import DecodeManager
+from statemachine.decode.receiver import BootstrapReceiver, RankPlan
 from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import (
     Aborted,
     InvalidTransition,
     NotReady,
+    PeerLost,
     SendFailed,
     WaitingTimeout,
 )
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.pool import BootstrapPool, PoolKey, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 
@@ -96,15 +98,19 @@ def prefill() -> Iterator[Prefill]:
 
 @dataclass
 class DecodeSide:
-    decode: Decode
-    acks: AckListener
+    decode: DecodeManager
+
+    @property
+    def acks(self) -> AckListener:
+        assert self.decode.acks is not None
+        return self.decode.acks
 
     @property
     def pool(self) -> BootstrapPool:
         return self.decode.pool
 
     def receiver(self, prefill: Prefill, room: int) -> BootstrapReceiver:
-        return BootstrapReceiver(self.decode, prefill.addr, room, PLAN)
+        return self.decode.receiver(prefill.addr, room, PLAN)
 
     def run(self, prefill: Prefill, room: int) -> BootstrapReceiver:
         """A whole request: init, send metadata, poll to the end."""
@@ -115,9 +121,7 @@ class DecodeSide:
         return receiver
 
     def send(self, receiver: BootstrapReceiver) -> KVPoll:
-        self.acks.expect(receiver.room, receiver.expected_acks(), receiver.mark_transferred)
-        request = MetadataRequest(room=receiver.room, kv_indices=(1, 2, 3), aux_index=0)
-        return receiver.send_metadata(request)
+        return receiver.send_metadata((1, 2, 3), aux_index=0)
 
 
 def finish(receiver: BootstrapReceiver) -> KVPoll:
@@ -131,28 +135,32 @@ def finish(receiver: BootstrapReceiver) -> KVPoll:
 def make_decode(
     waiting_timeout_s: float = 5.0,
     backend_for: Callable[[int], SimpleBackend] | None = None,
+    pool: BootstrapPool | None = None,
+    transport: ZmqTransport | None = None,
 ) -> Iterator[DecodeSide]:
-    """A decode side; ``backend_for(ack_port)`` may supply a custom backend."""
-    acks = AckListener("127.0.0.1")
-    if backend_for is None:
-        backend = SimpleBackend("127.0.0.1", acks.port, "decode-test")
-    else:
-        backend = backend_for(acks.port)
-    transport = ZmqTransport(mode="immediate", send_timeout_ms=500)
+    """A decode side; ``backend_for(ack_port)`` may supply a custom backend; ``transport``
+    one the caller owns (say, one whose socket monitor is off, to script a stale hit)."""
     client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
-    decode = Decode(
-        pool=BootstrapPool(),
-        client=client,
+
+    def factory(ip: str, port: int) -> SimpleBackend:
+        if backend_for is None:
+            return SimpleBackend(ip, port, "decode-test")
+        return backend_for(port)
+
+    manager = DecodeManager(
+        source=client,
+        pool=pool,
+        backend_factory=factory,
         transport=transport,
-        backend=backend,
+        send_timeout_ms=500,
         waiting_timeout_s=waiting_timeout_s,
+        health_interval_s=None,
     )
     try:
-        yield DecodeSide(decode, acks)
+        yield DecodeSide(manager)
     finally:
+        manager.close()
         client.close()
-        transport.close()
-        acks.close()
 
 
 @pytest.fixture
@@ -209,16 +217,21 @@ def test_restart_on_new_ports_fails_fast_invalidates_and_next_request_refetches(
     assert prefill.ports().isdisjoint(old_ports)
 
     victim = side.receiver(prefill, room=2)
-    assert victim.init(0) == KVPoll.WaitingForInput  # a hit on the stale generation
-    assert victim.entries[key_of(prefill)] is stale
-    started = time.monotonic()
-    assert side.send(victim) == KVPoll.Failed
-    assert time.monotonic() - started < POLL_LIMIT_S  # bounded; the benchmark measures it
-    assert isinstance(victim.failure, SendFailed)
-    assert victim.state == life.INVALIDATED and victim.entries == {}
-    assert side.pool.get(key_of(prefill)) is None
-    with pytest.raises(SendFailed):
-        victim.failure_exception()
+    assert victim.init(0) == KVPoll.WaitingForInput
+    if victim.entries[key_of(prefill)] is stale:
+        # A hit on the stale generation (no socket monitor noticed the deaths yet).
+        started = time.monotonic()
+        assert side.send(victim) == KVPoll.Failed
+        assert time.monotonic() - started < POLL_LIMIT_S  # bounded; the benchmark measures it
+        assert isinstance(victim.failure, (SendFailed, PeerLost))
+        assert victim.state == life.INVALIDATED and victim.entries == {}
+        assert side.pool.get(key_of(prefill)) is not stale
+        with pytest.raises((SendFailed, PeerLost)):
+            victim.failure_exception()
+    else:
+        # The transport's socket monitor saw the ranks die first: the manager had already
+        # dropped the stale generation, so this request fetched the new ports.
+        victim.clear()
 
     fresh = side.run(prefill, room=3)
     assert fresh.state == life.DONE
@@ -228,34 +241,43 @@ def test_restart_on_new_ports_fails_fast_invalidates_and_next_request_refetches(
 
 
 def test_server_restart_new_instance_id_retires_old_entries(side: DecodeSide) -> None:
-    """POOL-6: a prefill restarted behind the same address answers with a new instance id; the
-    first fetch that sees it retires every entry from the old instance (exact address)."""
-    first = start_prefill()
+    """POOL-6 (TEAM.md's retirement rule): a receiver that adopted an entry of instance X by
+    lookup and then fetched another key from a server answering as Y retires X's entries of that
+    address, refetches the stale key, and so ends up with Y's generations only."""
+    first = start_prefill(port=0)
     addr = first.addr
     port = int(addr.rsplit(":", 1)[1])
+    plan_cp1 = RankPlan(tp_ranks=tuple(range(TP)))
     try:
-        plan_cp1 = RankPlan(tp_ranks=tuple(range(TP)), cp_ranks=(0,))
-        receiver = BootstrapReceiver(side.decode, addr, 1, plan_cp1)
+        receiver = side.decode.receiver(addr, 1, plan_cp1)
         assert receiver.init(0) == KVPoll.WaitingForInput
+        receiver.clear()
         old = side.pool.get(key_of(first))
         assert old is not None and old.instance_id == first.server.instance_id
-        # A second key of the same address, fetched from the old instance too.
-        other = PoolKey(addr, 1, 0, 0)
-        side.pool.publish(other, Generation(old.ranks, old.instance_id))
     finally:
         stop_prefill(first)
     second = start_prefill(port=port)
     try:
         assert second.addr == addr and second.server.instance_id != old.instance_id
-        # A request keyed by another tp rank misses and fetches from the new instance...
-        newcomer = BootstrapReceiver(side.decode, addr, 2, RankPlan(tp_ranks=(1, 0)))
+        # A request keyed by two dp ranks: dp 0 hits the old instance's entry, dp 1 misses.
+        two_dp = _TwoDpPlan(tp_ranks=tuple(range(TP)))
+        newcomer = side.decode.receiver(addr, 2, two_dp)
         assert newcomer.init(0) == KVPoll.WaitingForInput
-        assert side.pool.get(PoolKey(addr, 0, 0, 1)) is newcomer.entries[PoolKey(addr, 0, 0, 1)]
-        # ...which retires both entries of the old instance without any send failing.
-        assert side.pool.get(key_of(second)) is None
-        assert side.pool.get(other) is None
+        # The fetch answered as the new instance: the old entry was retired and refetched.
+        assert side.pool.get(key_of(second)) is not old
+        assert all(g.instance_id == second.server.instance_id for g in newcomer.entries.values())
+        assert newcomer.entries[key_of(second)] is side.pool.get(key_of(second))
     finally:
         stop_prefill(second)
+
+
+@dataclass(frozen=True)
+class _TwoDpPlan(RankPlan):
+    """A plan whose request needs the same ranks under two pool keys (dp 0 and a second key
+    for dp 0 named by tp rank 1), so that one key can hit while the other misses."""
+
+    def keys_for(self, addr: str, dp_rank: int) -> tuple[PoolKey, ...]:
+        return (PoolKey(addr, dp_rank, 0, 0), PoolKey(addr, dp_rank, 0, 1))
 
 
 # --- concurrency -------------------------------------------------------------------------------
@@ -280,29 +302,32 @@ class BarrierBackend(SimpleBackend):
 
 
 def test_racing_misses_publish_one_generation_and_the_loser_adopts(prefill: Prefill) -> None:
-    """POOL-2 (AdoptionCorrect): two receivers miss the same key at once; both fetch and
-    register; setdefault publishes one generation and the loser records the winner's object."""
+    """POOL-2 (AdoptionCorrect): two receivers miss the same key at once and both fetch and
+    register - two managers sharing one pool, so single-flight (per manager) does not merge
+    them; setdefault publishes one generation and the loser records the winner's object."""
     barrier = threading.Barrier(2)
 
     def backend_for(ack_port: int) -> SimpleBackend:
         return BarrierBackend(barrier, "127.0.0.1", ack_port, "decode-race")
 
-    for side in make_decode(backend_for=backend_for):
-        receivers = [side.receiver(prefill, room) for room in (1, 2)]
-        threads = [threading.Thread(target=r.init, args=(0,)) for r in receivers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(POLL_LIMIT_S)
-        winner = side.pool.get(key_of(prefill))
-        assert winner is not None
-        assert all(r.state == life.CACHED for r in receivers)
-        assert all(r.entries[key_of(prefill)] is winner for r in receivers)
-        stats = side.pool.stats()
-        assert (stats.misses, stats.publishes, stats.adoptions) == (2, 1, 1)
-        for receiver in receivers:
-            side.send(receiver)
-            assert finish(receiver) == KVPoll.Success
+    pool = BootstrapPool()
+    for one in make_decode(backend_for=backend_for, pool=pool):
+        for other in make_decode(backend_for=backend_for, pool=pool):
+            receivers = [one.receiver(prefill, 1), other.receiver(prefill, 2)]
+            threads = [threading.Thread(target=r.init, args=(0,)) for r in receivers]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(POLL_LIMIT_S)
+            winner = pool.get(key_of(prefill))
+            assert winner is not None
+            assert all(r.state == life.CACHED for r in receivers)
+            assert all(r.entries[key_of(prefill)] is winner for r in receivers)
+            stats = pool.stats()
+            assert (stats.misses, stats.publishes, stats.adoptions) == (2, 1, 1)
+            for receiver in receivers:
+                assert receiver.send_metadata((1, 2, 3)) == KVPoll.Transferring
+                assert finish(receiver) == KVPoll.Success
 
 
 def test_stale_receiver_invalidation_never_deletes_a_newer_generation(
@@ -330,9 +355,12 @@ def test_stale_receiver_invalidation_never_deletes_a_newer_generation(
     prefill.restart_ranks()
 
     c = side.receiver(prefill, room=2)
-    assert c.init(0) == KVPoll.WaitingForInput and c.entries[key_of(prefill)] is g1
-    assert side.send(c) == KVPoll.Failed  # C detects the restart and drops g1
-    assert side.pool.get(key_of(prefill)) is None
+    assert c.init(0) == KVPoll.WaitingForInput
+    if c.entries[key_of(prefill)] is g1:
+        assert side.send(c) == KVPoll.Failed  # C detects the restart and drops g1
+        assert side.pool.get(key_of(prefill)) is None
+    else:
+        c.clear()  # a socket monitor had already dropped g1 (and failed A: PeerLost)
 
     b_result: dict[str, BootstrapReceiver] = {}
     thread_b = threading.Thread(target=lambda: b_result.setdefault("b", side.run(prefill, 3)))
@@ -363,7 +391,7 @@ def test_slow_prefill_costs_one_refetch_and_no_wrong_invalidation(side: DecodeSi
             fast_side.send(receiver)
             # Another receiver republishes a newer generation meanwhile (a refetch elsewhere).
             fast_side.pool.invalidate({key_of(slow): own})
-            newer = BootstrapReceiver(fast_side.decode, slow.addr, 2, PLAN)
+            newer = fast_side.decode.receiver(slow.addr, 2, PLAN)
             assert newer.init(0) == KVPoll.WaitingForInput
             newer_generation = fast_side.pool.get(key_of(slow))
             assert finish(receiver) == KVPoll.Failed
@@ -372,12 +400,12 @@ def test_slow_prefill_costs_one_refetch_and_no_wrong_invalidation(side: DecodeSi
             # Without the interference the timeout costs exactly one refetch.
             fast_side.pool.invalidate({key_of(slow): newer_generation})
             misses = fast_side.pool.stats().misses
-            third = BootstrapReceiver(fast_side.decode, slow.addr, 3, PLAN)
+            third = fast_side.decode.receiver(slow.addr, 3, PLAN)
             third.init(0)
             fast_side.send(third)
             assert finish(third) == KVPoll.Failed  # times out, drops its own generation
             assert fast_side.pool.get(key_of(slow)) is None
-            fourth = BootstrapReceiver(fast_side.decode, slow.addr, 4, PLAN)
+            fourth = fast_side.decode.receiver(slow.addr, 4, PLAN)
             fourth.init(0)
             assert fast_side.pool.stats().misses == misses + 2  # third's miss + one refetch
     finally:
@@ -391,7 +419,7 @@ def test_fetch_failure_not_ready_caches_nothing(side: DecodeSide) -> None:
     """A 503 (ranks not all registered) fails the request with NotReady; nothing is cached."""
     server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
     try:
-        receiver = BootstrapReceiver(side.decode, server.address, 1, PLAN)
+        receiver = side.decode.receiver(server.address, 1, PLAN)
         assert receiver.init(0) == KVPoll.Failed
         assert isinstance(receiver.failure, NotReady)
         assert receiver.state == life.INVALIDATED
@@ -404,28 +432,22 @@ def test_server_down_fails_request_and_caches_nothing(side: DecodeSide) -> None:
     server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
     addr = server.address
     server.stop()
-    receiver = BootstrapReceiver(side.decode, addr, 1, PLAN)
+    receiver = side.decode.receiver(addr, 1, PLAN)
     assert receiver.init(0) == KVPoll.Failed
     assert receiver.state == life.INVALIDATED and len(side.pool) == 0
 
 
-def test_dp_rank_resolution_through_query_dp_ranks(prefill: Prefill, side: DecodeSide) -> None:
-    """init(None) asks the server which dp rank serves the room; an unknown room fails from
-    idle (FetchFail) without touching the pool."""
-    import requests
-
-    response = requests.post(
-        f"http://{prefill.addr}/register_dp_rank",
-        json={"bootstrap_room": 77, "dp_rank": 0},
-        headers={"Authorization": f"Bearer {TOKEN}"},
-        timeout=5,
-    )
-    assert response.status_code == 200
-    resolved = side.receiver(prefill, room=77)
-    assert resolved.init(None) == KVPoll.WaitingForInput
-    unknown = side.receiver(prefill, room=78)
-    assert unknown.init(None) == KVPoll.Failed
-    assert unknown.state == life.INVALIDATED
+def test_dp_rank_of_a_single_dp_prefill_needs_no_query(prefill: Prefill, side: DecodeSide) -> None:
+    """SGLang's order: with no router-given dp rank, a prefill with dp_size 1 serves every room
+    from dp rank 0 - one topology query per address, no POST /query_dp_ranks."""
+    first = side.receiver(prefill, room=77)
+    assert first.init(None) == KVPoll.WaitingForInput
+    second = side.receiver(prefill, room=78)
+    assert second.init(None) == KVPoll.WaitingForInput
+    assert set(second.entries) == {key_of(prefill)}
+    requests = prefill.server.stats().requests
+    assert requests.get("POST /query_dp_ranks", 0) == 0
+    assert side.decode.stats().dp_queries == 0
 
 
 def test_abort_does_not_invalidate_and_out_of_order_calls_raise(
@@ -433,10 +455,13 @@ def test_abort_does_not_invalidate_and_out_of_order_calls_raise(
 ) -> None:
     """LIFE-4: API calls out of lifecycle order raise InvalidTransition; abort() ends the
     request without dropping pool entries (an abort says nothing about the prefill)."""
+    early = side.receiver(prefill, room=9)
+    # send_metadata before init fails the request (SGLang), with a reason naming the call.
+    assert early.send_metadata((0,)) == KVPoll.Failed
+    assert isinstance(early.failure, InvalidTransition)
+    assert "send_metadata()" in str(early.failure) and "init()" in str(early.failure)
+    assert early.state == life.INVALIDATED and len(side.pool) == 0
     receiver = side.receiver(prefill, room=1)
-    request = MetadataRequest(room=1, kv_indices=(0,), aux_index=0)
-    with pytest.raises(InvalidTransition):
-        receiver.send_metadata(request)
     receiver.init(0)
     with pytest.raises(InvalidTransition):
         receiver.init(0)
@@ -448,7 +473,7 @@ def test_abort_does_not_invalidate_and_out_of_order_calls_raise(
     assert side.pool.get(key_of(prefill)) is not None
     receiver.abort()  # idempotent once ended
     receiver.clear()
-    assert receiver.entries == {}
+    assert receiver.entries == {} and receiver.state == life.ABORTED
 
 
 # --- malformed bootstrap replies are never cached ----------------------------------------------
@@ -500,7 +525,7 @@ def test_malformed_route_replies_are_never_cached(
     )
     scripted.set(data.draw(st.sampled_from([200, 200, 200, 404, 503, 500])), body)
     for side in make_decode():
-        receiver = BootstrapReceiver(side.decode, scripted.address, 1, RankPlan())
+        receiver = side.decode.receiver(scripted.address, 1, RankPlan())
         outcome = receiver.init(0)
         event(f"init -> {outcome.name}")  # --hypothesis-show-statistics: both branches occur
         held = side.pool.snapshot()

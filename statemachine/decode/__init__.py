@@ -1,5 +1,8 @@
 """The decode side: what a decode worker runs to bootstrap its receivers.
 
-``client`` (HTTP to a prefill's bootstrap server), ``transport`` (ZMQ PUSH to prefill ranks),
-``receiver`` (one per request), ``acks`` (completion listener), ``health`` (heartbeat).
+``manager`` (one per process: owns the parts below, makes the receivers, fans failures out),
+``receiver`` (one per request), ``client`` (HTTP to a prefill's bootstrap server) behind the
+``source`` protocol, ``transport`` (ZMQ PUSH to prefill ranks), ``acks`` (completion listener),
+``health`` (heartbeat), ``flight`` (single-flight fetches), ``plan`` (rank plans from the
+topology), ``metrics`` (Prometheus export).
 """

@@ -13,7 +13,7 @@ it acts on, both through the pool's exact-address operations:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from statemachine.decode.client import BootstrapClient
 from statemachine.errors import BootstrapHTTPError
@@ -31,6 +31,8 @@ class HealthMonitor:
         interval_s: float = 5.0,
         failures_to_dead: int = 2,
         addresses: Iterable[str] = (),
+        on_dead: Callable[[str, str], None] | None = None,
+        on_restart: Callable[[str, str, str], None] | None = None,
     ) -> None:
         if interval_s <= 0 or failures_to_dead < 1:
             raise ValueError("interval_s must be > 0 and failures_to_dead >= 1")
@@ -47,6 +49,10 @@ class HealthMonitor:
         self._thread: threading.Thread | None = None
         self.restarts_seen = 0
         self.deaths_seen = 0
+        # MANAGER-BRANCH MINIMAL: the decode manager's fan-out hooks, called on the probe
+        # thread after the pool operation (the transport branch has the full monitor).
+        self._on_dead = on_dead
+        self._on_restart = on_restart
 
     def watch(self, addr: str) -> None:
         with self._lock:
@@ -77,20 +83,25 @@ class HealthMonitor:
         for addr, watch in watched:
             try:
                 instance_id = self._client.health(addr)
-            except BootstrapHTTPError:
+            except BootstrapHTTPError as exc:
                 watch.failures += 1
                 if watch.failures == self._failures_to_dead:
                     self.deaths_seen += 1
                     self._pool.invalidate_address(addr)
+                    if self._on_dead is not None:
+                        self._on_dead(addr, str(exc))
                 continue
             watch.failures = 0
             if instance_id is None:
                 continue
-            if watch.instance_id is not None and watch.instance_id != instance_id:
+            old_id = watch.instance_id
+            if old_id is not None and old_id != instance_id:
                 self.restarts_seen += 1
             watch.instance_id = instance_id
             # Idempotent: drops only entries fetched from another instance.
             self._pool.observe_instance(addr, instance_id)
+            if old_id is not None and old_id != instance_id and self._on_restart is not None:
+                self._on_restart(addr, old_id, instance_id)
 
     def _run(self) -> None:
         try:

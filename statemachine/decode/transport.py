@@ -31,7 +31,7 @@ same dead peer (ZMQ-7).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +43,8 @@ from statemachine.pool import Generation
 
 Endpoint = tuple[str, int]
 Mode = Literal["immediate", "queueing"]
+#: ``(endpoint, alive, reason)``: what the transport learned about an endpoint.
+EndpointListener = Callable[[Endpoint, bool, str], None]
 
 #: libzmq's default send high-water mark, set explicitly so "queueing" means what SGLang has.
 QUEUEING_SNDHWM = 1000
@@ -113,6 +115,7 @@ class ZmqTransport:
         self._retired_failures = 0
         self._created = 0
         self._evictions = 0
+        self._init_liveness()
 
     # --- sending ------------------------------------------------------------------------------
 
@@ -126,6 +129,7 @@ class ZmqTransport:
             entry = self._entries.get(endpoint)  # dict.get is atomic: no lock on the hit path
             if entry is None:
                 entry = self._open(endpoint)
+            error: zmq.ZMQError | None = None
             with entry.lock:
                 if entry.failed is None:
                     try:
@@ -133,12 +137,19 @@ class ZmqTransport:
                     except zmq.ZMQError as exc:
                         entry.failures += 1
                         self._close_entry(endpoint, entry, failed=True)
-                        raise SendFailed(
-                            f"send to {entry.url} failed: {exc}", endpoint=entry.url
-                        ) from exc
-                    entry.sends += 1
-                    return
+                        error = exc
+                    else:
+                        entry.sends += 1
                 failed = entry.failed
+            # Listeners are told outside the socket's lock (they may call back in).
+            if error is not None:
+                reason = f"send to {entry.url} failed: {error}"
+                self._report(endpoint, False, reason)
+                raise SendFailed(reason, endpoint=entry.url) from error
+            if failed is None:
+                if self._down and endpoint in self._down:
+                    self._report(endpoint, True, f"send to {entry.url} succeeded")
+                return
             if failed:
                 # Its socket failed while this thread waited for the lock: the peer was just
                 # found dead, so fail now instead of waiting SNDTIMEO again (ZMQ-7).
@@ -150,22 +161,21 @@ class ZmqTransport:
         raise SendFailed("socket evicted repeatedly during send", endpoint=endpoint_url(endpoint))
 
     def register(self, generation: Generation, backend: KVBackend) -> None:
-        """Send the backend's KV args to every non-dummy rank of ``generation``.
+        """Send the backend's KV args to every rank of ``generation``, dummy ranks included
+        (the backend's frames carry the dummy flag, as SGLang does).
 
         Stops at the first failure (its :class:`SendFailed` propagates): the caller invalidates
         the whole generation anyway.
         """
         for rank in generation.ranks:
-            if not rank.is_dummy:
-                self.send((rank.ip, rank.port), backend.register_frames(rank))
+            self.send((rank.ip, rank.port), backend.register_frames(rank))
 
     def send_metadata(
         self, generation: Generation, backend: KVBackend, request: MetadataRequest
     ) -> None:
-        """Send one metadata message per non-dummy rank of ``generation``."""
+        """Send one metadata message per rank of ``generation``, dummy ranks included."""
         for rank in generation.ranks:
-            if not rank.is_dummy:
-                self.send((rank.ip, rank.port), backend.metadata_frames(rank, request))
+            self.send((rank.ip, rank.port), backend.metadata_frames(rank, request))
 
     # --- cache management ---------------------------------------------------------------------
 
@@ -208,6 +218,58 @@ class ZmqTransport:
                 sockets_created=self._created,
                 evictions=self._evictions,
             )
+
+    # --- endpoint liveness and socket refcounts ------------------------------------------------
+    #
+    # MANAGER-BRANCH MINIMAL VERSION. The transport branch builds the full one (ZMQ socket
+    # monitor, circuit breaker, bounded cache); at merge its version replaces this block. Here:
+    # listeners hear of a failed send (alive=False) and of the next successful send to the same
+    # endpoint (alive=True), on the sending thread; ``is_down`` is "the last send failed";
+    # ``retain``/``release`` count the live generations using an endpoint and close its socket
+    # when the count reaches zero.
+
+    def _init_liveness(self) -> None:
+        self._listeners: list[EndpointListener] = []
+        self._down: set[Endpoint] = set()
+        self._refs: dict[Endpoint, int] = {}
+
+    def subscribe(self, listener: EndpointListener) -> None:
+        """Call ``listener(endpoint, alive, reason)`` when an endpoint is found dead or alive."""
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+
+    def is_down(self, endpoint: Endpoint) -> bool:
+        """True while the last send to ``endpoint`` failed."""
+        return endpoint in self._down
+
+    def retain(self, endpoints: Iterable[Endpoint]) -> None:
+        """A live generation uses ``endpoints``: keep their sockets."""
+        with self._lock:
+            for endpoint in endpoints:
+                self._refs[endpoint] = self._refs.get(endpoint, 0) + 1
+
+    def release(self, endpoints: Iterable[Endpoint]) -> None:
+        """A generation using ``endpoints`` ended: close each socket no live generation uses."""
+        idle: list[Endpoint] = []
+        with self._lock:
+            for endpoint in endpoints:
+                count = self._refs.get(endpoint, 0) - 1
+                if count > 0:
+                    self._refs[endpoint] = count
+                else:
+                    self._refs.pop(endpoint, None)
+                    self._down.discard(endpoint)
+                    idle.append(endpoint)
+        for endpoint in idle:
+            self.evict(endpoint)
+
+    def _report(self, endpoint: Endpoint, alive: bool, reason: str) -> None:
+        if alive:
+            self._down.discard(endpoint)
+        else:
+            self._down.add(endpoint)
+        for listener in self._listeners:
+            listener(endpoint, alive, reason)
 
     # --- internals ----------------------------------------------------------------------------
 

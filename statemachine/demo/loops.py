@@ -1,9 +1,11 @@
 """Decode request loops: N threads, each issuing requests at a steady pace, one receiver each.
 
-Every request is one :class:`~statemachine.decode.receiver.BootstrapReceiver` driven through
-SGLang's steps: ``init`` (pool hit, or fetch + register + publish), ``expect`` its acks,
-``send_metadata``, then ``poll`` until the prefill ranks' acks arrive (the ack listener's
-callback calls ``mark_transferred``) or the waiting timeout fails it.
+Every request is one :class:`~statemachine.decode.receiver.BootstrapReceiver` made by the
+:class:`~statemachine.decode.manager.DecodeManager` and driven through SGLang's steps: ``init``
+(pool hit, or fetch + register + publish), ``send_metadata`` (the manager expects the acks),
+then ``poll`` until the prefill ranks' acks arrive, the manager's fan-out fails it (a rank or
+the prefill it depends on is gone) or the waiting timeout does. The receiver's ``on_change``
+wakes the loop at once in the first two cases.
 
 A bootstrap server that is unreachable or not ready yet (connection refused, 503) means the
 prefill is down: no cache design can help, so such a bootstrap is retried with a new receiver
@@ -20,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from statemachine.backend import MetadataRequest
-from statemachine.decode.acks import AckListener
-from statemachine.decode.receiver import BootstrapReceiver, Decode, RankPlan
+from statemachine.decode.client import BootstrapClient
+from statemachine.decode.manager import DecodeManager
+from statemachine.decode.receiver import BootstrapReceiver, RankPlan
 from statemachine.errors import NotReady, TransportFailure
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import PoolStats
@@ -49,12 +51,12 @@ class Outcome:
 
 
 class RequestLoops:
-    """``n_loops`` daemon threads sharing one :class:`Decode` and one :class:`AckListener`."""
+    """``n_loops`` daemon threads sharing one :class:`DecodeManager`."""
 
     def __init__(
         self,
-        decode: Decode,
-        acks: AckListener,
+        manager: DecodeManager,
+        client: BootstrapClient | None,
         addr: str,
         plan: RankPlan,
         *,
@@ -66,8 +68,8 @@ class RequestLoops:
     ) -> None:
         if n_loops < 1 or not rate > 0:
             raise ValueError("n_loops must be >= 1 and rate > 0")
-        self._decode = decode
-        self._acks = acks
+        self._manager = manager
+        self._client = client  # its per-thread sessions are closed by each loop thread
         self._addr = addr
         self._plan = plan
         self._n_loops = n_loops
@@ -105,7 +107,7 @@ class RequestLoops:
         return any(t.is_alive() for t in self._threads)
 
     def pool_stats(self) -> PoolStats:
-        return self._decode.pool.stats()
+        return self._manager.pool.stats()
 
     def in_flight(self) -> int:
         return sum(1 for since in self.busy_since if since is not None)
@@ -140,20 +142,23 @@ class RequestLoops:
                     break
                 self._request(index, done)
         finally:
-            self._decode.client.close()  # this thread's HTTP sessions
+            if self._client is not None:
+                self._client.close()  # this thread's HTTP sessions
 
     def _request(self, index: int, done: threading.Event) -> None:
-        decode = self._decode
-        clock = decode.clock
+        manager = self._manager
+        clock = manager.clock
         room = next(self._rooms)
         start = clock()
         self.busy_since[index] = start
-        deadline = start + decode.waiting_timeout_s
+        deadline = start + manager.waiting_timeout_s
         retries = 0
         try:
             while True:
-                receiver = BootstrapReceiver(decode, self._addr, room, self._plan)
-                if receiver.init(prefill_dp_rank=0) != KVPoll.Failed:
+                done.clear()
+                receiver = manager.receiver(self._addr, room, self._plan, prefill_dp_rank=0)
+                receiver.on_change = done.set
+                if receiver.init() != KVPoll.Failed:
                     break
                 if (
                     isinstance(receiver.failure, _RETRYABLE)
@@ -165,25 +170,14 @@ class RequestLoops:
                 self._finish(index, start, receiver, None, retries)
                 return
             bootstrapped = clock() - start
-            done.clear()
-
-            def completed(_room: int, receiver: BootstrapReceiver = receiver) -> None:
-                receiver.mark_transferred()
-                done.set()
-
-            # Expect before sending: an ack that overtook the expectation would be dropped.
-            self._acks.expect(room, receiver.expected_acks(), completed)
-            request = MetadataRequest(room=room, kv_indices=(room & 0xFFFF,), aux_index=index)
-            state = receiver.send_metadata(request)
+            state = receiver.send_metadata((room & 0xFFFF,), aux_index=index)
             while state == KVPoll.Transferring:
                 if self.stop_event.is_set():
                     receiver.abort()  # the run is over; not a failure of the prefill
-                    self._acks.forget(room)
                     return
                 done.wait(_WAIT_SLICE_S)
+                done.clear()
                 state = receiver.poll()
-            if state == KVPoll.Failed:
-                self._acks.forget(room)
             self._finish(index, start, receiver, bootstrapped, retries)
         finally:
             self.busy_since[index] = None
@@ -196,7 +190,7 @@ class RequestLoops:
         bootstrapped: float | None,
         retries: int,
     ) -> None:
-        end = self._decode.clock()
+        end = self._manager.clock()
         failure = receiver.failure
         ok = receiver.poll() == KVPoll.Success
         self.retries[index] += retries

@@ -1,11 +1,14 @@
 """The cache designs the demo compares, and the audited pool that checks them.
 
 * ``ours``: immediate ZMQ sends (a dead rank fails the first send within the send timeout),
-  identity-safe invalidation on every failure, and instance-id retirement (a restarted
-  bootstrap server answers with a new instance id; entries from the old one are dropped).
+  identity-safe invalidation on every failure, instance-id retirement (a restarted bootstrap
+  server answers with a new instance id; entries from the old one are dropped), and the decode
+  manager's failure fan-out (every request in flight on a dead rank or instance fails at once)
+  and single-flight fetches.
 * ``sglang``: SGLang today - the same invalidation, but SGLang's default socket options (sends
-  to a dead rank queue silently up to the high-water mark) and no instance id (its heartbeat
-  only notices a server that stops answering).
+  to a dead rank queue silently up to the high-water mark), no instance id (its heartbeat
+  only notices a server that stops answering), no fan-out from a failed send (each request
+  fails on its own send or its waiting timeout) and a fetch per missing request.
 * ``before-36029``: the cache before SGLang PR #36029 - failures never drop pool entries.
 
 :class:`AuditedPool` counts *lost live generations* without trusting the pool's own algorithm:
@@ -27,23 +30,26 @@ ZmqMode = Literal["immediate", "queueing"]
 
 @dataclass(frozen=True)
 class ModeConfig:
-    """One cache design: socket options, invalidation on failure, instance-id retirement."""
+    """One cache design: socket options, invalidation on failure, instance-id retirement, and
+    the manager's fan-out and single-flight fetches (on together: they are what ours adds)."""
 
     name: str
     zmq_mode: ZmqMode
     invalidation: bool
     instance_id: bool
+    manager_fanout: bool = False
 
     def describe(self) -> str:
         inv = "invalidation" if self.invalidation else "no invalidation"
         iid = "instance id" if self.instance_id else "no instance id"
-        return f"{self.zmq_mode} ZMQ, {inv}, {iid}"
+        fan = ", fan-out + single-flight" if self.manager_fanout else ""
+        return f"{self.zmq_mode} ZMQ, {inv}, {iid}{fan}"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-OURS = ModeConfig("ours", "immediate", invalidation=True, instance_id=True)
+OURS = ModeConfig("ours", "immediate", invalidation=True, instance_id=True, manager_fanout=True)
 SGLANG = ModeConfig("sglang", "queueing", invalidation=True, instance_id=False)
 BEFORE_36029 = ModeConfig("before-36029", "queueing", invalidation=False, instance_id=False)
 #: The order of ``--compare``: the fix last, so the table reads as a progression.
@@ -72,7 +78,7 @@ def mode_from_flags(
             instance_id,
         ):
             return preset
-    return ModeConfig("custom", zmq_mode, invalidation, instance_id)
+    return ModeConfig("custom", zmq_mode, invalidation, instance_id, manager_fanout=instance_id)
 
 
 # --- pools --------------------------------------------------------------------------------

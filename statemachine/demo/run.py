@@ -16,10 +16,10 @@ from typing import Any
 
 from statemachine import trace
 from statemachine.backend import SimpleBackend
-from statemachine.decode.acks import AckListener, AckStats
+from statemachine.decode.acks import AckStats
 from statemachine.decode.client import BootstrapClient
-from statemachine.decode.health import HealthMonitor
-from statemachine.decode.receiver import Decode, RankPlan
+from statemachine.decode.manager import DecodeManager, ManagerStats
+from statemachine.decode.receiver import RankPlan
 from statemachine.decode.transport import TransportStats, ZmqTransport
 from statemachine.demo.cluster import HOST, PrefillInstance
 from statemachine.demo.loops import Outcome, RequestLoops
@@ -115,6 +115,7 @@ class RunResult:
     end_time_wait: int
     transport: TransportStats
     acks: AckStats
+    manager: ManagerStats
     health_restarts_seen: int
     health_deaths_seen: int
     bootstrap_port: int
@@ -156,32 +157,43 @@ def run_demo(
         tracker.live_instance = instance.instance_id
         addr = instance.addr
 
-        acks = AckListener(HOST)
-        stack.callback(acks.close)
         transport = ZmqTransport(mode=config.mode.zmq_mode, send_timeout_ms=config.send_timeout_ms)
         stack.callback(transport.close)
         client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
         stack.callback(client.close)
-        backend = SimpleBackend(
-            HOST,
-            acks.port,
-            f"demo-{os.getpid()}-{config.mode.name}",
-            kv_ptrs=(0x7F00_0000_0000,),
-            aux_ptrs=(0x7F00_1000_0000,),
-            kv_item_len=4096,
-        )
         pool = make_pool(config.mode, lambda: tracker.live_instance)
-        decode = Decode(
-            pool, client, transport, backend, waiting_timeout_s=config.waiting_timeout_s
+        session = f"demo-{os.getpid()}-{config.mode.name}"
+
+        def backend(ip: str, port: int) -> SimpleBackend:
+            return SimpleBackend(
+                ip,
+                port,
+                session,
+                kv_ptrs=(0x7F00_0000_0000,),
+                aux_ptrs=(0x7F00_1000_0000,),
+                kv_item_len=4096,
+            )
+
+        manager = DecodeManager(
+            source=client,
+            pool=pool,
+            transport=transport,
+            backend_factory=backend,
+            ack_ip=HOST,
+            waiting_timeout_s=config.waiting_timeout_s,
+            health_interval_s=config.health_interval_s,
+            fanout=config.mode.manager_fanout,
+            single_flight=config.mode.manager_fanout,
         )
+        stack.callback(manager.close)
+        monitor = manager.health
+        assert monitor is not None and manager.acks is not None
+        monitor.watch(addr)
         plan = RankPlan(tp_ranks=tuple(range(config.tp_size)), pp_size=config.pp_size)
-        monitor = HealthMonitor(pool, interval_s=config.health_interval_s, addresses=[addr])
-        monitor.start()
-        stack.callback(monitor.stop)
 
         loops = RequestLoops(
-            decode,
-            acks,
+            manager,
+            client,
             addr,
             plan,
             n_loops=config.loops,
@@ -223,6 +235,7 @@ def run_demo(
         sampler.stop()
         end_counts = socket_counts(instance.port)
         monitor.stop()
+        acks = manager.acks
         stats = pool.stats()
         return RunResult(
             config=config,
@@ -240,6 +253,7 @@ def run_demo(
             end_time_wait=end_counts.time_wait,
             transport=transport.stats(),
             acks=acks.stats(),
+            manager=manager.stats(),
             health_restarts_seen=monitor.restarts_seen,
             health_deaths_seen=monitor.deaths_seen,
             bootstrap_port=instance.port,

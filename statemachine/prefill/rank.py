@@ -14,7 +14,9 @@ prints ``READY <port>`` and serves the :class:`~statemachine.backend.SimpleBacke
 * *metadata*: after ``--ack-delay-ms``, PUSH ``[b"ack", room, tp_rank, pp_rank]`` to the ack
   endpoint named in the metadata. Metadata from a session that never registered its KV args
   here is counted and not acked, as a real backend could not transfer without those args;
-  so is metadata addressed to another pp rank.
+  so is metadata addressed to another pp rank. Metadata flagged *dummy* is counted and not
+  acked: a dummy decode peer only tells the rank it exists; the KV goes to the non-dummy one;
+* *abort*: the decode gave up on the room: its ack still waiting in the heap is dropped.
 
 Delayed acks wait in a heap, so a slow prefill still receives and counts messages on time.
 Acks leave through :class:`AckSender`: one queue and one non-blocking ``PUSH`` socket per
@@ -51,10 +53,12 @@ from typing import IO, Any
 import zmq
 
 from statemachine.backend import (
+    ABORT_KIND,
     METADATA_KIND,
     REGISTER_KIND,
     MalformedFrames,
     message_kind,
+    parse_abort,
     parse_metadata,
     parse_register,
 )
@@ -276,6 +280,8 @@ class _Rank:
                 if metadata.session_id not in self.sessions:
                     self.counts["unregistered"] += 1
                     return
+                if metadata.is_dummy:
+                    return  # a dummy peer gets no transfer, so no ack
                 ack = ack_frames(metadata.room, self.args.tp_rank, self.args.pp_rank)
                 endpoint = (metadata.decode_ip, metadata.decode_port)
                 if self.args.ack_delay_ms <= 0:
@@ -284,6 +290,10 @@ class _Rank:
                     self.seq += 1
                     due = time.monotonic() + self.args.ack_delay_ms / 1000.0
                     heapq.heappush(self.due, (due, self.seq, endpoint, ack))
+            elif kind == ABORT_KIND:
+                room = parse_abort(frames).room
+                self.due = [item for item in self.due if item[3][1] != b"%d" % room]
+                heapq.heapify(self.due)
             else:
                 self.counts["malformed"] += 1
         except MalformedFrames:

@@ -1,0 +1,682 @@
+"""``DecodeManager``: one per decode process; owns the shared parts and every request in flight.
+
+SGLang's counterpart is the decode-side KV manager. This one owns the pool, the bootstrap
+source (a :class:`~statemachine.decode.client.BootstrapClient` by default), the ZMQ transport,
+the ack listener and the health monitor; makes the receivers (:meth:`DecodeManager.receiver`);
+and knows every receiver in flight by room. From that it does what no single receiver can
+(``spec/manager.md``):
+
+* **Failure fan-out.** Evidence that a prefill rank or instance is gone - a failed send to an
+  endpoint, the transport reporting an endpoint dead, the health monitor declaring an address
+  dead or seeing a new instance id, a fetch answered by a new instance - fails *every* receiver
+  in flight that depends on it, with a typed :class:`~statemachine.errors.PeerLost` reason, and
+  invalidates the generations involved by identity. The fan-out never steps another thread's
+  receiver: it stores the reason on it (one attribute store) and wakes it (``on_change``); the
+  owner's next ``poll``/``send_metadata``/``init`` fires ``PeerLost``.
+* **Single-flight fetches** per pool key (:mod:`statemachine.decode.flight`).
+* **Completion.** ``send_metadata`` registers the ack expectation (the room is given once) and
+  every terminal path forgets it.
+* **dp-rank resolution** in SGLang's order, with one batched ``POST /query_dp_ranks`` per
+  address per :meth:`step` for all pending rooms, and **rank plans** derived from the prefill's
+  topology (:mod:`statemachine.decode.plan`).
+* **Resources follow generations**: a generation published by this process retains its
+  endpoints' sockets in the transport; when it leaves the pool and no receiver in flight uses
+  it, they are released (closed at refcount zero).
+
+Why no index by generation or endpoint: keeping one would cost every cache hit a few dict
+updates, and fan-out is rare. The receivers in flight (one dict by room, updated with one store
+at creation and one pop at the end) are scanned when evidence arrives instead: a few
+microseconds per thousand requests in flight, off the hit path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from statemachine.backend import KVBackend, SimpleBackend
+from statemachine.decode.acks import AckListener
+from statemachine.decode.client import BootstrapClient
+from statemachine.decode.flight import Flights
+from statemachine.decode.health import HealthMonitor
+from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan, derive_plan
+from statemachine.decode.receiver import (
+    DEFAULT_WAITING_TIMEOUT_S,
+    BootstrapReceiver,
+    Decode,
+)
+from statemachine.decode.source import BootstrapSource
+from statemachine.decode.transport import Endpoint, Mode, ZmqTransport, endpoint_url
+from statemachine.errors import (
+    BootstrapError,
+    ConfigurationError,
+    ManagerClosed,
+    PeerLost,
+    PrefillDead,
+    PrefillRestarted,
+    RankDead,
+    SendFailed,
+    TransferFailed,
+)
+from statemachine.pool import BootstrapPool, Generation, PoolKey
+from statemachine.validation import Topology
+
+#: SGLang's default bootstrap timeout (a room whose dp rank stays unknown fails after it).
+DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0
+#: How long a request waits for another request's fetch of the same key.
+DEFAULT_FLIGHT_TIMEOUT_S = 30.0
+Completion = Literal["acks", "external"]
+
+_session_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class DetectionStats:
+    """Time from evidence (a death or restart) to a receiver in flight failing, in seconds."""
+
+    count: int
+    total_s: float
+    max_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStats:
+    """What a fleet operator reads; a consistent snapshot (``DecodeManager.stats()``)."""
+
+    hits: int
+    misses: int
+    publishes: int
+    adoptions: int
+    #: pool entries removed, by what removed them (the lifecycle event or the evidence type)
+    invalidations: Mapping[str, int]
+    #: requests that ended Failed, by the type of their reason
+    failures: Mapping[str, int]
+    completed: int
+    in_flight: int
+    pending_dp: int
+    flights_led: int
+    flights_followed: int
+    #: receivers failed by fan-out, by evidence type
+    fanout: Mapping[str, int]
+    detection: DetectionStats
+    sockets_open: int
+    endpoints_retained: int
+    dp_queries: int
+
+
+class DecodeManager:
+    """One per decode process; see the module docstring.
+
+    Every part may be given (then the caller owns and closes it) or left to the manager
+    (created here, closed by :meth:`close`). ``completion="acks"`` (default) listens for the
+    reference prefill rank's acks on ``ack_ip``; ``"external"`` is for a transfer engine that
+    reports completion itself (call ``receiver.mark_transferred()`` or :meth:`complete`).
+    """
+
+    def __init__(
+        self,
+        *,
+        source: BootstrapSource | None = None,
+        pool: BootstrapPool | None = None,
+        transport: ZmqTransport | None = None,
+        backend: KVBackend | None = None,
+        backend_factory: Callable[[str, int], KVBackend] | None = None,
+        completion: Completion = "acks",
+        ack_ip: str = "127.0.0.1",
+        session_id: str | None = None,
+        layout: DecodeLayout | None = None,
+        health_interval_s: float | None = 5.0,
+        failures_to_dead: int = 2,
+        waiting_timeout_s: float = DEFAULT_WAITING_TIMEOUT_S,
+        bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S,
+        flight_timeout_s: float = DEFAULT_FLIGHT_TIMEOUT_S,
+        transport_mode: Mode = "immediate",
+        send_timeout_ms: int = 1000,
+        clock: Callable[[], float] = time.monotonic,
+        fanout: bool = True,
+        single_flight: bool = True,
+    ) -> None:
+        if completion not in ("acks", "external"):
+            raise ConfigurationError(f"completion must be 'acks' or 'external', not {completion!r}")
+        if backend is not None and backend_factory is not None:
+            raise ConfigurationError("give backend or backend_factory, not both")
+        if completion == "external" and backend is None and backend_factory is None:
+            raise ConfigurationError(
+                "completion='external' needs your transfer engine's backend: pass backend="
+            )
+        if layout is not None and not isinstance(layout, DecodeLayout):
+            raise ConfigurationError(f"layout must be a DecodeLayout, not {type(layout).__name__}")
+        for name, value in (
+            ("bootstrap_timeout_s", bootstrap_timeout_s),
+            ("flight_timeout_s", flight_timeout_s),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigurationError(f"{name} must be a positive number, not {value!r}")
+        self._owned: list[Callable[[], None]] = []  # closers of the parts made here, in order
+        try:
+            self._build(
+                source, pool, transport, backend, backend_factory, completion, ack_ip,
+                session_id, health_interval_s, failures_to_dead, transport_mode,
+                send_timeout_ms,
+            )  # fmt: skip
+            #: The shared parts as one bundle, checked (ConfigurationError on a wrong part).
+            self.decode = Decode(
+                pool=self.pool,
+                client=self.source,
+                transport=self.transport,
+                backend=self.backend,
+                waiting_timeout_s=waiting_timeout_s,
+                clock=clock,
+            )
+        except BaseException:
+            self._close_owned()
+            raise
+        self.layout = layout
+        self.waiting_timeout_s = float(waiting_timeout_s)
+        self.bootstrap_timeout_s = float(bootstrap_timeout_s)
+        self.flight_timeout_s = float(flight_timeout_s)
+        self.clock = clock
+        #: False: SGLang's behaviour for the benchmarks' anchor - no failure fan-out from
+        #: evidence (a request fails on its own send or timeout only), no single-flight.
+        self.fanout = fanout
+        self.flights: Flights | None = Flights() if single_flight else None
+        self._inflight: dict[int, BootstrapReceiver] = {}
+        self._lock = threading.Lock()  # guards everything below (never taken on the hit path)
+        self._pending: dict[str, dict[int, BootstrapReceiver]] = {}
+        self._topologies: dict[str, Topology] = {}
+        self._plans: dict[str, RankPlan] = {}
+        self._retained: dict[Generation, tuple[Endpoint, ...]] = {}
+        self._watched: set[str] = set()
+        self._invalidations: dict[str, int] = {}
+        self._failures: dict[str, itertools.count[int]] = {}
+        self._fanout: dict[str, int] = {}
+        self._completed = itertools.count()
+        self._detections = 0
+        self._detection_total = 0.0
+        self._detection_max = 0.0
+        self._dp_queries = 0
+        self._closed = False
+        self.transport.subscribe(self._on_endpoint)
+
+    def _build(
+        self,
+        source: BootstrapSource | None,
+        pool: BootstrapPool | None,
+        transport: ZmqTransport | None,
+        backend: KVBackend | None,
+        backend_factory: Callable[[str, int], KVBackend] | None,
+        completion: Completion,
+        ack_ip: str,
+        session_id: str | None,
+        health_interval_s: float | None,
+        failures_to_dead: int,
+        transport_mode: Mode,
+        send_timeout_ms: int,
+    ) -> None:
+        self.pool: BootstrapPool = BootstrapPool() if pool is None else pool
+        if source is None:
+            client = BootstrapClient()
+            self._owned.append(client.close)
+            source = client
+        self.source: BootstrapSource = source
+        if transport is None:
+            transport = ZmqTransport(mode=transport_mode, send_timeout_ms=send_timeout_ms)
+            self._owned.append(transport.close)
+        self.transport: ZmqTransport = transport
+        self.acks: AckListener | None = None
+        if completion == "acks":
+            self.acks = AckListener(ack_ip)
+            self._owned.append(self.acks.close)
+        if backend is None:
+            assert self.acks is not None  # checked above for "external"
+            if session_id is None:
+                session_id = f"decode-{os.getpid()}-{next(_session_ids)}"
+            if backend_factory is not None:
+                backend = backend_factory(self.acks.ip, self.acks.port)
+            else:
+                backend = SimpleBackend(self.acks.ip, self.acks.port, session_id)
+        self.backend: KVBackend = backend
+        self.health: HealthMonitor | None = None
+        if health_interval_s is not None:
+            self.health = HealthMonitor(
+                self.pool,
+                interval_s=health_interval_s,
+                failures_to_dead=failures_to_dead,
+                on_dead=self._on_dead,
+                on_restart=self._on_restart,
+            )
+            monitor = self.health
+            monitor.start()
+
+            def stop_health() -> None:
+                monitor.stop()
+
+            self._owned.append(stop_health)
+
+    # --- making receivers -------------------------------------------------------------------
+
+    def receiver(
+        self,
+        addr: str,
+        room: int,
+        plan: RankPlan | None = None,
+        *,
+        prefill_dp_rank: int | None = None,
+    ) -> BootstrapReceiver:
+        """A receiver for ``room`` against the prefill at ``addr``, known to this manager.
+
+        ``plan`` defaults to the one derived from the prefill's topology and this manager's
+        ``layout`` (or one rank without a layout); ``prefill_dp_rank`` is the router's, if any.
+        """
+        return BootstrapReceiver(self, addr, room, plan, prefill_dp_rank=prefill_dp_rank)
+
+    def in_flight(self) -> list[BootstrapReceiver]:
+        """The receivers not yet ended (a snapshot)."""
+        return list(self._inflight.copy().values())
+
+    def get(self, room: int) -> BootstrapReceiver | None:
+        """The receiver in flight for ``room``, if any."""
+        return self._inflight.get(room)
+
+    # --- topology, plans, dp ranks ----------------------------------------------------------
+
+    def topology(self, addr: str) -> Topology:
+        """The prefill's topology, fetched once per address (refetched after a restart)."""
+        topology = self._topologies.get(addr)
+        if topology is None:
+            topology = self.source.get_topology(addr)
+            self._topologies[addr] = topology
+        return topology
+
+    def plan_for(self, addr: str) -> RankPlan:
+        """This decode rank's plan against ``addr``: derived and checked when a layout is set."""
+        if self.layout is None:
+            return DEFAULT_PLAN
+        plan = self._plans.get(addr)
+        if plan is None:
+            plan = self._plans[addr] = derive_plan(addr, self.topology(addr), self.layout)
+        return plan
+
+    def _pend(self, receiver: BootstrapReceiver) -> None:
+        with self._lock:
+            self._pending.setdefault(receiver.addr, {})[receiver.room] = receiver
+
+    def step(self) -> int:
+        """Once per scheduler step: one ``POST /query_dp_ranks`` per address for every room
+        still pending; returns how many rooms were resolved. Unknown rooms stay pending (the
+        prefill may register them later) until their bootstrap timeout; a failed query
+        leaves them pending too."""
+        with self._lock:
+            batches = {addr: dict(rooms) for addr, rooms in self._pending.items() if rooms}
+        resolved = 0
+        for addr, rooms in batches.items():
+            with self._lock:
+                self._dp_queries += 1
+            try:
+                answer = self.source.query_dp_ranks(addr, list(rooms))
+            except BootstrapError:
+                continue
+            with self._lock:
+                waiting = self._pending.get(addr, {})
+                for room, dp_rank in answer.items():
+                    receiver = rooms.get(room)
+                    if receiver is not None and waiting.get(room) is receiver:
+                        del waiting[room]
+                        receiver._resolved(dp_rank)
+                        resolved += 1
+        return resolved
+
+    # --- completion -------------------------------------------------------------------------
+
+    def complete(self, room: int) -> bool:
+        """A transfer engine reports ``room`` transferred; False if no receiver is in flight."""
+        receiver = self._inflight.get(room)
+        if receiver is None:
+            return False
+        receiver.mark_transferred()
+        return True
+
+    def fail_room(self, room: int, reason: str) -> bool:
+        """A prefill rank reported ``room``'s transfer failed; its receiver fails with it."""
+        receiver = self._inflight.get(room)
+        if receiver is None:
+            return False
+        error = TransferFailed(
+            f"room {room}: the prefill reported a failed transfer ({reason}); retry the request",
+            addr=receiver.addr,
+        )
+        error.evidence_at = self.clock()
+        self._lose(receiver, error)
+        return True
+
+    def _ended(self, receiver: BootstrapReceiver, error: BootstrapError | None) -> None:
+        """A receiver reached a final state: forget it, its ack expectation, its pending room."""
+        if self._inflight.get(receiver.room) is receiver:
+            del self._inflight[receiver.room]
+        if receiver._expecting:
+            receiver._expecting = False
+            if self.acks is not None:
+                self.acks.forget(receiver.room)
+        if receiver._pending:
+            receiver._pending = False
+            with self._lock:
+                rooms = self._pending.get(receiver.addr)
+                if rooms is not None and rooms.get(receiver.room) is receiver:
+                    del rooms[receiver.room]
+        if error is None:
+            next(self._completed)  # lock-free: one C call
+            return
+        kind = type(error).__name__
+        counter = self._failures.get(kind)
+        if counter is None:
+            with self._lock:
+                counter = self._failures.setdefault(kind, itertools.count())
+        next(counter)
+        if isinstance(error, PeerLost) and error.evidence_at is not None:
+            with self._lock:
+                latency = max(0.0, self.clock() - error.evidence_at)
+                self._detections += 1
+                self._detection_total += latency
+                self._detection_max = max(self._detection_max, latency)
+
+    def _notify_abort(self, receiver: BootstrapReceiver) -> None:
+        """Tell every rank of an aborted room once, best effort, skipping known-dead ones."""
+        for generation in receiver.entries.values():
+            for rank in generation.ranks:
+                endpoint = (rank.ip, rank.port)
+                if self.transport.is_down(endpoint):
+                    continue
+                # A failed send means the rank is gone: nothing left to free there.
+                with contextlib.suppress(SendFailed):
+                    self.transport.send(endpoint, self.backend.abort_frames(rank, receiver.room))
+
+    # --- generations and their sockets -----------------------------------------------------
+
+    def _retain(self, generation: Generation) -> None:
+        endpoints = tuple((rank.ip, rank.port) for rank in generation.ranks)
+        with self._lock:
+            if generation in self._retained:
+                return
+            self._retained[generation] = endpoints
+        self.transport.retain(endpoints)
+
+    def _invalidated(self, entries: Mapping[PoolKey, Generation], removed: int, cause: str) -> None:
+        if removed:
+            with self._lock:
+                self._invalidations[cause] = self._invalidations.get(cause, 0) + removed
+        if entries:
+            self._reconcile()
+
+    def _reconcile(self) -> int:
+        """Release the sockets of retained generations nothing uses any more."""
+        with self._lock:
+            if not self._retained:
+                return 0
+        live = set(self.pool.snapshot().values())
+        for receiver in self.in_flight():
+            live.update(_entries_of(receiver))
+        with self._lock:
+            dead = [g for g in self._retained if g not in live]
+            released = [self._retained.pop(g) for g in dead]
+        for endpoints in released:
+            self.transport.release(endpoints)
+        return len(released)
+
+    def _retire(
+        self,
+        addr: str,
+        old_ids: Iterable[str | None],
+        new_id: str,
+        finder: BootstrapReceiver,
+    ) -> None:
+        """``finder``'s fetch from ``addr`` answered as ``new_id`` while it held entries of
+        ``old_ids``: retire those, and fail the other requests that use them (``finder``
+        refetches its stale keys itself)."""
+        # MERGE: with the model branch's pool this is `pool.retire_instance(addr, old)` for
+        # each old id (TEAM.md's retirement rule); this branch's pool still has observe_instance.
+        self.pool.observe_instance(addr, new_id)
+        for old in old_ids:
+            if old is not None:
+                self._restarted(addr, old, new_id, cause="fetch", exclude=finder)
+
+    # --- failure fan-out --------------------------------------------------------------------
+
+    def fail_generations(
+        self,
+        generations: Iterable[Generation],
+        error: BootstrapError,
+        *,
+        exclude: BootstrapReceiver | None = None,
+    ) -> int:
+        """Fail every receiver in flight that uses one of ``generations``; invalidate them by
+        identity. Returns how many receivers were failed."""
+        doomed = set(generations)
+        if not doomed:
+            return 0
+        _stamp(error, self.clock())
+        held = {key: g for key, g in self.pool.snapshot().items() if g in doomed}
+        if held:
+            removed = self.pool.invalidate(held)
+            self._invalidated({}, removed, type(error).__name__)
+        failed = 0
+        for receiver in self.in_flight():
+            if (
+                receiver is not exclude
+                and any(g in doomed for g in _entries_of(receiver))
+                and self._lose(receiver, error)
+            ):
+                failed += 1
+        self._count_fanout(error, failed)
+        self._reconcile()
+        return failed
+
+    def fail_address(self, addr: str, error: BootstrapError) -> int:
+        """Fail every receiver in flight bound to ``addr``; invalidate their generations by
+        identity and forget the address's topology. Returns how many receivers were failed."""
+        _stamp(error, self.clock())
+        with self._lock:
+            self._topologies.pop(addr, None)
+            self._plans.pop(addr, None)
+        used: dict[PoolKey, Generation] = {}
+        failed = 0
+        for receiver in self.in_flight():
+            if receiver.addr == addr:
+                used.update(receiver.entries.copy())
+                if self._lose(receiver, error):
+                    failed += 1
+        if used:
+            removed = self.pool.invalidate(used)
+            self._invalidated({}, removed, type(error).__name__)
+        self._count_fanout(error, failed)
+        self._reconcile()
+        return failed
+
+    def _lose(self, receiver: BootstrapReceiver, error: BootstrapError) -> bool:
+        """Store the reason on a receiver in flight (one attribute store) and wake its owner."""
+        if receiver.ended or receiver._lost is not None:
+            return False
+        receiver._lost = error
+        wake = receiver.on_change
+        if wake is not None:
+            wake()
+        return True
+
+    def _count_fanout(self, error: BootstrapError, failed: int) -> None:
+        kind = type(error).__name__
+        with self._lock:
+            self._fanout[kind] = self._fanout.get(kind, 0) + failed
+
+    def _generations_using(self, url: str) -> set[Generation]:
+        found: set[Generation] = set()
+        candidates = list(self.pool.snapshot().values())
+        for receiver in self.in_flight():
+            candidates.extend(_entries_of(receiver))
+        for generation in candidates:
+            for rank in generation.ranks:
+                if endpoint_url((rank.ip, rank.port)) == url:
+                    found.add(generation)
+                    break
+        return found
+
+    def _endpoint_dead(self, url: str, reason: str) -> int:
+        if not self.fanout:
+            return 0
+        generations = self._generations_using(url)
+        if not generations:
+            return 0
+        error = RankDead(
+            f"prefill rank {url} is dead ({reason}); retry the request: it will fetch the "
+            "prefill's current ranks",
+            endpoint=url,
+        )
+        return self.fail_generations(generations, error)
+
+    def _send_failed(self, error: SendFailed) -> None:
+        """A receiver's send failed: every other request using that endpoint is lost too."""
+        self._endpoint_dead(error.endpoint, str(error))
+
+    def _on_endpoint(self, endpoint: Endpoint, alive: bool, reason: str) -> None:
+        """Transport listener: an endpoint was found dead (evidence for the fan-out) or back."""
+        if not alive:
+            self._endpoint_dead(endpoint_url(endpoint), reason)
+
+    def _on_dead(self, addr: str, reason: str) -> None:
+        """Health monitor: ``addr`` stopped answering (the pool entries are already gone)."""
+        if not self.fanout:
+            return
+        self.fail_address(
+            addr,
+            PrefillDead(
+                f"prefill {addr} stopped answering health probes ({reason}); retry the "
+                "request once it is back",
+                addr=addr,
+            ),
+        )
+
+    def _on_restart(self, addr: str, old_id: str, new_id: str) -> None:
+        """Health monitor: a new instance answers at ``addr``."""
+        self._restarted(addr, old_id, new_id, cause="health")
+
+    def _restarted(
+        self,
+        addr: str,
+        old_id: str,
+        new_id: str,
+        *,
+        cause: str,
+        exclude: BootstrapReceiver | None = None,
+    ) -> int:
+        with self._lock:
+            self._topologies.pop(addr, None)
+            self._plans.pop(addr, None)
+        if not self.fanout:
+            return 0
+        candidates = list(self.pool.snapshot().items())
+        for receiver in self.in_flight():
+            if receiver.addr == addr:
+                candidates.extend(receiver.entries.copy().items())
+        stale = {g for key, g in candidates if key.addr == addr and g.instance_id == old_id}
+        error = PrefillRestarted(
+            f"prefill {addr} restarted (instance {old_id} replaced by {new_id}, seen by "
+            f"{cause}); retry the request: it will fetch the new instance's ranks",
+            addr=addr,
+            old_id=old_id,
+            new_id=new_id,
+        )
+        return self.fail_generations(stale, error, exclude=exclude)
+
+    def _watch(self, addr: str) -> None:
+        """Health-watch every address this manager fetched from (off the hit path)."""
+        if self.health is None or addr in self._watched:
+            return
+        with self._lock:
+            if addr in self._watched:
+                return
+            self._watched.add(addr)
+        self.health.watch(addr)
+
+    # --- metrics and shutdown --------------------------------------------------------------
+
+    def stats(self) -> ManagerStats:
+        pool = self.pool.stats()
+        sockets = self.transport.stats().sockets_open
+        with self._lock:
+            return ManagerStats(
+                hits=pool.hits,
+                misses=pool.misses,
+                publishes=pool.publishes,
+                adoptions=pool.adoptions,
+                invalidations=dict(self._invalidations),
+                failures={k: _count_value(c) for k, c in self._failures.items()},
+                completed=_count_value(self._completed),
+                in_flight=len(self._inflight),
+                pending_dp=sum(len(rooms) for rooms in self._pending.values()),
+                flights_led=0 if self.flights is None else self.flights.led,
+                flights_followed=0 if self.flights is None else self.flights.followed,
+                fanout=dict(self._fanout),
+                detection=DetectionStats(
+                    self._detections, self._detection_total, self._detection_max
+                ),
+                sockets_open=sockets,
+                endpoints_retained=sum(len(e) for e in self._retained.values()),
+                dp_queries=self._dp_queries,
+            )
+
+    def close(self) -> None:
+        """Fail what is still in flight (ManagerClosed), then close every part made here:
+        the health monitor's thread, the ack listener's thread and socket, the transport's
+        sockets, the calling thread's HTTP sessions. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        error = ManagerClosed("the decode manager was closed while this request was in flight")
+        for receiver in self.in_flight():
+            self._lose(receiver, error)
+            if receiver._expecting and self.acks is not None:
+                receiver._expecting = False
+                self.acks.forget(receiver.room)
+        with self._lock:
+            retained = list(self._retained.values())
+            self._retained.clear()
+        for endpoints in retained:
+            self.transport.release(endpoints)
+        self._close_owned()
+
+    def _close_owned(self) -> None:
+        # Health first (its probes call back into us), the transport before nothing else.
+        for closer in reversed(self._owned):
+            closer()
+        self._owned.clear()
+
+    def __enter__(self) -> DecodeManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _entries_of(receiver: BootstrapReceiver) -> tuple[Generation, ...]:
+    """The generations a receiver (owned by another thread) holds right now."""
+    for _ in range(3):
+        try:
+            return tuple(receiver.entries.values())
+        except RuntimeError:  # pragma: no cover - resized while copied; look again
+            continue
+    return ()  # pragma: no cover
+
+
+def _stamp(error: BootstrapError, now: float) -> None:
+    if isinstance(error, PeerLost) and error.evidence_at is None:
+        error.evidence_at = now
+
+
+def _count_value(counter: itertools.count[int]) -> int:
+    """The next value of an ``itertools.count`` without advancing it (its repr is
+    ``count(N)``); counters bumped lock-free on the request path are read this way."""
+    return int(repr(counter)[6:-1])

@@ -1,0 +1,769 @@
+"""DecodeManager against real parts: a real bootstrap server on 127.0.0.1, prefill rank
+*processes* killed and restarted, real ZMQ sockets, the real ack listener and health monitor.
+
+Each failure path ends with every in-flight request Failed with a typed reason, within a
+generous correctness bound (not a performance claim: ``benchmarks/bench_recovery.py`` measures),
+and with nothing left behind: no ack expectation, no receiver in flight, no retained socket,
+no thread after close. Requirement IDs: MGR-n (spec/manager.md), LIFE-n (spec/lifecycle.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from test_receiver import (
+    PLAN,
+    POLL_LIMIT_S,
+    TOKEN,
+    TP,
+    Prefill,
+    finish,
+    key_of,
+    start_prefill,
+    stop_prefill,
+)
+
+from statemachine import lifecycle as life
+from statemachine.backend import MetadataRequest, SimpleBackend, parse_metadata
+from statemachine.decode.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.manager import DecodeManager
+from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
+from statemachine.decode.receiver import BootstrapReceiver, Decode
+from statemachine.decode.transport import ZmqTransport
+from statemachine.errors import (
+    Aborted,
+    BootstrapError,
+    BootstrapTimeout,
+    ConfigurationError,
+    FetchWaitTimeout,
+    InvalidRoom,
+    InvalidTransition,
+    NotReady,
+    PeerLost,
+    PrefillDead,
+    PrefillRestarted,
+    RankDead,
+    SendFailed,
+    TopologyMismatch,
+    WaitingTimeout,
+)
+from statemachine.lifecycle import KVPoll
+from statemachine.pool import BootstrapPool, RankInfo
+from statemachine.prefill.server import BootstrapServer
+from statemachine.validation import Topology
+
+#: Generous bound for "failed quickly" under a loaded 2-core machine (the goal is 50 ms).
+FAIL_BOUND_S = 5.0
+SLOW_ACK_MS = 60_000  # a prefill that never acks within a test
+
+
+@contextmanager
+def manager_for(**kwargs: object) -> Iterator[DecodeManager]:
+    kwargs.setdefault("health_interval_s", None)
+    kwargs.setdefault("send_timeout_ms", 500)
+    client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
+    kwargs.setdefault("source", client)
+    manager = DecodeManager(**kwargs)  # type: ignore[arg-type]
+    try:
+        yield manager
+    finally:
+        manager.close()
+        client.close()
+
+
+def wait_until(predicate: object, timeout: float = FAIL_BOUND_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def in_flight_waiting(
+    manager: DecodeManager, prefill: Prefill, rooms: range
+) -> list[BootstrapReceiver]:
+    receivers = []
+    for room in rooms:
+        receiver = manager.receiver(prefill.addr, room, PLAN, prefill_dp_rank=0)
+        assert receiver.init() == KVPoll.WaitingForInput
+        assert receiver.send_metadata((room,)) == KVPoll.Transferring
+        receivers.append(receiver)
+    return receivers
+
+
+def poll_all_failed(receivers: list[BootstrapReceiver]) -> bool:
+    return all(r.poll() == KVPoll.Failed for r in receivers)
+
+
+def assert_nothing_left(manager: DecodeManager) -> None:
+    stats = manager.stats()
+    assert manager.acks is not None and manager.acks.stats().expected == 0
+    assert stats.in_flight == 0
+    assert stats.endpoints_retained == 0
+    assert stats.sockets_open == 0
+
+
+@pytest.fixture
+def slow_prefill() -> Iterator[Prefill]:
+    instance = start_prefill(ack_delay_ms=SLOW_ACK_MS)
+    yield instance
+    stop_prefill(instance)
+
+
+# --- failure fan-out (MGR-1, MGR-2) -----------------------------------------------------------
+
+
+def test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it(slow_prefill: Prefill) -> None:
+    """A rank dies; the first send that finds it dead is the evidence: every request in flight
+    on that generation fails with RankDead at once (not after the waiting timeout), and its
+    generation, ack expectations and sockets are gone."""
+    with manager_for(waiting_timeout_s=300.0) as manager:
+        victims = in_flight_waiting(manager, slow_prefill, range(1, 9))
+        slow_prefill.ranks[1].kill()
+        probe = manager.receiver(slow_prefill.addr, 100, PLAN, prefill_dp_rank=0)
+        assert probe.init() == KVPoll.WaitingForInput  # a hit on the generation with the dead rank
+        assert probe.send_metadata((1,)) == KVPoll.Failed
+        assert isinstance(probe.failure, SendFailed)
+        evidence = time.monotonic()
+        assert wait_until(lambda: poll_all_failed(victims))
+        assert time.monotonic() - evidence < FAIL_BOUND_S
+        for victim in victims:
+            assert isinstance(victim.failure, RankDead), victim.failure
+            assert "retry" in str(victim.failure)
+            assert victim.state == life.INVALIDATED
+        assert manager.pool.get(key_of(slow_prefill)) is None
+        stats = manager.stats()
+        assert stats.failures.get("RankDead") == len(victims)
+        assert stats.detection.count == len(victims)
+        assert_nothing_left(manager)
+
+
+def test_mgr_1_kill_whole_prefill_health_fails_everything_bound_to_it(
+    slow_prefill: Prefill,
+) -> None:
+    """The whole prefill dies (server and ranks): the first evidence - the health monitor's
+    failed probe (PrefillDead), or the transport's verdict on a rank's socket (RankDead) where
+    the transport monitors its sockets - fails every room bound to it, without any send."""
+    with manager_for(health_interval_s=0.05, failures_to_dead=1) as manager:
+        victims = in_flight_waiting(manager, slow_prefill, range(1, 6))
+        stop_prefill(slow_prefill)
+        killed = time.monotonic()
+        assert wait_until(lambda: poll_all_failed(victims))
+        assert time.monotonic() - killed < FAIL_BOUND_S
+        assert all(isinstance(v.failure, (PrefillDead, RankDead)) for v in victims)
+        failures = manager.stats().failures
+        assert set(failures) <= {"PrefillDead", "RankDead"}
+        assert sum(failures.values()) == len(victims)
+        assert_nothing_left(manager)
+    assert manager.health is not None and not any(
+        t.name == "bootstrap-health" for t in threading.enumerate()
+    )
+
+
+def test_mgr_1_restart_behind_same_address_fails_old_rooms_and_serves_new_ones() -> None:
+    """A new prefill instance answers behind the same address (its bootstrap server restarted;
+    the rank processes stay up, so no socket says anything): the health monitor sees the new
+    instance id and every room of the old instance fails with PrefillRestarted; once the ranks
+    registered with the new instance, the next request succeeds on it; nothing is left."""
+    first = start_prefill(ack_delay_ms=SLOW_ACK_MS)
+    port = int(first.addr.rsplit(":", 1)[1])
+    threads_before = threading.active_count()
+    server: BootstrapServer | None = None
+    try:
+        with manager_for(health_interval_s=0.05, failures_to_dead=10_000) as manager:
+            assert manager.health is not None
+            victims = in_flight_waiting(manager, first, range(1, 6))
+            old_id = first.server.instance_id
+            assert wait_until(lambda: _probed(manager, first.addr))
+            first.server.stop()
+            server = BootstrapServer("127.0.0.1", port, token=TOKEN).start()
+            restarted = time.monotonic()
+            assert wait_until(lambda: poll_all_failed(victims), timeout=POLL_LIMIT_S)
+            assert time.monotonic() - restarted < POLL_LIMIT_S
+            for victim in victims:
+                assert isinstance(victim.failure, PrefillRestarted), victim.failure
+                assert (victim.failure.old_id, victim.failure.new_id) == (
+                    old_id,
+                    server.instance_id,
+                )
+            assert manager.pool.get(key_of(first)) is None
+            for rank in first.ranks:
+                payload = route_payload(
+                    rank_ip="127.0.0.1", rank_port=rank.port, tp_rank=rank.tp_rank, tp_size=TP
+                )
+                register_rank(server.address, TOKEN, payload)
+            fresh = manager.receiver(server.address, 50, PLAN, prefill_dp_rank=0)
+            assert fresh.init() == KVPoll.WaitingForInput
+            assert all(g.instance_id == server.instance_id for g in fresh.entries.values())
+            fresh.abort()  # these ranks ack after a minute; abort tells them to forget it
+            stats = manager.stats()
+            assert stats.in_flight == 0 and manager.acks is not None
+            assert manager.acks.stats().expected == 0
+            assert stats.endpoints_retained == TP  # only the live (new) generation's ranks
+    finally:
+        for rank in first.ranks:
+            rank.kill()
+        first.server.stop()
+        if server is not None:
+            server.stop()
+    assert wait_until(lambda: threading.active_count() <= threads_before)
+
+
+def _probed(manager: DecodeManager, addr: str) -> bool:
+    """The health monitor has a baseline instance id for ``addr`` (it probed it once)."""
+    assert manager.health is not None
+    manager.health.watch(addr)
+    time.sleep(0.2)  # a few probe intervals
+    return True
+
+
+def test_mgr_2_fail_address_and_fail_generations_entry_points(slow_prefill: Prefill) -> None:
+    """The manager API other parts call: fail_generations fails exactly the users of those
+    generation objects; fail_address every room bound to the address; both return counts."""
+    with manager_for() as manager:
+        victims = in_flight_waiting(manager, slow_prefill, range(1, 4))
+        generation = manager.pool.get(key_of(slow_prefill))
+        assert generation is not None
+        other = manager.receiver("127.0.0.1:1", 99, PLAN, prefill_dp_rank=0)  # never started
+        assert manager.fail_generations([generation], RankDead("test", endpoint="x")) == 3
+        assert manager.fail_generations([generation], RankDead("again", endpoint="x")) == 0
+        assert manager.pool.get(key_of(slow_prefill)) is None
+        assert poll_all_failed(victims) and other.poll() == KVPoll.Bootstrapping
+        assert manager.fail_address("127.0.0.1:1", PrefillDead("gone", addr="127.0.0.1:1")) == 1
+        assert other.init() == KVPoll.Failed and isinstance(other.failure, PrefillDead)
+        assert_nothing_left(manager)
+
+
+# --- single flight (MGR-3) --------------------------------------------------------------------
+
+
+def test_mgr_3_64_racing_misses_make_one_fetch(slow_prefill: Prefill) -> None:
+    """64 receivers miss one key at once: one leads the fetch (GET /route = ranks, counted by
+    the server) and one registration; the 63 others adopt the very generation it published."""
+    queries_before = slow_prefill.server.stats().requests.get("GET /route", 0)
+    with manager_for() as manager:
+        receivers = [manager.receiver(slow_prefill.addr, room, PLAN) for room in range(64)]
+        barrier = threading.Barrier(len(receivers))
+        results: list[KVPoll] = []
+
+        def run(receiver: BootstrapReceiver) -> None:
+            barrier.wait(POLL_LIMIT_S)
+            results.append(receiver.init(0))
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in receivers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(POLL_LIMIT_S)
+        assert results == [KVPoll.WaitingForInput] * 64
+        generation = manager.pool.get(key_of(slow_prefill))
+        assert all(r.entries[key_of(slow_prefill)] is generation for r in receivers)
+        queries = slow_prefill.server.stats().requests.get("GET /route", 0) - queries_before
+        assert queries == TP
+        stats = manager.stats()
+        assert stats.publishes == 1 and stats.flights_led == 1
+        for receiver in receivers:
+            receiver.clear()
+        assert manager.stats().in_flight == 0
+
+
+def test_mgr_3_a_failed_fetch_fails_every_follower_with_its_reason() -> None:
+    """The leader's fetch fails (503: no rank registered): every follower fails with the same
+    typed reason from idle (FetchFail), after one query; nothing is cached."""
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    try:
+        with manager_for() as manager:
+            receivers = [manager.receiver(server.address, room, PLAN) for room in range(16)]
+            barrier = threading.Barrier(len(receivers))
+
+            def run(receiver: BootstrapReceiver) -> None:
+                barrier.wait(POLL_LIMIT_S)
+                receiver.init(0)
+
+            threads = [threading.Thread(target=run, args=(r,)) for r in receivers]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(POLL_LIMIT_S)
+            assert all(isinstance(r.failure, NotReady) for r in receivers)
+            assert all(r.state == life.INVALIDATED for r in receivers)
+            assert (
+                server.stats().requests.get("GET /route", 0) <= 2
+            )  # one flight (maybe a late one)
+            assert len(manager.pool) == 0 and manager.stats().in_flight == 0
+    finally:
+        server.stop()
+
+
+# --- completion (MGR-4) -----------------------------------------------------------------------
+
+
+def test_mgr_4_every_terminal_path_forgets_the_ack_expectation(slow_prefill: Prefill) -> None:
+    """Abort, clear, timeout, a failed send and fan-out each leave AckStats.expected at 0."""
+    now = [0.0]
+    with manager_for(clock=lambda: now[0], waiting_timeout_s=10.0) as manager:
+        assert manager.acks is not None
+        aborted, cleared, timed_out, lost = in_flight_waiting(manager, slow_prefill, range(1, 5))
+        assert manager.acks.stats().expected == 4
+        aborted.abort()
+        cleared.clear()
+        assert cleared.poll() == KVPoll.Failed and isinstance(cleared.failure, Aborted)
+        now[0] = 10.0  # elapsed == timeout: SGLang fires at >=
+        assert timed_out.poll() == KVPoll.Failed and isinstance(timed_out.failure, WaitingTimeout)
+        assert manager.fail_room(lost.room, "rank 0 reported a transfer error")
+        assert lost.poll() == KVPoll.Failed and isinstance(lost.failure, PeerLost)
+        assert manager.acks.stats().expected == 0
+        slow_prefill.ranks[0].kill()
+        # The timeout dropped the generation: a refetch registers with the dead rank and fails.
+        failing = manager.receiver(slow_prefill.addr, 9, PLAN, prefill_dp_rank=0)
+        assert failing.init() == KVPoll.Failed and isinstance(failing.failure, SendFailed)
+        assert manager.acks.stats().expected == 0
+        assert manager.stats().in_flight == 0
+
+
+def test_mgr_4_external_completion_for_engines_that_report_it() -> None:
+    """completion='external': no ack listener; the transfer engine calls complete(room)."""
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    prefill = Prefill(server)
+    try:
+        from statemachine.prefill.rank import PrefillRankProcess
+
+        for tp_rank in range(TP):
+            rank = PrefillRankProcess(server.address, TOKEN, tp_rank=tp_rank, tp_size=TP)
+            prefill.ranks.append(rank)
+            rank.start()
+        backend = SimpleBackend("127.0.0.1", 1, "engine-session")
+        with manager_for(completion="external", backend=backend) as manager:
+            assert manager.acks is None
+            receiver = manager.receiver(server.address, 7, PLAN, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.WaitingForInput
+            assert receiver.send_metadata((1, 2)) == KVPoll.Transferring
+            assert receiver.poll() == KVPoll.Transferring
+            assert manager.complete(7)
+            assert receiver.poll() == KVPoll.Success
+            assert not manager.complete(7)  # no longer in flight
+    finally:
+        stop_prefill(prefill)
+
+
+def test_mgr_4_kv_indices_numpy_and_sequences_pack_alike() -> None:
+    """kv_indices: a tuple, a list, a range, an array.array or a numpy int array give the same
+    wire bytes; floats, strings and out-of-range items are rejected at construction."""
+    import array
+
+    numpy = pytest.importorskip("numpy")
+    expected = MetadataRequest(1, (3, 1, -1, 2**31 - 1), 0).kv_bytes
+    for indices in (
+        [3, 1, -1, 2**31 - 1],
+        array.array("i", [3, 1, -1, 2**31 - 1]),
+        numpy.array([3, 1, -1, 2**31 - 1], dtype=numpy.int32),
+        numpy.array([3, 1, -1, 2**31 - 1], dtype=numpy.int64),
+    ):
+        assert MetadataRequest(1, indices, 0).kv_bytes == expected
+    assert MetadataRequest(1, range(4), 0).kv_indices == (0, 1, 2, 3)
+    big = numpy.arange(100_000, dtype=numpy.int32)
+    frames = SimpleBackend("127.0.0.1", 1, "s").metadata_frames(
+        PLAN_RANK, MetadataRequest(1, big, 0)
+    )
+    assert parse_metadata(frames).kv_indices[-1] == 99_999
+    for bad in ("abc", [1.5], [2**31], numpy.array([0.5]), numpy.zeros((2, 2), dtype=int), 7):
+        with pytest.raises((TypeError, ValueError)):
+            MetadataRequest(1, bad, 0)
+
+
+PLAN_RANK = RankInfo("127.0.0.1", 1, 0)
+
+
+# --- SGLang semantics (MGR-5..MGR-9) ----------------------------------------------------------
+
+
+def test_mgr_5_dummy_ranks_get_flagged_messages_and_no_transfer() -> None:
+    """A decode rank that is a dummy peer for prefill tp rank 1 still registers with it and sends
+    it the metadata (dummy flag set); that rank transfers nothing and sends no ack; the request
+    completes on the non-dummy rank's ack."""
+    prefill = start_prefill()
+    try:
+        plan = RankPlan(tp_ranks=(0, 1), dummy_tp_ranks=frozenset({1}))
+        with manager_for() as manager:
+            receiver = manager.receiver(prefill.addr, 3, plan, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.WaitingForInput
+            assert receiver.expected_acks() == 1
+            assert receiver.send_metadata((4, 5)) == KVPoll.Transferring
+            assert finish(receiver) == KVPoll.Success
+        stats = [rank.terminate() for rank in prefill.ranks]
+    finally:
+        stop_prefill(prefill)
+    assert stats[0] is not None and stats[1] is not None
+    assert (stats[0]["register"], stats[0]["metadata"], stats[0]["acks_sent"]) == (1, 1, 1)
+    assert (stats[1]["register"], stats[1]["metadata"], stats[1]["acks_sent"]) == (1, 1, 0)
+
+
+def test_mgr_6_abort_tells_every_rank_once_so_no_transfer_follows() -> None:
+    """abort() in waiting sends one ABORT per rank: the prefill drops the room's pending
+    transfer, so no ack ever arrives for it; a second abort() sends nothing."""
+    prefill = start_prefill(ack_delay_ms=400)
+    try:
+        with manager_for() as manager:
+            assert manager.acks is not None
+            receiver = manager.receiver(prefill.addr, 11, PLAN, prefill_dp_rank=0)
+            receiver.init()
+            receiver.send_metadata((1,))
+            sends = manager.transport.stats().sends
+            receiver.abort()
+            assert manager.transport.stats().sends == sends + TP
+            receiver.abort()
+            assert manager.transport.stats().sends == sends + TP
+            assert receiver.poll() == KVPoll.Failed and isinstance(receiver.failure, Aborted)
+            control = manager.receiver(prefill.addr, 12, PLAN, prefill_dp_rank=0)
+            control.init()
+            control.send_metadata((1,))
+            assert finish(control) == KVPoll.Success  # acks still flow for other rooms
+            time.sleep(0.2)
+            assert manager.acks.stats().unknown == 0  # room 11's acks were never sent
+    finally:
+        stop_prefill(prefill)
+
+
+def test_mgr_7_clear_keeps_results_and_failure_exception_fails_without_reason(
+    slow_prefill: Prefill,
+) -> None:
+    """clear(): Success and Failed stay; an unfinished receiver becomes Failed (Abort) and a
+    late completion cannot complete it. failure_exception() with no local reason raises a
+    generic PeerLost and the receiver is Failed."""
+    with manager_for() as manager:
+        unfinished, generic = in_flight_waiting(manager, slow_prefill, range(1, 3))
+        unfinished.clear()
+        unfinished.mark_transferred()  # late
+        assert unfinished.poll() == KVPoll.Failed and unfinished.state == life.ABORTED
+        with pytest.raises(PeerLost, match="no local reason"):
+            generic.failure_exception()
+        assert generic.poll() == KVPoll.Failed
+        with pytest.raises(PeerLost):
+            generic.failure_exception()  # the recorded reason, again
+        failed = manager.receiver(slow_prefill.addr, 3, PLAN)
+        failed.send_metadata((1,))
+        failed.clear()
+        assert failed.poll() == KVPoll.Failed and isinstance(failed.failure, InvalidTransition)
+        assert_nothing_left(manager)
+
+
+def _register_ranks(
+    server: BootstrapServer, ports: dict[tuple[int, int], int], **extra: object
+) -> None:
+    dp_size = 1 + max(dp for dp, _ in ports)
+    tp_size = 1 + max(tp for _, tp in ports)
+    for (dp, tp), port in ports.items():
+        payload = route_payload(
+            rank_ip="127.0.0.1",
+            rank_port=port,
+            tp_rank=tp,
+            tp_size=tp_size,
+            dp_rank=dp,
+            dp_size=dp_size,
+        )
+        payload.update(extra)
+        register_rank(server.address, TOKEN, payload)
+
+
+def test_mgr_8_pending_rooms_batch_one_query_per_address_per_step() -> None:
+    """dp_size 2 without follow_bootstrap_room: rooms wait (Bootstrapping) for the manager's
+    step, which asks once for all pending rooms; an unknown room stays pending and fails with
+    BootstrapTimeout after the bootstrap timeout - never at once."""
+    import zmq
+
+    context = zmq.Context()
+    sockets = [context.socket(zmq.PULL) for _ in range(2)]
+    ports = {(dp, 0): s.bind_to_random_port("tcp://127.0.0.1") for dp, s in enumerate(sockets)}
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    try:
+        # SGLang's prefill says so with a load-balance method other than follow_bootstrap_room
+        # (older reference servers read the flag itself; both are sent).
+        _register_ranks(
+            server, ports, load_balance_method="round_robin", follow_bootstrap_room=False
+        )
+        import requests
+
+        for room, dp in ((1, 1), (2, 0), (3, 1)):
+            requests.post(
+                f"http://{server.address}/register_dp_rank",
+                json={"bootstrap_room": room, "dp_rank": dp},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+                timeout=5,
+            ).raise_for_status()
+        with manager_for(bootstrap_timeout_s=0.3) as manager:
+            receivers = [manager.receiver(server.address, room) for room in (1, 2, 3, 4)]
+            assert [r.init() for r in receivers] == [KVPoll.Bootstrapping] * 4
+            assert manager.stats().pending_dp == 4
+            assert manager.step() == 3
+            assert server.stats().requests.get("POST /query_dp_ranks", 0) == 1
+            assert [r.init() for r in receivers[:3]] == [KVPoll.WaitingForInput] * 3
+            assert [next(iter(r.entries)).dp_rank for r in receivers[:3]] == [1, 0, 1]
+            assert receivers[3].init() == KVPoll.Bootstrapping  # unknown: still pending
+            assert manager.step() == 0
+            time.sleep(0.3)
+            assert receivers[0].poll() == KVPoll.WaitingForInput  # resolved: no timeout
+            assert receivers[3].poll() == KVPoll.Failed
+            assert isinstance(receivers[3].failure, BootstrapTimeout)
+            for receiver in receivers[:3]:
+                receiver.clear()
+            assert manager.stats().pending_dp == 0
+    finally:
+        server.stop()
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
+
+
+def test_mgr_8_follow_bootstrap_room_and_single_dp_need_no_query() -> None:
+    """SGLang's order: router-given rank first; follow_bootstrap_room: room % dp_size."""
+    topology = Topology(2, 1, 4, 1, 16, "bfloat16", None, None)
+    assert topology.follow_bootstrap_room is None  # never set means True
+    import zmq
+
+    context = zmq.Context()
+    sockets = [context.socket(zmq.PULL) for _ in range(4)]
+    ports = {(dp, 0): s.bind_to_random_port("tcp://127.0.0.1") for dp, s in enumerate(sockets)}
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    try:
+        _register_ranks(server, ports)
+        with manager_for() as manager:
+            by_room = manager.receiver(server.address, 7)
+            assert by_room.init() == KVPoll.WaitingForInput
+            assert next(iter(by_room.entries)).dp_rank == 7 % 4
+            routed = manager.receiver(server.address, 8, prefill_dp_rank=2)
+            assert routed.init() == KVPoll.WaitingForInput
+            assert next(iter(routed.entries)).dp_rank == 2
+            assert server.stats().requests.get("POST /query_dp_ranks", 0) == 0
+            by_room.clear()
+            routed.clear()
+    finally:
+        server.stop()
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
+
+
+def test_mgr_9_rank_plan_derived_from_topology_and_checked() -> None:
+    """RankPlan from the prefill's topology and this decode's tp layout, with the dummy mapping;
+    a page size or KV dtype mismatch is a typed TopologyMismatch, and a receiver meeting it
+    fails (FetchFail) with that reason."""
+    prefill_tp2 = Topology(2, 1, 1, 1, 16, "bfloat16", None, "i")
+    assert derive_plan("a:1", prefill_tp2, DecodeLayout(0, 2)).tp_ranks == (0,)
+    assert derive_plan("a:1", prefill_tp2, DecodeLayout(1, 2)).tp_ranks == (1,)
+    assert derive_plan("a:1", prefill_tp2, DecodeLayout(0, 1)).tp_ranks == (0, 1)
+    shared = derive_plan("a:1", prefill_tp2, DecodeLayout(3, 4))
+    assert shared.tp_ranks == (1,) and shared.dummy_tp_ranks == frozenset({1})
+    real = derive_plan("a:1", prefill_tp2, DecodeLayout(2, 4))
+    assert real.tp_ranks == (1,) and real.dummy_tp_ranks == frozenset()
+    for layout in (
+        DecodeLayout(0, 3),
+        DecodeLayout(page_size=32),
+        DecodeLayout(kv_cache_dtype="fp8_e4m3"),
+    ):
+        with pytest.raises(TopologyMismatch, match="prefill"):
+            derive_plan("a:1", prefill_tp2, layout)
+
+    prefill = start_prefill()
+    try:
+        with manager_for(layout=DecodeLayout(0, 1, page_size=1, kv_cache_dtype="auto")) as manager:
+            whole = manager.receiver(prefill.addr, 1, prefill_dp_rank=0)
+            assert whole.init() == KVPoll.WaitingForInput
+            assert whole.plan is not None and whole.plan.tp_ranks == (0, 1)
+            whole.send_metadata((1,))
+            assert finish(whole) == KVPoll.Success
+        with manager_for(layout=DecodeLayout(page_size=64)) as manager:
+            wrong = manager.receiver(prefill.addr, 2, prefill_dp_rank=0)
+            assert wrong.init() == KVPoll.Failed
+            assert isinstance(wrong.failure, TopologyMismatch)
+            assert "page_size" in str(wrong.failure)
+    finally:
+        stop_prefill(prefill)
+
+
+# --- API errors (issue 12) --------------------------------------------------------------------
+
+
+def test_bad_rooms_and_parts_are_rejected_at_construction_with_typed_errors() -> None:
+    with manager_for() as manager:
+        for room in (-1, "abc", 2**64, 1.0, True, None):
+            with pytest.raises(InvalidRoom, match="room"):
+                manager.receiver("127.0.0.1:1", room)  # type: ignore[arg-type]
+        manager.receiver("127.0.0.1:1", 5)
+        with pytest.raises(InvalidRoom, match="already in flight"):
+            manager.receiver("127.0.0.1:1", 5)
+    for bad in ({"pool": "pool"}, {"source": object()}, {"transport": 3}, {"backend": object()}):
+        with pytest.raises(ConfigurationError):
+            DecodeManager(health_interval_s=None, **bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="pool must be a BootstrapPool"):
+        Decode(
+            pool=None,  # type: ignore[arg-type]
+            client=BootstrapClient(),
+            transport=ZmqTransport(),
+            backend=SimpleBackend("127.0.0.1", 1, "s"),
+        )
+    assert issubclass(ConfigurationError, BootstrapError)
+
+
+def test_invalid_transition_names_the_method_state_and_what_comes_first(
+    slow_prefill: Prefill,
+) -> None:
+    with manager_for() as manager:
+        receiver = manager.receiver(slow_prefill.addr, 1, PLAN, prefill_dp_rank=0)
+        receiver.init()
+        with pytest.raises(InvalidTransition) as caught:
+            receiver.init()
+        text = str(caught.value)
+        assert text.startswith("init() called in state 'cached'") and "new receiver" in text
+        assert caught.value.method == "init" and caught.value.state == "cached"
+        receiver.send_metadata((1,))
+        with pytest.raises(InvalidTransition, match=r"send_metadata\(\) called in state 'waiting'"):
+            receiver.send_metadata((1,))
+        receiver.abort()
+
+
+def test_close_fails_what_is_in_flight_and_stops_threads(slow_prefill: Prefill) -> None:
+    threads_before = threading.active_count()
+    manager = DecodeManager(health_interval_s=0.05)
+    victims = in_flight_waiting(manager, slow_prefill, range(1, 3))
+    manager.close()
+    assert all(v.poll() == KVPoll.Failed for v in victims)
+    assert wait_until(lambda: threading.active_count() <= threads_before)
+    with pytest.raises(BootstrapError, match="closed"):
+        manager.receiver(slow_prefill.addr, 9)
+
+
+def test_pool_is_shared_not_owned() -> None:
+    pool = BootstrapPool()
+    with manager_for(pool=pool) as manager:
+        assert manager.pool is pool
+
+
+def test_stats_and_prometheus_export_read_the_same_figures(slow_prefill: Prefill) -> None:
+    """stats() for code; the Prometheus collector renders the same figures at scrape time."""
+    prometheus = pytest.importorskip("prometheus_client")
+    from statemachine.decode.metrics import PrometheusCollector
+
+    with manager_for() as manager:
+        victims = in_flight_waiting(manager, slow_prefill, range(1, 3))
+        generation = manager.pool.get(key_of(slow_prefill))
+        assert generation is not None
+        manager.fail_generations([generation], RankDead("test", endpoint="tcp://x:1"))
+        assert poll_all_failed(victims)
+        stats = manager.stats()
+        assert stats.failures == {"RankDead": 2} and stats.fanout == {"RankDead": 2}
+        assert stats.invalidations == {"RankDead": 1}
+        assert stats.misses == 1 and stats.hits == 1 and stats.detection.count == 2
+        registry = prometheus.CollectorRegistry()
+        PrometheusCollector(manager).register(registry)
+        text = prometheus.generate_latest(registry).decode()
+        assert 'pd_bootstrap_requests_failed_total{reason="RankDead"} 2.0' in text
+        assert 'pd_bootstrap_invalidations_total{cause="RankDead"} 1.0' in text
+        assert "pd_bootstrap_cache_hits_total 1.0" in text
+        assert "pd_bootstrap_failure_detection_seconds_count 2.0" in text
+        assert "pd_bootstrap_zmq_sockets_open" in text
+
+
+class SlowSource:
+    """A real BootstrapClient whose rank queries take ``delay`` longer (a slow server)."""
+
+    def __init__(self, delay: float) -> None:
+        self.client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
+        self.delay = delay
+
+    def get_rank(self, addr: str, *, dp_rank: int, cp_rank: int, tp_rank: int, pp_rank: int):  # type: ignore[no-untyped-def]
+        time.sleep(self.delay)
+        return self.client.get_rank(
+            addr, dp_rank=dp_rank, cp_rank=cp_rank, tp_rank=tp_rank, pp_rank=pp_rank
+        )
+
+    def get_topology(self, addr: str) -> Topology:
+        return self.client.get_topology(addr)
+
+    def query_dp_ranks(self, addr: str, rooms: list[int]) -> dict[int, int]:
+        return self.client.query_dp_ranks(addr, rooms)
+
+
+def test_mgr_3_a_follower_past_its_deadline_fails_and_the_leader_goes_on(
+    slow_prefill: Prefill,
+) -> None:
+    """A follower waits for the leader's fetch at most flight_timeout_s, then fails from idle
+    with FetchWaitTimeout; the leader's fetch still publishes. Any BootstrapSource will do."""
+    source = SlowSource(delay=0.3)
+    with manager_for(source=source, flight_timeout_s=0.05) as manager:
+        leader = manager.receiver(slow_prefill.addr, 1, PLAN, prefill_dp_rank=0)
+        thread = threading.Thread(target=leader.init)
+        thread.start()
+        assert wait_until(lambda: manager.flights is not None and len(manager.flights) == 1)
+        follower = manager.receiver(slow_prefill.addr, 2, PLAN, prefill_dp_rank=0)
+        assert follower.init() == KVPoll.Failed
+        assert isinstance(follower.failure, FetchWaitTimeout)
+        assert "retry" in str(follower.failure)
+        thread.join(POLL_LIMIT_S)
+        assert leader.state == life.CACHED
+        assert manager.pool.get(key_of(slow_prefill)) is leader.entries[key_of(slow_prefill)]
+        leader.clear()
+    source.client.close()
+
+
+def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
+    slow_prefill: Prefill,
+) -> None:
+    """The transport's listener reporting an endpoint dead (here: a send to it by another
+    user of the transport failed; a socket-monitoring transport may say so first) fails the
+    requests in flight whose generation names it, with RankDead, and nothing else."""
+    with manager_for() as manager:
+        victims = in_flight_waiting(manager, slow_prefill, range(1, 4))
+        bystander = manager.receiver("127.0.0.1:1", 50, PLAN, prefill_dp_rank=0)
+        dead = ("127.0.0.1", slow_prefill.ranks[0].port)
+        slow_prefill.ranks[0].kill()
+        with contextlib.suppress(SendFailed):
+            for _ in range(50):  # until libzmq has noticed the kill
+                manager.transport.send(dead, [b"probe"])
+                time.sleep(0.01)
+        assert wait_until(lambda: poll_all_failed(victims))
+        assert all(isinstance(v.failure, RankDead) for v in victims)
+        assert bystander.poll() == KVPoll.Bootstrapping  # bound elsewhere: untouched
+        bystander.clear()
+        assert_nothing_left(manager)
+
+
+def test_mgr_5_6_frames_carry_the_dummy_flag_and_abort_parses_strictly() -> None:
+    """MGR-5/MGR-6 frame layouts: the dummy flag is the last frame of register and metadata
+    (b"0"/b"1", nothing else); the abort message is [abort, room, session, pp rank]."""
+    from statemachine.backend import (
+        ABORT_FRAMES,
+        METADATA_FRAMES,
+        REGISTER_FRAMES,
+        MalformedFrames,
+        parse_abort,
+        parse_register,
+    )
+
+    backend = SimpleBackend("127.0.0.1", 5555, "session-d")
+    dummy, real = RankInfo("127.0.0.1", 1, 0, True), RankInfo("127.0.0.1", 2, 1, False)
+    request = MetadataRequest(9, (1, 2), 3)
+    assert parse_register(backend.register_frames(dummy)).is_dummy
+    assert not parse_register(backend.register_frames(real)).is_dummy
+    assert parse_metadata(backend.metadata_frames(dummy, request)).is_dummy
+    assert len(backend.register_frames(real)) == REGISTER_FRAMES
+    assert len(backend.metadata_frames(real, request)) == METADATA_FRAMES
+    abort = backend.abort_frames(real, 2**64 - 1)
+    assert len(abort) == ABORT_FRAMES
+    parsed = parse_abort(abort)
+    assert (parsed.room, parsed.session_id, parsed.target_pp_rank) == (2**64 - 1, "session-d", 1)
+    for bad_flag in (b"", b"2", b"true", b" 1"):
+        frames = backend.metadata_frames(real, request)
+        frames[-1] = bad_flag
+        with pytest.raises(MalformedFrames):
+            parse_metadata(frames)
+    for bad in ([b"abort", b"1", b"s"], [b"abort", b"-1", b"s", b"0"], [b"abort", b"1", b"", b"0"]):
+        with pytest.raises(MalformedFrames):
+            parse_abort(bad)
+    with pytest.raises(ValueError):
+        backend.abort_frames(real, -1)
