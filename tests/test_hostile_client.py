@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient, register_rank
-from statemachine.decode.receiver import BootstrapReceiver, Decode
+from statemachine.decode.manager import DecodeManager
 from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import (
     MalformedReply,
@@ -33,7 +33,6 @@ from statemachine.errors import (
     UnknownRoom,
 )
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import BootstrapPool
 from statemachine.validation import InvalidArgument, is_rank_ip, parse_addr, rank_ip_problem
 
 TOKEN = "hostile-client-token"
@@ -59,12 +58,14 @@ def decode_parts() -> Iterator[tuple[BootstrapClient, ZmqTransport]]:
         client.close()
 
 
-def make_decode(client: BootstrapClient, transport: ZmqTransport) -> Decode:
-    return Decode(
-        pool=BootstrapPool(),
-        client=client,
+def make_decode(client: BootstrapClient, transport: ZmqTransport) -> DecodeManager:
+    """A manager around the caller's client and transport (the caller closes those)."""
+    return DecodeManager(
+        source=client,
         transport=transport,
         backend=SimpleBackend("127.0.0.1", 9, "hostile-test"),
+        completion="external",
+        health_interval_s=None,
     )
 
 
@@ -101,11 +102,12 @@ def test_http35_receiver_init_bounded_against_trickle(
     decode_parts: tuple[BootstrapClient, ZmqTransport],
 ) -> None:
     client, transport = decode_parts
-    decode = make_decode(client, transport)
-    with TrickleServer(interval=1.0, phase="headers") as server:
+    with make_decode(client, transport) as manager, TrickleServer(
+        interval=1.0, phase="headers"
+    ) as server:
         times = []
         for room in range(3):
-            receiver = BootstrapReceiver(decode, server.address, room)
+            receiver = manager.receiver(server.address, room)
             elapsed, result = timed(lambda: receiver.init(prefill_dp_rank=0))  # noqa: B023
             assert result is KVPoll.Failed
             assert isinstance(receiver.failure, TransportFailure)
@@ -268,15 +270,15 @@ def test_http25_bad_rank_ips_fail_init_typed_without_leaking(
         return  # st.text() found a valid literal: covered by the next test
     client, transport = decode_parts
     scripted_route.set(200, json.dumps({"rank_ip": rank_ip, "rank_port": 17000}).encode())
-    decode = make_decode(client, transport)
-    BootstrapReceiver(decode, scripted_route.address, 0).init(prefill_dp_rank=0)  # warm up
-    before = open_fds()
-    receiver = BootstrapReceiver(decode, scripted_route.address, 1)
-    assert receiver.init(prefill_dp_rank=0) is KVPoll.Failed
-    assert isinstance(receiver.failure, MalformedReply)
-    assert "rank_ip" in str(receiver.failure)
-    assert transport.stats().sockets_open == 0
-    assert open_fds() <= before
+    with make_decode(client, transport) as manager:
+        manager.receiver(scripted_route.address, 0).init(prefill_dp_rank=0)  # warm up
+        before = open_fds()
+        receiver = manager.receiver(scripted_route.address, 1)
+        assert receiver.init(prefill_dp_rank=0) is KVPoll.Failed
+        assert isinstance(receiver.failure, MalformedReply)
+        assert "rank_ip" in str(receiver.failure)
+        assert transport.stats().sockets_open == 0
+        assert open_fds() <= before
 
 
 @pytest.fixture
