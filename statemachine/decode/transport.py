@@ -31,6 +31,7 @@ ZMQ-6/ZMQ-7). Every ``zmq.ZMQError`` on a connect or a send becomes
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -527,13 +528,13 @@ class ZmqTransport:
                 socket.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_ivl_max_ms)
                 socket.setsockopt(zmq.CONNECT_TIMEOUT, self.send_timeout_ms)
                 # Before connect(), so that not even the first attempt's events are missed.
-                monitor_socket = socket.get_monitor_socket(EVENTS)
+                monitor_socket = self._monitor_socket(socket)
             socket.connect(url)
         except zmq.ZMQError as exc:
+            if socket is not None:
+                _close_monitored(socket, monitor_socket is not None)
             if monitor_socket is not None:
                 monitor_socket.close(linger=0)
-            if socket is not None:
-                socket.close(linger=0)
             next(self._failures)
             raise SendFailed(
                 f"cannot connect to {url} ({exc}); the rank's address is unusable: "
@@ -541,6 +542,29 @@ class ZmqTransport:
                 endpoint=url,
             ) from exc
         return socket, monitor_socket
+
+    def _monitor_socket(self, socket: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+        """Start ``socket``'s monitor and connect the PAIR that reads it (before connect(),
+        so that not even the first attempt's events are missed).
+
+        libzmq sends monitor events with a *blocking* send from its I/O and reaper threads, so
+        the reading side must never be full or gone: its receive HWM is unlimited (a stalled
+        reader costs memory, never a stalled I/O thread), and it is closed only after
+        :func:`_close_monitored` stopped the monitor (ZMQ-16).
+        """
+        # A unique inproc name: pyzmq's default is derived from the socket's fd, which is
+        # reused after a close while the old name may still be bound.
+        address = f"inproc://statemachine-monitor-{id(self):x}-{next(self._ticks)}"
+        socket.monitor(address, EVENTS)
+        reader = self._context.socket(zmq.PAIR)
+        try:
+            reader.setsockopt(zmq.LINGER, 0)
+            reader.setsockopt(zmq.RCVHWM, 0)
+            reader.connect(address)
+        except zmq.ZMQError:
+            reader.close(linger=0)
+            raise
+        return reader
 
     def _lru_victims_locked(self) -> list[_Entry]:
         """Remove (under ``_lock``) the least recently used unretained entry, if any."""
@@ -574,9 +598,9 @@ class ZmqTransport:
     def _close_socket(self, entry: _Entry) -> None:
         """Close ``entry``'s socket and forget it. Called with ``entry.lock`` held."""
         entry.closed = True
-        entry.socket.close(linger=0)
+        _close_monitored(entry.socket, self._monitor is not None)
         if self._monitor is not None:
-            self._monitor.unwatch(entry)  # closing the socket also stops its monitor
+            self._monitor.unwatch(entry)  # its monitor was stopped: the reader may close
         with self._lock:
             # Identity check: a fresh entry for the same endpoint is not ours to remove.
             if self._entries.get(entry.endpoint) is entry:
@@ -631,6 +655,20 @@ class ZmqTransport:
                 with self._lock:
                     self._listener_errors += 1
                 _log.exception("endpoint listener raised; other listeners still run")
+
+
+def _close_monitored(socket: zmq.Socket[bytes], monitored: bool) -> None:
+    """Close a socket, stopping its monitor first, in the calling (owning) thread.
+
+    Otherwise libzmq stops the monitor in the socket's destructor on its reaper thread, with
+    a blocking send of ``EVENT_MONITOR_STOPPED``: if the reading PAIR is already closed, that
+    send never returns and the reaper never destroys another socket (measured: 3 fds leaked
+    per closed socket from then on).
+    """
+    if monitored:
+        with contextlib.suppress(zmq.ZMQError):
+            socket.disable_monitor()
+    socket.close(linger=0)
 
 
 def _count_value(counter: itertools.count[int]) -> int:
