@@ -237,7 +237,7 @@ def test_zmq20_release_closes_sockets_and_the_cache_is_bounded(context: zmq.Cont
             transport.release(endpoints[:1])
             transport.release(endpoints[:1])  # unbalanced: ignored
             assert transport.stats().sockets_open == 1
-            for (peer, _), endpoint in zip(opened, endpoints):
+            for (peer, _), endpoint in zip(opened, endpoints, strict=True):
                 transport.send(endpoint, [b"y"])  # evicted ones reopen transparently
                 assert recv_n(peer, 2) == [[b"x"], [b"y"]]
         finally:

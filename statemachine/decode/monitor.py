@@ -14,6 +14,7 @@ every other endpoint.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -63,7 +64,7 @@ class SocketMonitor(Generic[K]):
 
     def watch(self, key: K, monitor_socket: zmq.Socket[bytes], liveness: Liveness) -> None:
         """Start reading ``monitor_socket`` (ownership passes to the monitor thread)."""
-        self._post(_WATCH, key, (monitor_socket, liveness))
+        self._post(_WATCH, key, _Watched(monitor_socket, liveness))
 
     def unwatch(self, key: K) -> None:
         """Stop reading ``key``'s monitor socket and close it (no verdict is reported)."""
@@ -94,10 +95,9 @@ class SocketMonitor(Generic[K]):
 
     def _post(self, kind: int, key: K | None, payload: object) -> None:
         self._inbox.append((kind, key, payload))  # deque.append is atomic
-        try:
+        # A full pipe means a wake-up is already pending (or we are shutting down).
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full: a wake-up is already pending (or we are shutting down)
 
     # --- the monitor thread -------------------------------------------------------------------
 
@@ -168,10 +168,10 @@ class SocketMonitor(Generic[K]):
                 return False
             assert key is not None
             if kind == _WATCH:
-                socket, liveness = payload  # type: ignore[misc]
-                watched[key] = _Watched(socket, liveness)
-                by_socket[socket] = key
-                poller.register(socket, zmq.POLLIN)
+                assert isinstance(payload, _Watched)
+                watched[key] = payload
+                by_socket[payload.socket] = key
+                poller.register(payload.socket, zmq.POLLIN)
                 self.watched += 1
                 # Events may already be queued (a refused first connect takes ~0.1 ms).
                 if not self._read_events(key, watched[key], now):
@@ -180,8 +180,8 @@ class SocketMonitor(Generic[K]):
                 if key in watched:
                     self._forget(key, watched, by_socket, poller)
             elif kind == _SEND_FAILED and key in watched:
-                liveness = watched[key].liveness
-                self._report(key, liveness.send_failed(str(payload)), liveness)
+                state = watched[key].liveness
+                self._report(key, state.send_failed(str(payload)), state)
         return True
 
     def _forget(

@@ -175,7 +175,9 @@ class ZmqTransport:
         if monitor is None:
             monitor = mode == "immediate"
         elif monitor and mode == "queueing":
-            raise ValueError("monitor=True needs mode='immediate' (queueing is the SGLang baseline)")
+            raise ValueError(
+                "monitor=True needs mode='immediate' (queueing is the SGLang baseline)"
+            )
         self.mode: Mode = mode
         self.send_timeout_ms = send_timeout_ms
         self.max_sockets = max_sockets
@@ -507,9 +509,7 @@ class ZmqTransport:
             self._monitor.watch(entry, monitor_socket, Liveness(self._grace_s))
         return entry
 
-    def _connect(
-        self, url: str, ipv6: bool
-    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+    def _connect(self, url: str, ipv6: bool) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
         """A connected PUSH socket (and its monitor socket); SendFailed with both closed."""
         socket: zmq.Socket[bytes] | None = None
         monitor_socket: zmq.Socket[bytes] | None = None
