@@ -106,6 +106,7 @@ def test_zmq19_first_send_to_a_dead_port_fails_on_the_verdict() -> None:
         assert verdicts.wait_for(endpoint, alive=False)[0] == "connect refused"
         # Nobody retains it: closed at once, no reconnect attempts while idle, verdict held.
         assert wait_until(lambda: transport.stats().sockets_open == 0)
+        time.sleep(0.05)  # the monitor reads its last event (MONITOR_STOPPED) and closes
         events = transport.stats().monitor_events
         time.sleep(0.2)
         assert transport.stats().monitor_events == events
@@ -162,8 +163,13 @@ def test_zmq16_a_peer_that_reconnects_within_the_grace_is_never_reported_dead(
                 time.sleep(0.005)
         assert rebound is not None, "could not rebind the port in time"
         try:
-            with_deadline(lambda: transport.send(endpoint, [b"two"]), 10)
-            assert recv_n(peer, 1) == [[b"two"]]
+            # A send in the moment before libzmq notices the old connection closed is lost
+            # with it (ZMQ-8); sends after that wait for the reconnect and arrive.
+            for attempt in range(10):
+                with_deadline(lambda: transport.send(endpoint, [b"two"]), 10)
+                if peer.poll(1000, zmq.POLLIN):
+                    break
+            assert peer.recv_multipart() == [b"two"], attempt
         finally:
             rebound.__exit__(None, None, None)
     assert verdicts.of(endpoint) == []
