@@ -165,11 +165,11 @@ def test_zmq16_a_peer_that_reconnects_within_the_grace_is_never_reported_dead(
         try:
             # A send in the moment before libzmq notices the old connection closed is lost
             # with it (ZMQ-8); sends after that wait for the reconnect and arrive.
-            for attempt in range(10):
+            for _ in range(10):
                 with_deadline(lambda: transport.send(endpoint, [b"two"]), 10)
                 if peer.poll(1000, zmq.POLLIN):
                     break
-            assert peer.recv_multipart() == [b"two"], attempt
+            assert peer.recv_multipart() == [b"two"]
         finally:
             rebound.__exit__(None, None, None)
     assert verdicts.of(endpoint) == []
