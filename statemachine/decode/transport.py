@@ -249,7 +249,8 @@ class ZmqTransport:
 
         Never blocks on a send in progress: a socket in use is closed by its current user as
         it finishes (within one poll slice if it is waiting). Releasing more than was retained
-        is ignored.
+        is ignored. Without the monitor (``mode="queueing"``, ``monitor=False``) the counts are
+        kept but sockets live as SGLang's do: cached until a send fails (or for ever).
         """
         retiring = []
         with self._lock:
@@ -259,6 +260,8 @@ class ZmqTransport:
                     self._refs[endpoint] = count - 1
                 elif count == 1:
                     del self._refs[endpoint]
+                    if self._monitor is None:
+                        continue
                     entry = self._entries.pop(endpoint, None)
                     if entry is not None:
                         retiring.append(entry)
