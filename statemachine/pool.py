@@ -266,8 +266,8 @@ class BootstrapPool:
         with self._lock:
             doomed = [
                 key
-                for key, generation in self._entries.items()
-                if key.addr == addr and generation.instance_id == instance_id
+                for key, held in self._entries.items()
+                if key.addr == addr and held.instance_id == instance_id
             ]
             for key in doomed:
                 del self._entries[key]
