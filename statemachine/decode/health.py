@@ -124,7 +124,7 @@ class HealthMonitor:
             self._probe(watch)
         with self._lock:
             if self._running and self._watches.get(addr) is watch:
-                self._start_thread(watch)
+                self._ensure_thread(watch)  # start() may have started it meanwhile
 
     def unwatch(self, addr: str) -> bool:
         """Stop probing ``addr`` (its thread ends after the probe in progress, if any)."""
@@ -146,8 +146,7 @@ class HealthMonitor:
         with self._lock:
             self._running = True
             for watch in self._watches.values():
-                if watch.thread is None or not watch.thread.is_alive() or watch.stop.is_set():
-                    self._start_thread(watch)
+                self._ensure_thread(watch)
         return self
 
     def stop(self, timeout: float = 10.0) -> bool:
@@ -206,8 +205,14 @@ class HealthMonitor:
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _start_thread(self, watch: _Watch) -> None:
-        """Called with ``_lock`` held. A fresh stop event: ``start()`` after ``stop()`` works."""
+    def _ensure_thread(self, watch: _Watch) -> None:
+        """Called with ``_lock`` held: start ``watch``'s thread unless one is running for it.
+
+        A thread still finishing its last probe after ``stop()`` has its stop event set and
+        exits; the new one gets a fresh event, so ``start()`` after ``stop()`` works.
+        """
+        if watch.thread is not None and watch.thread.is_alive() and not watch.stop.is_set():
+            return
         watch.stop = threading.Event()
         watch.thread = threading.Thread(
             target=self._run,

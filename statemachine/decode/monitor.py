@@ -52,6 +52,8 @@ class SocketMonitor(Generic[K]):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        # Guards writing to and closing the pipe: a closed fd number may be reused at once.
+        self._wake_lock = threading.Lock()
         self._closed = False
         self.events = 0  # monitor events read
         self.verdicts = 0  # dead/alive changes reported
@@ -86,18 +88,23 @@ class SocketMonitor(Generic[K]):
         if threading.current_thread() is self._thread:
             return False
         self._thread.join(timeout)
-        stopped = not self._thread.is_alive()
-        if stopped and self._wake_w >= 0:
-            os.close(self._wake_w)
-            os.close(self._wake_r)
-            self._wake_w = self._wake_r = -1
-        return stopped
+        return not self._thread.is_alive()
 
     def _post(self, kind: int, key: K | None, payload: object) -> None:
         self._inbox.append((kind, key, payload))  # deque.append is atomic
-        # A full pipe means a wake-up is already pending (or we are shutting down).
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\0")
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return  # the thread has ended
+            # A full pipe means a wake-up is already pending.
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"\0")
+
+    def _close_pipe(self) -> None:
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                os.close(self._wake_w)
+                os.close(self._wake_r)
+                self._wake_w = self._wake_r = -1
 
     # --- the monitor thread -------------------------------------------------------------------
 
@@ -124,6 +131,7 @@ class SocketMonitor(Generic[K]):
         finally:
             for key in list(watched):
                 self._forget(key, watched, by_socket, poller)
+            self._close_pipe()
 
     def _timeout_ms(self, watched: dict[K, _Watched]) -> int | None:
         deadlines = [
