@@ -65,17 +65,24 @@ def restart(server: BootstrapServer) -> BootstrapServer:
 
 
 @pytest.fixture
-def silent_addresses() -> Iterator[list[str]]:
-    """Four addresses that accept TCP connections (the kernel's backlog) and never answer."""
+def silent_listeners() -> Iterator[list[socket.socket]]:
+    """Four listeners that accept TCP connections (the kernel's backlog) and never answer.
+
+    Closing one resets the connections waiting in its backlog, which ends their probes.
+    """
     listeners = []
     for _ in range(4):
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(64)
         listeners.append(sock)
-    yield [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    yield listeners
     for sock in listeners:
         sock.close()
+
+
+def health_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("bootstrap-health"))
 
 
 def test_pool_6_restart_behind_same_address_retires_the_replaced_instance_only(
@@ -159,7 +166,7 @@ def test_pool_5_consecutive_failures_drop_exactly_that_address() -> None:
 
 
 def test_health_1_silent_addresses_do_not_delay_a_restart(
-    server: BootstrapServer, silent_addresses: list[str]
+    server: BootstrapServer, silent_listeners: list[socket.socket]
 ) -> None:
     """HEALTH-1, issue 8: four addresses that never answer (each probe waits out a 5 s read
     timeout) and one prefill restarted behind its address: the restart is noticed within
@@ -167,7 +174,8 @@ def test_health_1_silent_addresses_do_not_delay_a_restart(
     pool, calls = BootstrapPool(), Calls()
     client = BootstrapClient(connect_timeout=2.0, read_timeout=5.0)
     monitor = HealthMonitor(pool, client=client, interval_s=0.1, on_restart=calls.on_restart)
-    for addr in silent_addresses:
+    for listener in silent_listeners:
+        addr = f"127.0.0.1:{listener.getsockname()[1]}"
         monitor.watch(addr, instance_id="silent")  # no baseline probe: it would wait 5 s
     monitor.watch(server.address)
     monitor.start()
@@ -181,7 +189,9 @@ def test_health_1_silent_addresses_do_not_delay_a_restart(
         assert calls.restarts[0][0] == server.address
     finally:
         server.stop()
-        monitor.stop(timeout=0.5)
+        for listener in silent_listeners:
+            listener.close()  # resets the probes waiting there
+        assert monitor.stop(timeout=10)
 
 
 def test_health_2_bad_addresses_are_refused_at_watch() -> None:
@@ -243,12 +253,13 @@ def test_health_3_a_probe_that_raises_and_a_raising_callback_stop_nothing(
 def test_health_4_start_after_stop_and_unwatch(server: BootstrapServer) -> None:
     """HEALTH-4: stop() ends every thread; start() again probes again; unwatch() stops one."""
     pool = BootstrapPool()
-    before = threading.active_count()
+    before = health_threads()
     monitor = HealthMonitor(pool, interval_s=0.05, addresses=[server.address])
     monitor.start()
+    assert health_threads() == before + 1
     assert wait_until(lambda: monitor.stats().probes >= 3)
     assert monitor.stop(timeout=5)
-    assert wait_until(lambda: threading.active_count() == before)
+    assert health_threads() == before
     probes = monitor.stats().probes
     time.sleep(0.2)
     assert monitor.stats().probes == probes
@@ -256,8 +267,9 @@ def test_health_4_start_after_stop_and_unwatch(server: BootstrapServer) -> None:
     try:
         monitor.start()
         assert wait_until(lambda: monitor.restarts_seen == 1)
+        assert health_threads() == before + 1
         assert monitor.unwatch(server.address) and not monitor.unwatch(server.address)
-        assert wait_until(lambda: threading.active_count() == before)
+        assert wait_until(lambda: health_threads() == before)
         assert monitor.watched() == []
     finally:
         server.stop()
