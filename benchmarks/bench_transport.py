@@ -8,6 +8,9 @@ Three transports, measured in the same run against real peer processes on 127.0.
 
 Figures (medians over ``--reps``; ratios against ``sglang``):
 
+0. **One send on a warm socket** (the hot path): what the monitor and circuit breaker cost when
+   nothing fails.
+
 1. **Caller stall per request during a one-rank outage**, after the first failure: a
    generation of two ranks, one SIGKILLed, every request refetching the same dead port (the
    bootstrap server still lists it). Each request retains both endpoints, sends to both, and
@@ -65,30 +68,73 @@ def outage_stalls(mode: str, requests: int, send_timeout_ms: int) -> dict[str, f
             doomed.kill()
             silent = 0  # requests "sent" before the first failure (lost, in SGLang's mode)
             stalls: list[float] = []
+            dead_sends: list[float] = []  # the dead rank's send alone
             first = float("nan")
             while len(stalls) < requests and silent < 5000:
                 transport.retain(endpoints)
-                started = time.perf_counter()
+                started = dead_started = time.perf_counter()
                 try:
-                    for endpoint in endpoints:
-                        transport.send(endpoint, [b"metadata"])
+                    transport.send(endpoints[0], [b"metadata"])
+                    dead_started = time.perf_counter()
+                    transport.send(endpoints[1], [b"metadata"])
                     failed = False
                 except SendFailed:
                     failed = True
-                stall = time.perf_counter() - started
+                ended = time.perf_counter()
                 transport.release(endpoints)
                 if not failed:
                     if first != first:  # still before the first failure
                         silent += 1
                     continue
                 if first != first:
-                    first = stall
+                    first = ended - started
                 else:
-                    stalls.append(stall)
+                    stalls.append(ended - started)
+                    dead_sends.append(ended - dead_started)
     finally:
         live.kill()
         doomed.kill()
-    return {"first_s": first, "stall_s": _median(stalls), "silent": float(silent)}
+    return {
+        "first_s": first,
+        "stall_s": _median(stalls),
+        "dead_send_s": _median(dead_sends),
+        "silent": float(silent),
+    }
+
+
+# --- 0. hot path ----------------------------------------------------------------------------
+
+
+def warm_send_us(mode: str, messages: int) -> float:
+    """Mean cost (us) of one 9-frame send on a warm socket to a live in-process peer."""
+    context = zmq.Context()
+    peer = context.socket(zmq.PULL)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RCVHWM, 0)
+    port = peer.bind_to_random_port(f"tcp://{LOOPBACK}")
+    frames = [b"metadata", b"1", b"127.0.0.1", b"5555", b"s", b"0", b"\0" * 64, b"0", b"0"]
+
+    def drain() -> None:
+        for _ in range(messages + 1):
+            if not peer.poll(10_000, zmq.POLLIN):
+                return
+            peer.recv_multipart()
+
+    try:
+        with _transport(mode, 1000) as transport:
+            endpoint = (LOOPBACK, port)
+            thread = threading.Thread(target=drain, daemon=True)
+            thread.start()
+            transport.send(endpoint, frames)
+            started = time.perf_counter()
+            for _ in range(messages):
+                transport.send(endpoint, frames)
+            elapsed = time.perf_counter() - started
+            thread.join(30)
+    finally:
+        peer.close(linger=0)
+        context.term()
+    return elapsed / messages * 1e6
 
 
 # --- 2. detection ---------------------------------------------------------------------------
@@ -198,8 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--send-timeout-ms", type=int, default=1000)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
+    sends = args.messages * 20
+    print(f"0. one send on a warm socket (9 frames, live peer): mean of {sends}, median of runs")
+    warm = {mode: _median([warm_send_us(mode, sends) for _ in range(args.reps)]) for mode in MODES}
+    for mode in MODES:
+        print(f"  {mode:>8}: {warm[mode]:.2f} us/send ({warm[mode] / warm['sglang']:.2f}x sglang)")
+
     print(
-        f"1. caller stall per request, one rank of two SIGKILLed ({args.requests} requests "
+        f"\n1. caller stall per request, one rank of two SIGKILLed ({args.requests} requests "
         f"after the first failure, SNDTIMEO={args.send_timeout_ms} ms)"
     )
     outage: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
@@ -210,16 +262,18 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  rep {rep + 1} {mode:>8}: {row['silent']:.0f} requests lost silently before "
                 f"the first failure; first failure {row['first_s'] * 1000:.2f} ms; "
-                f"then {row['stall_s'] * 1000:.3f} ms per request",
+                f"then {row['stall_s'] * 1000:.3f} ms per request "
+                f"({row['dead_send_s'] * 1000:.3f} ms in the dead rank's send)",
                 flush=True,
             )
     stall = {mode: _median([r["stall_s"] for r in rows]) for mode, rows in outage.items()}
     first = {mode: _median([r["first_s"] for r in rows]) for mode, rows in outage.items()}
+    dead = {mode: _median([r["dead_send_s"] for r in rows]) for mode, rows in outage.items()}
     for mode in MODES:
         print(
             f"  median {mode:>8}: first {first[mode] * 1000:9.3f} ms, after it "
-            f"{stall[mode] * 1000:9.3f} ms/request, sglang/{mode} = "
-            f"{stall['sglang'] / stall[mode]:.0f}x"
+            f"{stall[mode] * 1000:9.3f} ms/request ({dead[mode] * 1e6:9.1f} us in the dead "
+            f"rank's send), sglang/{mode} = {stall['sglang'] / stall[mode]:.0f}x"
         )
     print(
         f"  goal: ours <= 1 ms per request after the first failure: "
