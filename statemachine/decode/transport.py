@@ -534,8 +534,8 @@ class ZmqTransport:
                 monitor_socket = self._monitor_socket(socket)
             socket.connect(url)
         except zmq.ZMQError as exc:
-            if socket is not None:
-                _close_monitored(socket, monitor_socket is not None)
+            if socket is not None:  # its monitor may be started even if its reader is not
+                _close_monitored(socket, self._monitor is not None)
             if monitor_socket is not None:
                 monitor_socket.close(linger=0)
             next(self._failures)
