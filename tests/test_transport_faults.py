@@ -357,3 +357,59 @@ def test_zmq16_a_listener_may_release_and_close_from_the_monitor_thread() -> Non
         transport.send(endpoint, [b"x"])
     assert done.wait(10)
     assert transport.stats().sockets_open == 0
+
+
+def test_zmq19_a_dead_decode_does_not_delay_acks_to_a_live_one() -> None:
+    """Issue 10 item 7, through the reference prefill rank (its acks go out through a
+    ZmqTransport): ten metadata messages from a decode whose ack port is dead, then a live
+    decode's request. Each ack to the dead decode used to take SNDTIMEO (10 s in all); now
+    the first fails on the monitor's verdict and the others at once."""
+    from statemachine.backend import MetadataRequest, SimpleBackend
+    from statemachine.decode.acks import AckListener
+    from statemachine.pool import Generation, RankInfo
+    from statemachine.prefill.rank import PrefillRankProcess
+    from statemachine.prefill.server import BootstrapServer
+
+    token = "test-token"
+    with BootstrapServer(token=token) as server, PrefillRankProcess(server.address, token) as rank:
+        generation = Generation((RankInfo(LOOPBACK, rank.port, 0),))
+        with ZmqTransport() as transport, AckListener() as acks:
+            dead = SimpleBackend(LOOPBACK, dead_port(), "dead-decode")
+            transport.register(generation, dead)
+            for room in range(10):
+                transport.send_metadata(generation, dead, MetadataRequest(room, (1,), 0))
+            live = SimpleBackend(LOOPBACK, acks.port, "live-decode")
+            transport.register(generation, live)
+            done = threading.Event()
+            acks.expect(99, 1, lambda room: done.set())
+            started = time.monotonic()
+            transport.send_metadata(generation, live, MetadataRequest(99, (1,), 0))
+            assert done.wait(30)
+            assert time.monotonic() - started < 5.0  # was 10 s: one SNDTIMEO per dead ack
+        counts = rank.terminate()
+    assert counts is not None and counts["ack_failures"] == 10 and counts["acks_sent"] == 1
+
+
+def test_zmq20_a_generation_retains_and_releases_every_rank_dummy_included(
+    context: zmq.Context,
+) -> None:
+    from statemachine.backend import SimpleBackend
+    from statemachine.decode.transport import generation_endpoints
+    from statemachine.pool import Generation, RankInfo
+
+    with (
+        pull_peer(context) as (peer, port),
+        pull_peer(context) as (dummy, dummy_port),
+        ZmqTransport() as transport,
+    ):
+        generation = Generation(
+            (RankInfo(LOOPBACK, port, 0), RankInfo(LOOPBACK, dummy_port, 0, is_dummy=True))
+        )
+        endpoints = generation_endpoints(generation)
+        assert endpoints == ((LOOPBACK, port), (LOOPBACK, dummy_port))
+        transport.retain(endpoints)
+        transport.register(generation, SimpleBackend(LOOPBACK, 5555, "s"))
+        assert len(recv_n(peer, 1)) == len(recv_n(dummy, 1)) == 1
+        assert transport.stats().retained == 2 and transport.stats().sockets_open == 2
+        transport.release(endpoints)
+        assert transport.stats().sockets_open == 0 and transport.stats().retained == 0

@@ -12,7 +12,10 @@ makes the decode connect to itself), multicast, and the IPv4 limited broadcast a
 from __future__ import annotations
 
 import ipaddress
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from statemachine.pool import Generation
 
 Endpoint = tuple[str, int]
 
@@ -24,6 +27,12 @@ class EndpointAddress(NamedTuple):
 
     url: str
     ipv6: bool
+
+
+def generation_endpoints(generation: Generation) -> tuple[Endpoint, ...]:
+    """The endpoints of every rank of ``generation`` (dummy ranks included), in rank order:
+    what ``ZmqTransport.retain`` / ``release`` take for one generation."""
+    return tuple((rank.ip, rank.port) for rank in generation.ranks)
 
 
 def endpoint_url(endpoint: Endpoint) -> str:

@@ -49,6 +49,7 @@ from statemachine.decode.endpoints import (
     check_endpoint_shape,
     endpoint_address,
     endpoint_url,
+    generation_endpoints,
 )
 from statemachine.decode.liveness import EVENTS, Liveness
 from statemachine.decode.monitor import SocketMonitor
@@ -62,6 +63,7 @@ __all__ = [
     "TransportStats",
     "ZmqTransport",
     "endpoint_url",
+    "generation_endpoints",
 ]
 
 Mode = Literal["immediate", "queueing"]
