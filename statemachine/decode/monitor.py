@@ -58,6 +58,7 @@ class SocketMonitor(Generic[K]):
         self.events = 0  # monitor events read
         self.verdicts = 0  # dead/alive changes reported
         self.callback_errors = 0
+        self.errors = 0  # unexpected exceptions in the monitor's own loop (contained)
         self.watched = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -115,23 +116,41 @@ class SocketMonitor(Generic[K]):
         by_socket: dict[zmq.Socket[bytes], K] = {}
         try:
             while True:
-                ready = poller.poll(self._timeout_ms(watched))
-                now = time.monotonic()
-                for item, _ in ready:
-                    if item == self._wake_r:
-                        self._drain_pipe()
-                        continue
-                    key = by_socket.get(item)
-                    if key is not None and not self._read_events(key, watched[key], now):
-                        self._forget(key, watched, by_socket, poller)
-                if not self._handle_inbox(watched, by_socket, poller, now):
+                try:
+                    if not self._step(poller, watched, by_socket):
+                        return
+                except zmq.ContextTerminated:
                     return
-                for key, entry in list(watched.items()):
-                    self._report(key, entry.liveness.tick(now), entry.liveness)
+                except Exception:  # a bug here must not end liveness for every endpoint
+                    self.errors += 1
+                    _log.exception("socket monitor step failed; the monitor keeps running")
+                    time.sleep(0.01)  # never spin on a repeating error
         finally:
             for key in list(watched):
                 self._forget(key, watched, by_socket, poller)
             self._close_pipe()
+
+    def _step(
+        self,
+        poller: zmq.Poller,
+        watched: dict[K, _Watched],
+        by_socket: dict[zmq.Socket[bytes], K],
+    ) -> bool:
+        """One wait and what it brought; False once asked to stop."""
+        ready = poller.poll(self._timeout_ms(watched))
+        now = time.monotonic()
+        for item, _ in ready:
+            if item == self._wake_r:
+                self._drain_pipe()
+                continue
+            key = by_socket.get(item)
+            if key is not None and not self._read_events(key, watched[key], now):
+                self._forget(key, watched, by_socket, poller)
+        if not self._handle_inbox(watched, by_socket, poller, now):
+            return False
+        for key, entry in list(watched.items()):
+            self._report(key, entry.liveness.tick(now), entry.liveness)
+        return True
 
     def _timeout_ms(self, watched: dict[K, _Watched]) -> int | None:
         deadlines = [
