@@ -121,7 +121,7 @@ class HealthMonitor:
             watch = _Watch(addr, instance_id)
             self._watches[addr] = watch
         if instance_id is None:
-            self._probe(watch)
+            self._baseline(watch)
         with self._lock:
             if self._running and self._watches.get(addr) is watch:
                 self._ensure_thread(watch)  # start() may have started it meanwhile
@@ -221,6 +221,20 @@ class HealthMonitor:
             daemon=True,
         )
         watch.thread.start()
+
+    def _baseline(self, watch: _Watch) -> None:
+        """The baseline probe, on a helper thread joined here: the client's sessions are per
+        thread, and the caller's thread must not keep one open to every address it watches."""
+
+        def probe() -> None:
+            try:
+                self._probe(watch)
+            finally:
+                self._client.close()  # the helper thread's sessions
+
+        helper = threading.Thread(target=probe, name=f"bootstrap-health {watch.addr} baseline")
+        helper.start()
+        helper.join()  # bounded: the probe is bounded by the client's timeouts
 
     def _run(self, watch: _Watch, stop: threading.Event) -> None:
         try:
