@@ -160,7 +160,7 @@ def test_pool_5_consecutive_failures_drop_exactly_that_address() -> None:
     assert pool.get(dead_key) is None
     assert pool.get(prefixed_key) is not None
     assert len(calls.dead) == 1 and calls.dead[0][0] == addr
-    assert "3 probes failed" in calls.dead[0][1]
+    assert calls.dead[0][1].startswith("3 health probes in a row failed (last: ")
     monitor.probe_once()  # still dead: not a second death
     assert monitor.deaths_seen == 1
 

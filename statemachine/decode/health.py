@@ -249,9 +249,9 @@ class HealthMonitor:
             instance_id = self._client.health(addr)
             reason = None
         except BootstrapHTTPError as exc:
-            instance_id, reason = None, f"health probe failed: {exc}"
+            instance_id, reason = None, str(exc)
         except Exception as exc:  # a bug must not silence the heartbeat of every address
-            instance_id, reason = None, f"health probe raised {type(exc).__name__}: {exc}"
+            instance_id, reason = None, f"the probe raised {type(exc).__name__}: {exc}"
             with self._lock:
                 self._probe_errors += 1
             _log.exception("health probe of %s raised; counted as a failed probe", addr)
@@ -290,9 +290,8 @@ class HealthMonitor:
             self._deaths += 1
         self._pool.invalidate_address(watch.addr)
         if self._on_dead is not None:
-            self._call(
-                self._on_dead, watch.addr, f"{self._failures_to_dead} probes failed: {reason}"
-            )
+            reason = f"{self._failures_to_dead} health probes in a row failed (last: {reason})"
+            self._call(self._on_dead, watch.addr, reason)
 
     def _call(self, callback: Callable[..., None], *args: str) -> None:
         try:
