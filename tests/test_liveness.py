@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from statemachine.decode.liveness import ALIVE, DEAD, EVENTS, Liveness
 
@@ -73,3 +75,42 @@ def test_zmq16_the_monitor_subscribes_to_what_the_rule_reads() -> None:
     for event in (HANDSHAKE, DISCONNECTED, CLOSED, zmq.EVENT_MONITOR_STOPPED):
         assert EVENTS & event
     assert not EVENTS & zmq.EVENT_CONNECT_RETRIED  # one per attempt: not needed, not read
+
+
+EVENT = st.sampled_from(
+    [HANDSHAKE, DISCONNECTED, CLOSED, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, "tick", "send_failed"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(EVENT, st.floats(0, 0.2)), max_size=40))
+def test_zmq16_verdicts_alternate_and_follow_the_rule(steps: list[tuple[object, float]]) -> None:
+    """Property over any event sequence: DEAD is reported at most once until the next
+    handshake; every handshake reports ALIVE and clears the verdict; DEAD never comes while a
+    connection is up; a disconnect alone never gives DEAD before the grace has passed."""
+    live = Liveness(grace_s=0.1)
+    now = 0.0
+    dead_reported = False
+    for event, delay in steps:
+        now += delay
+        was_connected = live.connected
+        if event == "tick":
+            verdict = live.tick(now)
+        elif event == "send_failed":
+            verdict = live.send_failed("timeout")
+        else:
+            assert isinstance(event, int)
+            verdict = live.on_event(event, now)
+        if event == HANDSHAKE:
+            assert verdict is ALIVE and live.dead_reason is None
+            dead_reported = False
+        elif verdict is DEAD:
+            assert not dead_reported, "DEAD twice without a handshake in between"
+            assert not was_connected or event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            if event == "tick":
+                assert live.disconnected_at is not None
+                assert now - live.disconnected_at >= live.grace_s
+            dead_reported = True
+        elif verdict is ALIVE:
+            assert event == "send_failed" and live.connected
+        assert (live.dead_reason is not None) == dead_reported
