@@ -24,6 +24,9 @@ Figures (medians over ``--reps``; ratios against ``sglang``):
    latency of messages to a live in-process peer, with and without a send to a name
    endpoint before each. SGLang's mode is not measured here: it would hand the name to
    libzmq, which would query this machine's resolver off loopback; issue 10 measured 6.71 s.
+5. **Connection attempts per second to dead endpoints while idle**: SGLang's mode keeps every
+   socket and reconnects every 100 ms; ours closes a dead endpoint nobody retains, and backs a
+   retained one off to one attempt a second.
 """
 
 from __future__ import annotations
@@ -238,6 +241,59 @@ def healthy_delay(messages: int, with_name: bool) -> float:
     return _median(latencies)
 
 
+# --- 5. idle reconnects ---------------------------------------------------------------------
+
+
+def idle_connects_per_s(mode: str, endpoints: int, retained: bool, settle_s: float) -> float:
+    """Connection attempts per second to ``endpoints`` dead ports while nothing is sent.
+
+    Each attempt that finds nobody listening ends in ``EVENT_CLOSED``. Ours counts its own
+    monitor's events; SGLang's mode has no monitor, so one is attached to each of its sockets
+    for the measurement (the transport never reads it). ``settle_s`` lets back-off reach its
+    ceiling first.
+    """
+    dead = [(LOOPBACK, _free_port()) for _ in range(endpoints)]
+    readers: list[zmq.Socket[bytes]] = []
+    with _transport(mode, 50) as transport:
+        if retained:
+            transport.retain(dead)
+        for endpoint in dead:
+            with contextlib.suppress(SendFailed):
+                transport.send(endpoint, [b"lost"])  # queued (SGLang) or failed (ours)
+        if mode == "sglang":
+            for entry in transport._entries.values():  # instrumentation only
+                readers.append(entry.socket.get_monitor_socket(zmq.EVENT_CLOSED))
+        time.sleep(settle_s)
+        window = 3.0
+        before = transport.stats().monitor_events
+        counted = 0
+        ends = time.monotonic() + window
+        while time.monotonic() < ends:
+            for reader in readers:
+                while reader.poll(0):
+                    reader.recv_multipart()
+                    counted += 1
+            time.sleep(0.01)
+        if mode != "sglang":
+            counted = transport.stats().monitor_events - before
+        for entry in list(transport._entries.values()) if mode == "sglang" else []:
+            entry.socket.disable_monitor()
+        for reader in readers:
+            reader.close(linger=0)
+        if retained:
+            transport.release(dead)
+    return counted / window
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_transport")
     parser.add_argument("--reps", type=int, default=3)
@@ -312,6 +368,16 @@ def main(argv: list[str] | None = None) -> int:
         f"per message: delay {delay * 1e3:+.3f} ms"
     )
     print(f"  goal: <= 5 ms over baseline: {'met' if delay <= 0.005 else 'NOT met'}")
+
+    print("\n5. connection attempts per second to 20 dead endpoints while idle (3 s window)")
+    sglang_rate = idle_connects_per_s("sglang", 20, retained=False, settle_s=0.5)
+    ours_idle = idle_connects_per_s("ours", 20, retained=False, settle_s=0.5)
+    ours_retained = idle_connects_per_s("ours", 20, retained=True, settle_s=2.0)
+    print(f"    sglang: {sglang_rate:7.1f}/s (sockets kept, reconnecting every 100 ms)")
+    print(
+        f"      ours: {ours_idle:7.1f}/s unretained (closed at the verdict), "
+        f"{ours_retained:.1f}/s retained (back-off to one attempt per second each)"
+    )
     # Goals are reported, not gated: timings on a shared machine are indicative.
     return 0
 
