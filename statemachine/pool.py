@@ -264,6 +264,24 @@ class BootstrapPool:
             )
         return removed
 
+    def retire_instance(self, addr: str, instance_id: str) -> int:
+        """Drop every entry of exactly ``addr`` fetched from instance ``instance_id``.
+
+        For a caller that *knows* ``instance_id`` was replaced (it saw that id answer, then a
+        different one from the same address; a replaced id never answers again), so a stale
+        observer cannot remove a newer instance's entries. Returns the count.
+        """
+        with self._lock:
+            doomed = [
+                key
+                for key, held in self._entries.items()
+                if key.addr == addr and held.instance_id == instance_id
+            ]
+            for key in doomed:
+                del self._entries[key]
+            self._address_invalidations += len(doomed)
+        return len(doomed)
+
     def get(self, key: PoolKey) -> Generation | None:
         """Peek without counting (for tests, reports and tracing)."""
         return self._entries.get(key)

@@ -107,11 +107,69 @@ def with_deadline(fn: Callable[[], T], seconds: float) -> T:
     return result[0]
 
 
-class SinkProcess:
-    """A PULL peer in its own process (this file run as a script), to SIGKILL for real."""
+def fd_count() -> int:
+    """Open file descriptors of this process."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` every millisecond until it holds or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+class VerdictRecorder:
+    """A ``ZmqTransport.subscribe`` listener that records ``(endpoint, alive, reason, t)``."""
 
     def __init__(self) -> None:
-        argv = [sys.executable, str(Path(__file__).resolve()), "sink"]
+        self.calls: list[tuple[tuple[str, int], bool, str, float]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, endpoint: tuple[str, int], alive: bool, reason: str) -> None:
+        with self._cond:
+            self.calls.append((endpoint, alive, reason, time.monotonic()))
+            self._cond.notify_all()
+
+    def mark(self) -> int:
+        """How many calls so far: pass as ``since`` to wait for a later one only."""
+        with self._cond:
+            return len(self.calls)
+
+    def wait_for(
+        self, endpoint: tuple[str, int], alive: bool, timeout: float = 10.0, since: int = 0
+    ) -> tuple[str, float]:
+        """``(reason, time)`` of the first such call after ``since``; AssertionError on timeout.
+
+        Ports are reused by the OS, so a test that restarts peers passes ``since=mark()``.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for ep, up, reason, at in self.calls[since:]:
+                    if ep == endpoint and up is alive:
+                        return reason, at
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no alive={alive} for {endpoint}: {self.calls}")
+                self._cond.wait(left)
+
+    def of(self, endpoint: tuple[str, int]) -> list[bool]:
+        with self._cond:
+            return [up for ep, up, _, _ in self.calls if ep == endpoint]
+
+
+class SinkProcess:
+    """A PULL peer in its own process (this file run as a script), to SIGKILL for real.
+
+    ``port`` binds a given port (a restart behind the same endpoint); by default a random one.
+    """
+
+    def __init__(self, port: int = 0) -> None:
+        argv = [sys.executable, str(Path(__file__).resolve()), "sink", str(port)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
         self.port = self._wait_ready(10.0)
 
@@ -147,11 +205,14 @@ class SinkProcess:
         self.kill()
 
 
-def _sink_main() -> int:
+def _sink_main(port: int) -> int:
     context = zmq.Context()
     sock = context.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port(f"tcp://{LOOPBACK}")
+    if port:
+        sock.bind(f"tcp://{LOOPBACK}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{LOOPBACK}")
     print(f"READY {port}", flush=True)
     # Runs until killed (tests SIGKILL it); bounded anyway, so an orphan cannot live forever.
     deadline = time.monotonic() + 120
@@ -162,6 +223,6 @@ def _sink_main() -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["sink"]:
-        raise SystemExit(_sink_main())
-    raise SystemExit("usage: zmq_support.py sink")
+    if sys.argv[1:2] == ["sink"]:
+        raise SystemExit(_sink_main(int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+    raise SystemExit("usage: zmq_support.py sink [PORT]")

@@ -1,27 +1,75 @@
 """``HealthMonitor``: notice a prefill restart or death without waiting for a request to fail.
 
-A background thread probes ``GET /health`` of every watched bootstrap address. Two things
-it acts on, both through the pool's exact-address operations:
+Each watched bootstrap address has its own small probe thread that asks ``GET /health`` every
+``interval_s`` seconds, so a silent address (a probe that waits out its timeouts) never delays
+another address's probe (HEALTH-1). Two things it acts on, both through the pool's
+exact-address operations:
 
-* the ``X-Bootstrap-Instance-Id`` header changed: the prefill restarted behind the same
-  address (a stable Kubernetes Service address never stops answering, so a plain liveness
-  heartbeat would miss this); entries fetched from the old instance are retired (POOL-6);
-* ``failures_to_dead`` probes in a row failed: the node is dead; every entry of exactly that
-  address is dropped (POOL-5).
+* the ``X-Bootstrap-Instance-Id`` header changed from ``old`` to ``new``: the prefill restarted
+  behind the same address (a stable Kubernetes Service address never stops answering, so a
+  plain liveness heartbeat would miss this). ``old`` is known replaced — an instance id, once
+  replaced, never answers again — so ``pool.retire_instance(addr, old)`` drops the entries
+  fetched from it, and only those (POOL-6); then ``on_restart(addr, old, new)``;
+* ``failures_to_dead`` probes in a row failed: the node is dead; ``pool.invalidate_address``
+  drops every entry of exactly that address (POOL-5); then ``on_dead(addr, reason)``.
+
+``watch()`` validates the address (``InvalidArgument``) and takes a *baseline*: the instance
+id the caller already knows (from the reply of a fetch), or one probe made there and then, so
+a restart right after ``watch()`` is seen as a restart (HEALTH-2). A probe that raises anything
+at all counts as a failed probe (and, if it is not a ``BootstrapHTTPError``, as a
+``probe_error``); a callback that raises is logged and counted; neither stops the heartbeat
+(HEALTH-3). ``stop()`` then ``start()`` resumes probing every address still watched (HEALTH-4).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from statemachine.decode.client import BootstrapClient
 from statemachine.errors import BootstrapHTTPError
 from statemachine.pool import BootstrapPool
+from statemachine.validation import parse_addr
+
+_log = logging.getLogger(__name__)
+
+OnDead = Callable[[str, str], None]
+OnRestart = Callable[[str, str, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class HealthStats:
+    """Counters since the monitor was created (``watched``: now)."""
+
+    watched: int
+    probes: int
+    failures: int  # failed probes, any cause
+    restarts_seen: int
+    deaths_seen: int
+    probe_errors: int  # probes that raised something other than BootstrapHTTPError
+    callback_errors: int  # on_dead/on_restart calls that raised
+
+
+class _Watch:
+    """One watched address. ``failures``/``instance_id``/``dead`` change under ``lock``."""
+
+    __slots__ = ("addr", "dead", "failures", "instance_id", "lock", "stop", "thread")
+
+    def __init__(self, addr: str, instance_id: str | None) -> None:
+        self.addr = addr
+        self.lock = threading.Lock()
+        self.failures = 0
+        self.dead = False
+        self.instance_id = instance_id
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
 
 
 class HealthMonitor:
-    """Probe bootstrap addresses every ``interval_s`` seconds in one daemon thread."""
+    """Probe bootstrap addresses every ``interval_s`` seconds, one daemon thread per address."""
 
     def __init__(
         self,
@@ -31,44 +79,93 @@ class HealthMonitor:
         interval_s: float = 5.0,
         failures_to_dead: int = 2,
         addresses: Iterable[str] = (),
-        on_dead: Callable[[str, str], None] | None = None,
-        on_restart: Callable[[str, str, str], None] | None = None,
+        on_dead: OnDead | None = None,
+        on_restart: OnRestart | None = None,
     ) -> None:
-        if interval_s <= 0 or failures_to_dead < 1:
-            raise ValueError("interval_s must be > 0 and failures_to_dead >= 1")
+        if not interval_s > 0 or not isinstance(failures_to_dead, int) or failures_to_dead < 1:
+            raise ValueError("interval_s must be > 0 and failures_to_dead an int >= 1")
         self._pool = pool
-        # The probe thread gets its own sessions (they are per thread inside the client).
+        # Each probe thread gets its own sessions (they are per thread inside the client).
         self._client = (
             client if client is not None else BootstrapClient(connect_timeout=2.0, read_timeout=3.0)
         )
         self._interval_s = interval_s
         self._failures_to_dead = failures_to_dead
-        self._lock = threading.Lock()
-        self._addresses: dict[str, _Watch] = {addr: _Watch() for addr in addresses}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.restarts_seen = 0
-        self.deaths_seen = 0
-        # MANAGER-BRANCH MINIMAL: the decode manager's fan-out hooks, called on the probe
-        # thread after the pool operation (the transport branch has the full monitor).
         self._on_dead = on_dead
         self._on_restart = on_restart
+        self._lock = threading.Lock()  # guards _watches, _running and the counters
+        self._watches: dict[str, _Watch] = {}
+        self._running = False
+        self._probes = 0
+        self._failures = 0
+        self._restarts = 0
+        self._deaths = 0
+        self._probe_errors = 0
+        self._callback_errors = 0
+        for addr in addresses:
+            self.watch(addr)
 
-    def watch(self, addr: str) -> None:
+    # --- watching -----------------------------------------------------------------------------
+
+    def watch(self, addr: str, *, instance_id: str | None = None) -> None:
+        """Watch ``addr`` (``"host:port"``); ``InvalidArgument`` if it is not an address.
+
+        ``instance_id`` is the baseline if the caller knows it (the ``X-Bootstrap-Instance-Id``
+        of a reply it just had); otherwise one probe is made now, bounded by the client's
+        timeouts. Watching an address already watched changes nothing.
+        """
+        parse_addr(addr)
         with self._lock:
-            self._addresses.setdefault(addr, _Watch())
+            if addr in self._watches:
+                return
+            watch = _Watch(addr, instance_id)
+            self._watches[addr] = watch
+        if instance_id is None:
+            self._baseline(watch)
+        with self._lock:
+            if self._running and self._watches.get(addr) is watch:
+                self._ensure_thread(watch)  # start() may have started it meanwhile
+
+    def unwatch(self, addr: str) -> bool:
+        """Stop probing ``addr`` (its thread ends after the probe in progress, if any)."""
+        with self._lock:
+            watch = self._watches.pop(addr, None)
+        if watch is None:
+            return False
+        watch.stop.set()
+        return True
+
+    def watched(self) -> list[str]:
+        with self._lock:
+            return list(self._watches)
+
+    # --- running ------------------------------------------------------------------------------
 
     def start(self) -> HealthMonitor:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="bootstrap-health", daemon=True)
-            self._thread.start()
+        """Start a probe thread per watched address (and for each one watched later)."""
+        with self._lock:
+            self._running = True
+            for watch in self._watches.values():
+                self._ensure_thread(watch)
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop every probe thread; wait up to ``timeout`` s in all. True if all ended.
+
+        A probe in progress is not interrupted (it is bounded by the client's timeouts); its
+        result is dropped. ``start()`` may be called again afterwards.
+        """
+        with self._lock:
+            self._running = False
+            threads = []
+            for watch in self._watches.values():
+                watch.stop.set()
+                if watch.thread is not None:
+                    threads.append(watch.thread)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)
 
     def __enter__(self) -> HealthMonitor:
         return self.start()
@@ -77,43 +174,129 @@ class HealthMonitor:
         self.stop()
 
     def probe_once(self) -> None:
-        """One round over every watched address (the thread calls this; tests may too)."""
+        """One probe of every watched address, in turn (tests and tools; the threads probe
+        each address on its own)."""
         with self._lock:
-            watched = list(self._addresses.items())
-        for addr, watch in watched:
+            watches = list(self._watches.values())
+        for watch in watches:
+            self._probe(watch)
+
+    # --- counters -----------------------------------------------------------------------------
+
+    @property
+    def restarts_seen(self) -> int:
+        return self._restarts
+
+    @property
+    def deaths_seen(self) -> int:
+        return self._deaths
+
+    def stats(self) -> HealthStats:
+        with self._lock:
+            return HealthStats(
+                watched=len(self._watches),
+                probes=self._probes,
+                failures=self._failures,
+                restarts_seen=self._restarts,
+                deaths_seen=self._deaths,
+                probe_errors=self._probe_errors,
+                callback_errors=self._callback_errors,
+            )
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _ensure_thread(self, watch: _Watch) -> None:
+        """Called with ``_lock`` held: start ``watch``'s thread unless one is running for it.
+
+        A thread still finishing its last probe after ``stop()`` has its stop event set and
+        exits; the new one gets a fresh event, so ``start()`` after ``stop()`` works.
+        """
+        if watch.thread is not None and watch.thread.is_alive() and not watch.stop.is_set():
+            return
+        watch.stop = threading.Event()
+        watch.thread = threading.Thread(
+            target=self._run,
+            args=(watch, watch.stop),
+            name=f"bootstrap-health {watch.addr}",
+            daemon=True,
+        )
+        watch.thread.start()
+
+    def _baseline(self, watch: _Watch) -> None:
+        """The baseline probe, on a helper thread joined here: the client's sessions are per
+        thread, and the caller's thread must not keep one open to every address it watches."""
+
+        def probe() -> None:
             try:
-                instance_id = self._client.health(addr)
-            except BootstrapHTTPError as exc:
-                watch.failures += 1
-                if watch.failures == self._failures_to_dead:
-                    self.deaths_seen += 1
-                    self._pool.invalidate_address(addr)
-                    if self._on_dead is not None:
-                        self._on_dead(addr, str(exc))
-                continue
-            watch.failures = 0
-            if instance_id is None:
-                continue
-            old_id = watch.instance_id
-            if old_id is not None and old_id != instance_id:
-                self.restarts_seen += 1
-            watch.instance_id = instance_id
-            # Idempotent: drops only entries fetched from another instance.
-            self._pool.observe_instance(addr, instance_id)
-            if old_id is not None and old_id != instance_id and self._on_restart is not None:
-                self._on_restart(addr, old_id, instance_id)
+                self._probe(watch)
+            finally:
+                self._client.close()  # the helper thread's sessions
 
-    def _run(self) -> None:
+        helper = threading.Thread(target=probe, name=f"bootstrap-health {watch.addr} baseline")
+        helper.start()
+        helper.join()  # bounded: the probe is bounded by the client's timeouts
+
+    def _run(self, watch: _Watch, stop: threading.Event) -> None:
         try:
-            while not self._stop.wait(self._interval_s):
-                self.probe_once()
+            while not stop.wait(self._interval_s):
+                self._probe(watch, stop)
         finally:
-            self._client.close()
+            self._client.close()  # this thread's sessions
 
+    def _probe(self, watch: _Watch, stop: threading.Event | None = None) -> None:
+        addr = watch.addr
+        try:
+            instance_id = self._client.health(addr)
+            reason = None
+        except BootstrapHTTPError as exc:
+            instance_id, reason = None, str(exc)
+        except Exception as exc:  # a bug must not silence the heartbeat of every address
+            instance_id, reason = None, f"the probe raised {type(exc).__name__}: {exc}"
+            with self._lock:
+                self._probe_errors += 1
+            _log.exception("health probe of %s raised; counted as a failed probe", addr)
+        if stop is not None and stop.is_set():
+            return  # stopped or unwatched meanwhile: drop the result
+        with self._lock:
+            self._probes += 1
+            if reason is not None:
+                self._failures += 1
+        if reason is not None:
+            self._probe_failed(watch, reason)
+            return
+        with watch.lock:
+            watch.failures = 0
+            watch.dead = False
+            old = watch.instance_id
+            if instance_id is not None:
+                watch.instance_id = instance_id
+        if old is None or instance_id is None or old == instance_id:
+            return
+        with self._lock:
+            self._restarts += 1
+        self._pool.retire_instance(addr, old)
+        if self._on_restart is not None:
+            self._call(self._on_restart, addr, old, instance_id)
 
-class _Watch:
-    __slots__ = ("failures", "instance_id")
+    def _probe_failed(self, watch: _Watch, reason: str) -> None:
+        with watch.lock:
+            watch.failures += 1
+            dies = watch.failures == self._failures_to_dead
+            if dies:
+                watch.dead = True
+        if not dies:
+            return
+        with self._lock:
+            self._deaths += 1
+        self._pool.invalidate_address(watch.addr)
+        if self._on_dead is not None:
+            reason = f"{self._failures_to_dead} health probes in a row failed (last: {reason})"
+            self._call(self._on_dead, watch.addr, reason)
 
-    def __init__(self) -> None:
-        self.failures = 0
-        self.instance_id: str | None = None
+    def _call(self, callback: Callable[..., None], *args: str) -> None:
+        try:
+            callback(*args)
+        except Exception:
+            with self._lock:
+                self._callback_errors += 1
+            _log.exception("health callback %r raised; the monitor keeps running", callback)

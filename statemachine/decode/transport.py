@@ -1,90 +1,153 @@
-"""ZMQ PUSH transport from a decode process to prefill ranks.
+"""ZMQ PUSH transport from a decode process to prefill ranks (``spec/zmq.md``).
 
 One cached ``PUSH`` socket per endpoint ``(ip, port)``, each with its own lock (ZMQ sockets are
-not thread-safe); a small lock guards only the creation and eviction of cache entries, never a
-send. Options (ZMQ-1..ZMQ-4 in ``spec/zmq.md``):
+not thread-safe); a small lock guards only the creation and retirement of cache entries, never
+a send (ZMQ-1). Options: ``IMMEDIATE=1`` (ZMQ-2), ``LINGER=0`` (ZMQ-3), sends bounded by
+``SNDTIMEO`` (ZMQ-4).
 
-* ``IMMEDIATE=1`` (default ``mode="immediate"``): messages are only queued on *completed*
-  connections, so a send to a dead prefill blocks for ``SNDTIMEO`` and fails, on the *first*
-  send, instead of silently queueing ~1000 frames that a new process on a reused port would
-  later receive. ``mode="queueing"`` keeps SGLang's behaviour (no IMMEDIATE, ``SNDHWM=1000``)
-  for comparison.
-* ``SNDTIMEO`` bounded (default 1000 ms): every send returns or fails within about that time.
-* ``LINGER=0``: closing a socket (eviction, shutdown) drops what it still holds at once.
+In the default mode (``mode="immediate"``, ``monitor=True``):
 
-Connecting is asynchronous, so with ``IMMEDIATE=1`` a send right after ``connect()`` finds no
-completed connection yet: a non-blocking send fails 200 times out of 200 on loopback. A
-*blocking* send with ``SNDTIMEO`` waits for the connection instead (libzmq blocks until a pipe
-is attached, i.e. until the handshake completed, or the timeout): 200 of 200 succeeded, median
-0.19 ms, worst 3.6 ms. So the transport always sends blocking with the timeout; the wait for a
-new connection costs nothing extra on a warm socket, a live peer is never reported dead unless
-it cannot complete a loopback handshake within ``SNDTIMEO``, and a dead one fails after
-``SNDTIMEO`` (ZMQ-5).
+* **Liveness (ZMQ-16).** Every socket has a ZMQ monitor socket; one thread per transport
+  (:class:`~statemachine.decode.monitor.SocketMonitor`) reads them all and judges each endpoint
+  dead or alive by the rule of :mod:`statemachine.decode.liveness`. Listeners registered with
+  :meth:`ZmqTransport.subscribe` hear ``(endpoint, alive, reason)`` on that thread.
+* **Circuit breaker (ZMQ-19).** An endpoint judged dead — by its monitor or by a send that found
+  no live connection within ``SNDTIMEO`` — fails every send in microseconds until a handshake
+  with it succeeds again. A send never waits on a socket already judged dead: it waits for a
+  connection in short poll slices and gives up as soon as the monitor's verdict arrives, so
+  only a send that races the verdict waits, and never longer than ``SNDTIMEO``.
+* **Resources follow generations (ZMQ-20).** :meth:`ZmqTransport.retain` / :meth:`release`
+  count the live generations that use an endpoint; at zero its socket and monitor are closed.
+  A dead endpoint nobody retains is closed at once (no reconnect attempts while idle); its
+  verdict is remembered for ``down_hold_ms`` so sends to it still fail in microseconds. Sockets
+  nobody retains are an LRU bounded by ``max_sockets``.
 
-On any ``zmq.ZMQError`` (``zmq.Again`` included) the endpoint's socket is closed and evicted
-and :class:`~statemachine.errors.SendFailed` reaches the caller (ZMQ-6), which invalidates the
-generation it used. Threads that were queued on the same socket's lock when it failed get
-``SendFailed`` at once rather than each waiting another ``SNDTIMEO`` on a fresh socket to the
-same dead peer (ZMQ-7).
+``mode="queueing"`` is SGLang's behaviour (no IMMEDIATE, ``SNDHWM=1000``, libzmq's reconnect
+defaults, no monitor, a blocking send), kept as the baseline of the benchmarks; ``monitor=False``
+gives the previous immediate-mode transport (a failed send closes and evicts the socket,
+ZMQ-6/ZMQ-7). Every ``zmq.ZMQError`` on a connect or a send becomes
+:class:`~statemachine.errors.SendFailed`, with the socket closed (ZMQ-18).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import zmq
 
 from statemachine.backend import KVBackend, MetadataRequest
+from statemachine.decode.endpoints import (
+    Endpoint,
+    check_endpoint_shape,
+    endpoint_address,
+    endpoint_url,
+    generation_endpoints,
+)
+from statemachine.decode.liveness import EVENTS, Liveness
+from statemachine.decode.monitor import SocketMonitor
 from statemachine.errors import SendFailed
 from statemachine.pool import Generation
 
-Endpoint = tuple[str, int]
+__all__ = [
+    "Endpoint",
+    "EndpointListener",
+    "Mode",
+    "TransportStats",
+    "ZmqTransport",
+    "endpoint_url",
+    "generation_endpoints",
+]
+
 Mode = Literal["immediate", "queueing"]
-#: ``(endpoint, alive, reason)``: what the transport learned about an endpoint.
+#: ``(endpoint, alive, reason)``, called on the transport's monitor thread.
 EndpointListener = Callable[[Endpoint, bool, str], None]
 
 #: libzmq's default send high-water mark, set explicitly so "queueing" means what SGLang has.
 QUEUEING_SNDHWM = 1000
+#: What SGLang sets on its context; each monitored endpoint uses three ZMQ sockets.
+CONTEXT_MAX_SOCKETS = 16384
 _EVICTED_RETRIES = 3
+# Poll slices while a send waits for a connection: short at first (a fresh loopback connection
+# takes ~0.2 ms), then at most this long between looks at the monitor's verdict.
+_FIRST_SLICE_MS = 1
+_MAX_SLICE_MS = 8
 
-
-def endpoint_url(endpoint: Endpoint) -> str:
-    """``tcp://ip:port`` (IPv6 literals in brackets)."""
-    ip, port = endpoint
-    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class TransportStats:
-    """Counters since the transport was created."""
+    """Counters since the transport was created (``sockets_open``, ``endpoints_down``,
+    ``retained``: now)."""
 
     sends: int  # messages handed to ZMQ successfully
-    failures: int  # sends that raised SendFailed (each evicts or finds an evicted socket)
+    failures: int  # sends that raised SendFailed, for whatever reason
     sockets_open: int
     sockets_created: int
-    evictions: int  # sockets closed: a send failed, evict(), or close()
+    evictions: int  # sockets closed: failure (monitor=False), release, verdict, LRU, close()
+    circuit_failures: int = 0  # failures in microseconds: the endpoint was already down
+    dead_verdicts: int = 0  # endpoints judged dead (monitor or failed send)
+    reconnects: int = 0  # endpoints judged dead that came back (alive=True reported)
+    endpoints_down: int = 0  # open sockets judged dead + remembered verdicts still held
+    retained: int = 0  # endpoints with a positive retain count
+    lru_evictions: int = 0  # unretained sockets closed to stay within max_sockets
+    listener_errors: int = 0  # exceptions raised by subscribed listeners (contained)
+    monitor_events: int = 0  # ZMQ monitor events read
+
+
+class _Tombstone(NamedTuple):
+    """A dead endpoint whose socket was closed: its verdict, held until ``until``."""
+
+    message: str
+    until: float
 
 
 class _Entry:
-    """One cached socket. ``sends``/``failures`` change only under ``lock``."""
+    """One cached socket; ``sends``/``last_used`` change under ``lock``.
 
-    __slots__ = ("failed", "failures", "lock", "sends", "socket", "url")
+    ``down`` is the ``SendFailed`` message while the endpoint is judged dead (a single
+    attribute store, read without the lock by the circuit breaker). ``doomed`` marks an entry
+    already removed from the cache whose socket the next holder of ``lock`` must close.
+    """
 
-    def __init__(self, socket: zmq.Socket[bytes], url: str) -> None:
+    __slots__ = (
+        "closed",
+        "doomed",
+        "down",
+        "endpoint",
+        "failed",
+        "last_used",
+        "lock",
+        "reported_dead",
+        "sends",
+        "socket",
+        "url",
+    )
+
+    def __init__(self, endpoint: Endpoint, socket: zmq.Socket[bytes], url: str) -> None:
+        self.endpoint = endpoint
         self.socket = socket
         self.url = url
         self.lock = threading.Lock()
-        # Set (under ``lock``) when the socket was closed; ``failed`` says it was a send failure.
-        self.failed: bool | None = None
+        self.closed = False
+        self.failed = False  # closed because a send failed (monitor=False: ZMQ-7)
+        self.doomed = False
+        self.down: str | None = None
+        self.reported_dead = False
         self.sends = 0
-        self.failures = 0
+        self.last_used = 0
 
 
 class ZmqTransport:
-    """Cached PUSH sockets per endpoint; see the module docstring."""
+    """Cached PUSH sockets per endpoint with liveness and a circuit breaker; see the module."""
 
     def __init__(
         self,
@@ -92,30 +155,120 @@ class ZmqTransport:
         mode: Mode = "immediate",
         send_timeout_ms: int = 1000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        monitor: bool | None = None,
+        max_sockets: int = 1024,
+        reconnect_ivl_ms: int = 5,
+        reconnect_ivl_max_ms: int = 1000,
+        dead_grace_ms: int = 100,
+        down_hold_ms: int = 1000,
     ) -> None:
         if mode not in ("immediate", "queueing"):
             raise ValueError(f"mode must be 'immediate' or 'queueing', not {mode!r}")
-        if (
-            not isinstance(send_timeout_ms, int)
-            or isinstance(send_timeout_ms, bool)
-            or send_timeout_ms <= 0
+        for name, value in (
+            ("send_timeout_ms", send_timeout_ms),
+            ("max_sockets", max_sockets),
+            ("reconnect_ivl_ms", reconnect_ivl_ms),
+            ("reconnect_ivl_max_ms", reconnect_ivl_max_ms),
+            ("dead_grace_ms", dead_grace_ms),
+            ("down_hold_ms", down_hold_ms),
         ):
-            raise ValueError(f"send_timeout_ms must be a positive int, not {send_timeout_ms!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, not {value!r}")
+        if monitor is None:
+            monitor = mode == "immediate"
+        elif monitor and mode == "queueing":
+            raise ValueError(
+                "monitor=True needs mode='immediate' (queueing is the SGLang baseline)"
+            )
         self.mode: Mode = mode
         self.send_timeout_ms = send_timeout_ms
+        self.max_sockets = max_sockets
+        self._timeout_s = send_timeout_ms / 1000
+        self._reconnect_ivl_ms = reconnect_ivl_ms
+        self._reconnect_ivl_max_ms = max(reconnect_ivl_max_ms, reconnect_ivl_ms)
+        self._grace_s = dead_grace_ms / 1000
+        self._hold_s = down_hold_ms / 1000
         self._own_context = context is None
-        self._context: zmq.Context[zmq.Socket[bytes]] = (
-            zmq.Context() if context is None else context
-        )
-        self._lock = threading.Lock()  # guards _entries and the retired counters only
+        if context is None:
+            context = zmq.Context()
+            context.set(zmq.MAX_SOCKETS, CONTEXT_MAX_SOCKETS)
+        self._context: zmq.Context[zmq.Socket[bytes]] = context
+        self._lock = threading.Lock()  # guards the dicts and counters below, never a send
         self._entries: dict[Endpoint, _Entry] = {}
+        self._refs: dict[Endpoint, int] = {}
+        self._down: dict[Endpoint, _Tombstone] = {}
+        self._listeners: tuple[EndpointListener, ...] = ()
         self._closed = False
-        # Counters of entries already evicted (folded in at eviction, under _lock).
+        self._open_sockets = 0
         self._retired_sends = 0
-        self._retired_failures = 0
         self._created = 0
         self._evictions = 0
-        self._init_liveness()
+        self._lru_evictions = 0
+        self._dead_verdicts = 0
+        self._reconnects = 0
+        self._listener_errors = 0
+        # Counted without the lock: next() on itertools.count is one atomic C call.
+        self._failures = itertools.count()
+        self._circuit_failures = itertools.count()
+        self._ticks = itertools.count(1)
+        self._monitor: SocketMonitor[_Entry] | None = (
+            SocketMonitor(self._on_verdict, name="zmq-endpoint-monitor") if monitor else None
+        )
+
+    # --- liveness interface (TEAM.md: transport -> manager) -----------------------------------
+
+    def subscribe(self, listener: EndpointListener) -> None:
+        """Call ``listener(endpoint, alive, reason)`` on the monitor thread at each change.
+
+        ``alive=False`` when an endpoint is judged dead (ZMQ-16), ``alive=True`` when an
+        endpoint reported dead completes a handshake again. An exception in a listener is
+        logged and counted (``listener_errors``); the other listeners still run.
+        """
+        if not callable(listener):
+            raise TypeError("listener must be callable")
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+    def is_down(self, endpoint: Endpoint) -> bool:
+        """True while sends to ``endpoint`` fail in microseconds (the circuit is open)."""
+        entry = self._entries.get(endpoint)
+        if entry is not None:
+            return entry.down is not None
+        tomb = self._down.get(endpoint)
+        return tomb is not None and time.monotonic() < tomb.until
+
+    def retain(self, endpoints: Iterable[Endpoint]) -> None:
+        """A live generation uses ``endpoints``: keep their sockets (ZMQ-20)."""
+        endpoints = list(endpoints)
+        for endpoint in endpoints:
+            check_endpoint_shape(endpoint)
+        with self._lock:
+            for endpoint in endpoints:
+                self._refs[endpoint] = self._refs.get(endpoint, 0) + 1
+
+    def release(self, endpoints: Iterable[Endpoint]) -> None:
+        """A generation that used ``endpoints`` ended: close the sockets no one retains.
+
+        Never blocks on a send in progress: a socket in use is closed by its current user as
+        it finishes (within one poll slice if it is waiting). Releasing more than was retained
+        is ignored. Without the monitor (``mode="queueing"``, ``monitor=False``) the counts are
+        kept but sockets live as SGLang's do: cached until a send fails (or for ever).
+        """
+        retiring = []
+        with self._lock:
+            for endpoint in endpoints:
+                count = self._refs.get(endpoint, 0)
+                if count > 1:
+                    self._refs[endpoint] = count - 1
+                elif count == 1:
+                    del self._refs[endpoint]
+                    if self._monitor is None:
+                        continue
+                    entry = self._entries.pop(endpoint, None)
+                    if entry is not None:
+                        retiring.append(entry)
+        for entry in retiring:
+            self._retire(entry)
 
     # --- sending ------------------------------------------------------------------------------
 
@@ -123,49 +276,50 @@ class ZmqTransport:
         """Send one multipart message; raise :class:`SendFailed` if it could not be queued."""
         if not frames:
             raise ValueError("a message needs at least one frame")
-        # A socket evicted on purpose (evict()) while we waited for it is replaced; bounded so
-        # that a caller evicting in a tight loop cannot keep a sender spinning.
+        # An entry retired while we waited for its lock is replaced; bounded so that a caller
+        # evicting in a tight loop cannot keep a sender spinning.
         for _ in range(_EVICTED_RETRIES):
             entry = self._entries.get(endpoint)  # dict.get is atomic: no lock on the hit path
             if entry is None:
                 entry = self._open(endpoint)
-            error: zmq.ZMQError | None = None
-            with entry.lock:
-                if entry.failed is None:
-                    try:
-                        entry.socket.send_multipart(frames)
-                    except zmq.ZMQError as exc:
-                        entry.failures += 1
-                        self._close_entry(endpoint, entry, failed=True)
-                        error = exc
+            down = entry.down
+            if down is not None:  # the circuit is open (ZMQ-19)
+                next(self._circuit_failures)
+                next(self._failures)
+                raise SendFailed(down, endpoint=entry.url)
+            try:
+                with entry.lock:
+                    if entry.closed or entry.doomed:
+                        if entry.failed:
+                            # Its socket failed while we waited for the lock (ZMQ-7).
+                            next(self._failures)
+                            raise SendFailed(
+                                f"send to {entry.url} failed: peer found dead; invalidate the "
+                                "generation that names it and refetch",
+                                endpoint=entry.url,
+                            )
+                        continue
+                    if self._monitor is None:
+                        self._send_blocking(entry, frames)
                     else:
-                        entry.sends += 1
-                failed = entry.failed
-            # Listeners are told outside the socket's lock (they may call back in).
-            if error is not None:
-                reason = f"send to {entry.url} failed: {error}"
-                self._report(endpoint, False, reason)
-                raise SendFailed(reason, endpoint=entry.url) from error
-            if failed is None:
-                if self._down and endpoint in self._down:
-                    self._report(endpoint, True, f"send to {entry.url} succeeded")
-                return
-            if failed:
-                # Its socket failed while this thread waited for the lock: the peer was just
-                # found dead, so fail now instead of waiting SNDTIMEO again (ZMQ-7).
-                with self._lock:
-                    self._retired_failures += 1
-                raise SendFailed(f"send to {entry.url} failed: peer found dead", endpoint=entry.url)
-        with self._lock:
-            self._retired_failures += 1
-        raise SendFailed("socket evicted repeatedly during send", endpoint=endpoint_url(endpoint))
+                        self._send_watched(entry, frames)
+                    entry.sends += 1
+                    entry.last_used = next(self._ticks)
+                    return
+            finally:
+                if entry.doomed and not entry.closed:
+                    self._close_if_free(entry)
+        next(self._failures)
+        raise SendFailed(
+            "socket evicted repeatedly during send; retry", endpoint=endpoint_url(endpoint)
+        )
 
     def register(self, generation: Generation, backend: KVBackend) -> None:
-        """Send the backend's KV args to every rank of ``generation``, dummy ranks included
-        (the backend's frames carry the dummy flag, as SGLang does).
+        """Send the backend's KV args to every rank of ``generation``, dummy ranks included.
 
-        Stops at the first failure (its :class:`SendFailed` propagates): the caller invalidates
-        the whole generation anyway.
+        Dummy ranks get the message too (the backend's frames carry the flag), so a prefill
+        rank knows how many decode peers to expect, as SGLang does (ZMQ-14). Stops at the first
+        failure (its :class:`SendFailed` propagates): the caller invalidates the generation.
         """
         for rank in generation.ranks:
             self.send((rank.ip, rank.port), backend.register_frames(rank))
@@ -173,33 +327,120 @@ class ZmqTransport:
     def send_metadata(
         self, generation: Generation, backend: KVBackend, request: MetadataRequest
     ) -> None:
-        """Send one metadata message per rank of ``generation``, dummy ranks included."""
+        """Send one metadata message to every rank of ``generation``, dummy ranks included."""
         for rank in generation.ranks:
             self.send((rank.ip, rank.port), backend.metadata_frames(rank, request))
+
+    def _send_blocking(self, entry: _Entry, frames: Sequence[bytes]) -> None:
+        """``monitor=False``: a blocking send; any failure closes and evicts (ZMQ-6)."""
+        try:
+            entry.socket.send_multipart(frames)
+        except zmq.ZMQError as exc:
+            entry.failed = True
+            self._close_socket(entry)
+            next(self._failures)
+            raise SendFailed(
+                f"no live peer at {entry.url} within SNDTIMEO={self.send_timeout_ms} ms "
+                f"({exc}); invalidate the generation that names it and refetch",
+                endpoint=entry.url,
+            ) from exc
+
+    def _send_watched(self, entry: _Entry, frames: Sequence[bytes]) -> None:
+        """Monitored send: non-blocking, then wait for a connection in slices (ZMQ-19)."""
+        socket = entry.socket
+        try:
+            socket.send_multipart(frames, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            pass  # no completed connection right now (new socket, or the peer just went)
+        except zmq.ZMQError as exc:
+            self._send_error(entry, exc)
+        deadline = time.monotonic() + self._timeout_s
+        slice_ms = _FIRST_SLICE_MS
+        while True:
+            down = entry.down
+            if down is not None:  # the monitor judged it dead while we waited
+                next(self._circuit_failures)
+                next(self._failures)
+                raise SendFailed(down, endpoint=entry.url)
+            if entry.doomed:
+                next(self._failures)
+                raise SendFailed(
+                    f"the socket to {entry.url} was closed while this send waited (its "
+                    "generation was released); refetch",
+                    endpoint=entry.url,
+                )
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0:
+                self._send_timed_out(entry)
+            try:
+                zmq.zmq_poll([(socket, zmq.POLLOUT)], min(slice_ms, math.ceil(left_ms)))
+                socket.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                slice_ms = min(slice_ms * 2, _MAX_SLICE_MS)
+            except zmq.ZMQError as exc:
+                self._send_error(entry, exc)
+
+    def _send_timed_out(self, entry: _Entry) -> None:
+        """No connection took the message within SNDTIMEO: open the circuit, tell the monitor."""
+        reason = f"no live peer within SNDTIMEO={self.send_timeout_ms} ms"
+        message = (
+            f"no live peer at {entry.url} within SNDTIMEO={self.send_timeout_ms} ms: invalidate "
+            "the generation that names it and refetch its ranks from the bootstrap server"
+        )
+        entry.down = message  # provisional: lifted if the monitor says a connection is up
+        assert self._monitor is not None
+        self._monitor.send_failed(entry, reason)
+        next(self._failures)
+        raise SendFailed(message, endpoint=entry.url)
+
+    def _send_error(self, entry: _Entry, exc: zmq.ZMQError) -> None:
+        """Any other ZMQError: the socket is unusable; close it (ZMQ-18)."""
+        entry.failed = True
+        self._close_socket(entry)
+        next(self._failures)
+        raise SendFailed(
+            f"send to {entry.url} failed ({exc}); the socket was closed: refetch and retry",
+            endpoint=entry.url,
+        ) from exc
 
     # --- cache management ---------------------------------------------------------------------
 
     def evict(self, endpoint: Endpoint) -> None:
-        """Close and forget the socket for ``endpoint`` (no-op if there is none)."""
-        entry = self._entries.get(endpoint)
+        """Close and forget the socket for ``endpoint`` (no-op if there is none).
+
+        Waits for a send in progress on it (at most ``SNDTIMEO``).
+        """
+        with self._lock:
+            entry = self._entries.pop(endpoint, None)
         if entry is not None:
+            entry.doomed = True
             with entry.lock:
-                if entry.failed is None:
-                    self._close_entry(endpoint, entry, failed=False)
+                if not entry.closed:
+                    self._close_socket(entry)
 
     def close(self) -> None:
-        """Close every socket (LINGER=0: nothing is flushed) and an owned context."""
+        """Close every socket (LINGER=0: nothing is flushed), the monitor thread, and an owned
+        context. Waits at most about ``SNDTIMEO`` for a send in progress; never hangs."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            entries = list(self._entries.items())
-        for endpoint, entry in entries:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for entry in entries:
+            entry.doomed = True  # a monitored send waiting for a connection gives up now
+        for entry in entries:
             with entry.lock:
-                if entry.failed is None:
-                    self._close_entry(endpoint, entry, failed=False)
+                if not entry.closed:
+                    self._close_socket(entry)
+        stopped = self._monitor.close() if self._monitor is not None else True
         if self._own_context:
-            self._context.term()
+            if stopped:
+                self._context.term()
+            else:  # the monitor thread is stuck in a listener: do not wait for its sockets
+                self._context.destroy(linger=0)
 
     def __enter__(self) -> ZmqTransport:
         return self
@@ -208,116 +449,233 @@ class ZmqTransport:
         self.close()
 
     def stats(self) -> TransportStats:
+        now = time.monotonic()
         with self._lock:
             live = list(self._entries.values())
+            held = sum(1 for tomb in self._down.values() if now < tomb.until)
+            monitor = self._monitor
             # Live counters are read without their locks: each is a single int load.
             return TransportStats(
                 sends=self._retired_sends + sum(e.sends for e in live),
-                failures=self._retired_failures + sum(e.failures for e in live),
-                sockets_open=len(live),
+                failures=_count_value(self._failures),
+                sockets_open=self._open_sockets,
                 sockets_created=self._created,
                 evictions=self._evictions,
+                circuit_failures=_count_value(self._circuit_failures),
+                dead_verdicts=self._dead_verdicts,
+                reconnects=self._reconnects,
+                endpoints_down=sum(1 for e in live if e.down is not None) + held,
+                retained=len(self._refs),
+                lru_evictions=self._lru_evictions,
+                listener_errors=self._listener_errors,
+                monitor_events=monitor.events if monitor is not None else 0,
             )
-
-    # --- endpoint liveness and socket refcounts ------------------------------------------------
-    #
-    # MANAGER-BRANCH MINIMAL VERSION. The transport branch builds the full one (ZMQ socket
-    # monitor, circuit breaker, bounded cache); at merge its version replaces this block. Here:
-    # listeners hear of a failed send (alive=False) and of the next successful send to the same
-    # endpoint (alive=True), on the sending thread; ``is_down`` is "the last send failed";
-    # ``retain``/``release`` count the live generations using an endpoint and close its socket
-    # when the count reaches zero.
-
-    def _init_liveness(self) -> None:
-        self._listeners: list[EndpointListener] = []
-        self._down: set[Endpoint] = set()
-        self._refs: dict[Endpoint, int] = {}
-
-    def subscribe(self, listener: EndpointListener) -> None:
-        """Call ``listener(endpoint, alive, reason)`` when an endpoint is found dead or alive."""
-        with self._lock:
-            self._listeners = [*self._listeners, listener]
-
-    def is_down(self, endpoint: Endpoint) -> bool:
-        """True while the last send to ``endpoint`` failed."""
-        return endpoint in self._down
-
-    def retain(self, endpoints: Iterable[Endpoint]) -> None:
-        """A live generation uses ``endpoints``: keep their sockets."""
-        with self._lock:
-            for endpoint in endpoints:
-                self._refs[endpoint] = self._refs.get(endpoint, 0) + 1
-
-    def release(self, endpoints: Iterable[Endpoint]) -> None:
-        """A generation using ``endpoints`` ended: close each socket no live generation uses."""
-        idle: list[Endpoint] = []
-        with self._lock:
-            for endpoint in endpoints:
-                count = self._refs.get(endpoint, 0) - 1
-                if count > 0:
-                    self._refs[endpoint] = count
-                else:
-                    self._refs.pop(endpoint, None)
-                    self._down.discard(endpoint)
-                    idle.append(endpoint)
-        for endpoint in idle:
-            self.evict(endpoint)
-
-    def _report(self, endpoint: Endpoint, alive: bool, reason: str) -> None:
-        if alive:
-            self._down.discard(endpoint)
-        else:
-            self._down.add(endpoint)
-        for listener in self._listeners:
-            listener(endpoint, alive, reason)
 
     # --- internals ----------------------------------------------------------------------------
 
     def _open(self, endpoint: Endpoint) -> _Entry:
-        _check_endpoint(endpoint)
-        with self._lock:
-            if self._closed:
-                raise SendFailed("transport is closed", endpoint=endpoint_url(endpoint))
-            entry = self._entries.get(endpoint)
-            if entry is not None:  # another thread created it first
-                return entry
-            # Creating and connecting a socket does no network I/O (connect is asynchronous),
-            # so doing it under the small lock keeps exactly one socket per endpoint.
+        check_endpoint_shape(endpoint)
+        tomb = self._down.get(endpoint)
+        if tomb is not None and time.monotonic() < tomb.until:
+            next(self._circuit_failures)
+            next(self._failures)
+            raise SendFailed(tomb.message, endpoint=endpoint_url(endpoint))
+        try:
+            address = endpoint_address(endpoint)  # IP literals only: no resolver, ever
+        except ValueError as exc:
+            next(self._failures)
+            raise SendFailed(str(exc), endpoint=endpoint_url(endpoint)) from None
+        victims: list[_Entry] = []
+        try:
+            with self._lock:
+                if self._closed:
+                    next(self._failures)
+                    raise SendFailed("transport is closed", endpoint=address.url)
+                entry = self._entries.get(endpoint)
+                if entry is not None:  # another thread created it first
+                    return entry
+                if len(self._entries) >= self.max_sockets:
+                    victims = self._lru_victims_locked()
+                # Creating and connecting a socket does no network I/O (connect is
+                # asynchronous, and never resolves a name here), so doing it under the small
+                # lock keeps exactly one socket per endpoint.
+                socket, monitor_socket = self._connect(address.url, address.ipv6)
+                entry = _Entry(endpoint, socket, address.url)
+                if self._down.pop(endpoint, None) is not None:
+                    entry.reported_dead = True  # judged dead before: a handshake reports alive
+                self._entries[endpoint] = entry
+                self._created += 1
+                self._open_sockets += 1
+        finally:
+            for victim in victims:
+                self._retire(victim)
+        if monitor_socket is not None:
+            assert self._monitor is not None
+            self._monitor.watch(entry, monitor_socket, Liveness(self._grace_s))
+        return entry
+
+    def _connect(self, url: str, ipv6: bool) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        """A connected PUSH socket (and its monitor socket); SendFailed with both closed."""
+        socket: zmq.Socket[bytes] | None = None
+        monitor_socket: zmq.Socket[bytes] | None = None
+        try:
             socket = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDTIMEO, self.send_timeout_ms)
+            if ipv6:
+                socket.setsockopt(zmq.IPV6, 1)  # before connect, or libzmq cannot parse it
             if self.mode == "immediate":
                 socket.setsockopt(zmq.IMMEDIATE, 1)
             else:
                 socket.setsockopt(zmq.SNDHWM, QUEUEING_SNDHWM)
-            url = endpoint_url(endpoint)
+            if self._monitor is not None:
+                socket.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
+                socket.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_ivl_max_ms)
+                socket.setsockopt(zmq.CONNECT_TIMEOUT, self.send_timeout_ms)
+                # Before connect(), so that not even the first attempt's events are missed.
+                monitor_socket = self._monitor_socket(socket)
             socket.connect(url)
-            entry = _Entry(socket, url)
-            self._entries[endpoint] = entry
-            self._created += 1
-            return entry
+        except zmq.ZMQError as exc:
+            if socket is not None:  # its monitor may be started even if its reader is not
+                _close_monitored(socket, self._monitor is not None)
+            if monitor_socket is not None:
+                monitor_socket.close(linger=0)
+            next(self._failures)
+            raise SendFailed(
+                f"cannot connect to {url} ({exc}); the rank's address is unusable: "
+                "invalidate the generation that names it",
+                endpoint=url,
+            ) from exc
+        return socket, monitor_socket
 
-    def _close_entry(self, endpoint: Endpoint, entry: _Entry, *, failed: bool) -> None:
-        """Close ``entry``'s socket and evict it. Called with ``entry.lock`` held."""
-        entry.failed = failed
-        entry.socket.close(linger=0)
+    def _monitor_socket(self, socket: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+        """Start ``socket``'s monitor and connect the PAIR that reads it (before connect(),
+        so that not even the first attempt's events are missed).
+
+        libzmq sends monitor events with a *blocking* send from its I/O and reaper threads, so
+        the reading side must never be full or gone: its receive HWM is unlimited (a stalled
+        reader costs memory, never a stalled I/O thread), and it is closed only after
+        :func:`_close_monitored` stopped the monitor (ZMQ-16).
+        """
+        # A unique inproc name: pyzmq's default is derived from the socket's fd, which is
+        # reused after a close while the old name may still be bound.
+        address = f"inproc://statemachine-monitor-{id(self):x}-{next(self._ticks)}"
+        socket.monitor(address, EVENTS)
+        reader = self._context.socket(zmq.PAIR)
+        try:
+            reader.setsockopt(zmq.LINGER, 0)
+            reader.setsockopt(zmq.RCVHWM, 0)
+            reader.connect(address)
+        except zmq.ZMQError:
+            reader.close(linger=0)
+            raise
+        return reader
+
+    def _lru_victims_locked(self) -> list[_Entry]:
+        """Remove (under ``_lock``) the least recently used unretained entry, if any."""
+        best: _Entry | None = None
+        for endpoint, entry in self._entries.items():
+            if endpoint not in self._refs and (best is None or entry.last_used < best.last_used):
+                best = entry
+        if best is None:
+            return []  # every socket serves a live generation: those are not evicted
+        del self._entries[best.endpoint]
+        self._lru_evictions += 1
+        return [best]
+
+    def _retire(self, entry: _Entry) -> None:
+        """Close a socket already removed from the cache, without waiting for its lock.
+
+        If a sender holds the lock, ``doomed`` tells it (and every later holder) to close the
+        socket on the way out; setting it *before* trying the lock means one of us always does.
+        """
+        entry.doomed = True
+        self._close_if_free(entry)
+
+    def _close_if_free(self, entry: _Entry) -> None:
+        if entry.lock.acquire(blocking=False):
+            try:
+                if not entry.closed:
+                    self._close_socket(entry)
+            finally:
+                entry.lock.release()
+
+    def _close_socket(self, entry: _Entry) -> None:
+        """Close ``entry``'s socket and forget it. Called with ``entry.lock`` held."""
+        entry.closed = True
+        _close_monitored(entry.socket, self._monitor is not None)
+        if self._monitor is not None:
+            self._monitor.unwatch(entry)  # its monitor was stopped: the reader may close
         with self._lock:
             # Identity check: a fresh entry for the same endpoint is not ours to remove.
-            if self._entries.get(endpoint) is entry:
-                del self._entries[endpoint]
+            if self._entries.get(entry.endpoint) is entry:
+                del self._entries[entry.endpoint]
+            if entry.down is not None and entry.reported_dead and not self._closed:
+                self._remember_down_locked(entry.endpoint, entry.down)
             self._retired_sends += entry.sends
-            self._retired_failures += entry.failures
             self._evictions += 1
+            self._open_sockets -= 1
+
+    def _remember_down_locked(self, endpoint: Endpoint, message: str) -> None:
+        now = time.monotonic()
+        if len(self._down) >= self.max_sockets:  # bounded: expired first, then the oldest
+            for key in [k for k, tomb in self._down.items() if tomb.until <= now]:
+                del self._down[key]
+            while len(self._down) >= self.max_sockets:
+                del self._down[next(iter(self._down))]
+        self._down[endpoint] = _Tombstone(message, now + self._hold_s)
+
+    def _on_verdict(self, entry: _Entry, alive: bool, reason: str) -> None:
+        """Monitor thread: apply a verdict, retire a dead unretained socket, tell listeners."""
+        endpoint = entry.endpoint
+        if alive:
+            entry.down = None
+            if not entry.reported_dead:
+                return  # not a change anyone was told about (a first connect, a slow peer)
+            entry.reported_dead = False
+            with self._lock:
+                self._reconnects += 1
+                self._down.pop(endpoint, None)
+        else:
+            entry.down = (
+                f"peer at {entry.url} is down ({reason}): invalidate the generation that names "
+                "it and refetch its ranks from the bootstrap server"
+            )
+            if entry.reported_dead:
+                return
+            entry.reported_dead = True
+            retire = False
+            with self._lock:
+                self._dead_verdicts += 1
+                if endpoint not in self._refs and self._entries.get(endpoint) is entry:
+                    # Nobody needs it: close it now rather than reconnecting while idle.
+                    del self._entries[endpoint]
+                    retire = True
+            if retire:
+                self._retire(entry)
+        for listener in self._listeners:
+            try:
+                listener(endpoint, alive, reason)
+            except Exception:
+                with self._lock:
+                    self._listener_errors += 1
+                _log.exception("endpoint listener raised; other listeners still run")
 
 
-def _check_endpoint(endpoint: object) -> None:
-    if (
-        not isinstance(endpoint, tuple)
-        or len(endpoint) != 2
-        or not isinstance(endpoint[0], str)
-        or not endpoint[0]
-        or not isinstance(endpoint[1], int)
-        or isinstance(endpoint[1], bool)
-        or not 1 <= endpoint[1] <= 65535
-    ):
-        raise ValueError(f"endpoint must be (ip: str, port: 1..65535), not {endpoint!r}")
+def _close_monitored(socket: zmq.Socket[bytes], monitored: bool) -> None:
+    """Close a socket, stopping its monitor first, in the calling (owning) thread.
+
+    Otherwise libzmq stops the monitor in the socket's destructor on its reaper thread, with
+    a blocking send of ``EVENT_MONITOR_STOPPED``: if the reading PAIR is already closed, that
+    send never returns and the reaper never destroys another socket (measured: 3 fds leaked
+    per closed socket from then on).
+    """
+    if monitored:
+        with contextlib.suppress(zmq.ZMQError):
+            socket.disable_monitor()
+    socket.close(linger=0)
+
+
+def _count_value(counter: itertools.count[int]) -> int:
+    """The next value an ``itertools.count`` will yield, without advancing it (``count(N)``)."""
+    return int(repr(counter)[6:-1])

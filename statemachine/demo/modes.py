@@ -122,6 +122,15 @@ class AuditedPool(BootstrapPool):
                     self.lost_live_generations += 1
         return removed
 
+    def retire_instance(self, addr: str, instance_id: str) -> int:
+        with self._audit_lock:
+            before = self.snapshot()
+            removed = super().retire_instance(addr, instance_id)
+            for _, generation in self._removed(before):
+                if self._is_live(generation):
+                    self.lost_live_generations += 1
+        return removed
+
     def invalidate_address(self, addr: str) -> int:
         with self._audit_lock:
             before = self.snapshot()
@@ -148,6 +157,9 @@ class SglangPool(AuditedPool):
     def observe_instance(self, addr: str, instance_id: str) -> int:
         return 0
 
+    def retire_instance(self, addr: str, instance_id: str) -> int:
+        return 0
+
 
 class NoInvalidationPool(AuditedPool):
     """Before SGLang PR #36029: nothing ever drops an entry."""
@@ -159,6 +171,9 @@ class NoInvalidationPool(AuditedPool):
         return 0
 
     def observe_instance(self, addr: str, instance_id: str) -> int:
+        return 0
+
+    def retire_instance(self, addr: str, instance_id: str) -> int:
         return 0
 
 

@@ -1,0 +1,72 @@
+"""A minimal prefill-rank stand-in for the transport benchmarks: a PULL socket in its own
+process that prints ``READY <port>`` and drains what it receives, so a benchmark can SIGKILL
+a real peer. ``python -m benchmarks.zmq_peer`` runs it (bounded to 10 minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+import zmq
+
+LOOPBACK = "127.0.0.1"
+
+
+class PeerProcess:
+    """Start the peer; ``port`` once it is ready; ``kill()`` is SIGKILL and reap."""
+
+    def __init__(self, timeout: float = 20.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.zmq_peer"],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
+        self.port = self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> int:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        buffer = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            while b"\n" not in buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    self.kill()
+                    raise RuntimeError("peer did not get ready")
+                chunk = os.read(self.proc.stdout.fileno(), 1024)
+                if not chunk:
+                    raise RuntimeError("peer exited before READY")
+                buffer += chunk
+        return int(buffer.split(b"\n", 1)[0].split()[1])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.communicate(timeout=10)
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _main() -> int:
+    context = zmq.Context()
+    sock = context.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port(f"tcp://{LOOPBACK}")
+    print(f"READY {port}", flush=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if sock.poll(1000, zmq.POLLIN):
+            sock.recv_multipart()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
