@@ -70,6 +70,7 @@ COMPLETE = "Complete"
 TIMEOUT = "Timeout"
 INVALIDATE = "Invalidate"
 ABORT = "Abort"
+PEER_LOST = "PeerLost"
 NEW_REQUEST = "NewRequest"
 
 #: The lifecycle as data: (trigger, source(s), dest). ``build_machine`` feeds it to
@@ -85,9 +86,13 @@ _DEFINITION: tuple[tuple[str, str | tuple[str, ...], str], ...] = (
     (REGISTER_FAIL, FETCHED, FAILED),
     (PUBLISH, REGISTERED, CACHED),
     (SEND_OK, CACHED, WAITING),
-    (SEND_FAIL, CACHED, FAILED),
+    # From IDLE too: send_metadata before a successful init fails the request (as SGLang does).
+    (SEND_FAIL, (IDLE, CACHED), FAILED),
     (COMPLETE, WAITING, DONE),
     (TIMEOUT, WAITING, FAILED),
+    # The manager learned that a prefill rank or instance this request depends on is dead or
+    # restarted (fan-out), or another rank of the room failed. Applied by the owner's thread.
+    (PEER_LOST, (IDLE, CACHED, WAITING), FAILED),
     (INVALIDATE, FAILED, INVALIDATED),
     (ABORT, ACTIVE_STATES, ABORTED),
     (NEW_REQUEST, tuple(sorted(FINAL_STATES)), IDLE),

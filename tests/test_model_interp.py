@@ -16,7 +16,7 @@ import pytest
 
 from statemachine.model.check import load
 from statemachine.model.interp import Atom, InterpError, Interpreter
-from statemachine.model.spec import ACTION_PROPERTIES, BootstrapCache, State
+from statemachine.model.spec import ACTION_PROPERTIES, INVARIANTS, BootstrapCache, State
 
 TLA_DIR = Path(__file__).resolve().parents[1] / "TLA"
 SPEC_TEXT = (TLA_DIR / "BootstrapCache.tla").read_text(encoding="utf-8")
@@ -47,6 +47,8 @@ def to_mirror(model: BootstrapCache, d: Mapping[str, Any]) -> State:
         objEpoch=tuple(d["objEpoch"](o) for o in model.object_ids),
         epoch=tuple(d["epoch"](a) for a in model.addrs),
         faults=d["faults"],
+        acked=tuple(d["acked"](r) for r in rs),
+        pooled=frozenset(d["pooled"]),
     )
 
 
@@ -59,9 +61,11 @@ def cross_check(model: BootstrapCache, interp: Interpreter, *, fairness: bool) -
     conditions = model.fairness()
     for s in queue:
         d = seen[s]
-        assert interp.holds("TypeOK", d) == model.type_ok(s)
+        for name in INVARIANTS:
+            assert interp.holds(name, d) == model.invariant(name)(s), (name, s)
         for j, a in enumerate(model.addrs):
             assert interp.holds("Stale", d, args=(a,)) == model.stale(s, j)
+            assert interp.holds("LiveEntry", d, args=(a,)) == model.live_entry(s, j)
         by_interp = {to_mirror(model, t): t for t in interp.successors("Next", d)}
         labelled = list(model.successors(s))
         assert set(by_interp) == {t for _, t in labelled}, s
@@ -125,8 +129,8 @@ def model_states(model: BootstrapCache) -> set[State]:
         ),
         # Hit forgets to record the key.
         (
-            "/\\ rkey' = [rkey EXCEPT ![r] = a]\n    /\\ rgen' = [rgen EXCEPT ![r] = pool[a]]",
-            "/\\ rkey' = rkey\n    /\\ rgen' = [rgen EXCEPT ![r] = pool[a]]",
+            '= "cached"]\n    /\\ rkey\' = [rkey EXCEPT ![r] = a]',
+            '= "cached"]\n    /\\ rkey\' = rkey',
         ),
     ],
 )
