@@ -227,9 +227,11 @@ def test_restart_on_new_ports_fails_fast_invalidates_and_next_request_refetches(
     assert {rank.port for rank in generation.ranks} == prefill.ports()
 
 
-def test_server_restart_new_instance_id_retires_old_entries(side: DecodeSide) -> None:
-    """POOL-6: a prefill restarted behind the same address answers with a new instance id; the
-    first fetch that sees it retires every entry from the old instance (exact address)."""
+def test_server_restart_a_fetch_retires_only_instances_it_saw_replaced(side: DecodeSide) -> None:
+    """POOL-6: a prefill restarted behind the same address answers with a new instance id. A
+    fetch retires only the instances of entries its receiver adopted *before* the fetch began
+    (those it knows were replaced); this one adopted none, so the old instance's entries stay
+    until a receiver that uses them fails, which invalidates them by identity."""
     first = start_prefill()
     addr = first.addr
     port = int(addr.rsplit(":", 1)[1])
@@ -251,9 +253,13 @@ def test_server_restart_new_instance_id_retires_old_entries(side: DecodeSide) ->
         newcomer = BootstrapReceiver(side.decode, addr, 2, RankPlan(tp_ranks=(1, 0)))
         assert newcomer.init(0) == KVPoll.WaitingForInput
         assert side.pool.get(PoolKey(addr, 0, 0, 1)) is newcomer.entries[PoolKey(addr, 0, 0, 1)]
-        # ...which retires both entries of the old instance without any send failing.
-        assert side.pool.get(key_of(second)) is None
-        assert side.pool.get(other) is None
+        # ...which retires nothing it did not adopt: the old entries are still there...
+        assert side.pool.get(key_of(second)) is old
+        assert side.pool.get(other) is not None
+        # ...until a receiver that uses the stale one fails and invalidates it by identity.
+        stale_user = side.run(second, room=3)
+        assert stale_user.state == life.INVALIDATED
+        assert side.pool.get(key_of(second)) is not old
     finally:
         stop_prefill(second)
 

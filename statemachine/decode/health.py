@@ -88,9 +88,9 @@ class HealthMonitor:
                 continue
             if watch.instance_id is not None and watch.instance_id != instance_id:
                 self.restarts_seen += 1
+                # The id seen on the previous probe was replaced: retire exactly its entries.
+                self._pool.retire_instance(addr, watch.instance_id)
             watch.instance_id = instance_id
-            # Idempotent: drops only entries fetched from another instance.
-            self._pool.observe_instance(addr, instance_id)
 
     def _run(self) -> None:
         try:

@@ -294,20 +294,23 @@ class BootstrapReceiver:
     def _fetch(self, keys: list[PoolKey]) -> dict[PoolKey, Generation]:
         """Ask the bootstrap server for every (tp, pp) rank of each key; one generation each.
 
-        Runs outside the pool lock. A server answering with a new instance id retires the
-        address's entries from older instances (POOL-6); keys this receiver had already
-        adopted from such an instance are fetched again rather than used.
+        Runs outside the pool lock. When the server answers as instance ``Y``, every other id
+        ``X`` of the entries this receiver adopted *before* the fetch began was seen before
+        ``Y`` answered, so ``X`` was replaced: its entries are retired (POOL-6), and keys this
+        receiver had adopted from it are fetched again rather than used.
         """
         fresh = self._fetch_keys(keys)
         instance_ids = {g.instance_id for g in fresh.values() if g.instance_id is not None}
         if len(instance_ids) == 1:
             (instance_id,) = instance_ids
-            self._decode.pool.observe_instance(self.addr, instance_id)
-            stale = [
-                key
-                for key, g in self.entries.items()
+            replaced = {
+                g.instance_id
+                for g in self.entries.values()
                 if g.instance_id is not None and g.instance_id != instance_id
-            ]
+            }
+            for old_id in replaced:
+                self._decode.pool.retire_instance(self.addr, old_id)
+            stale = [key for key, g in self.entries.items() if g.instance_id in replaced]
             if stale:
                 fresh.update(self._fetch_keys(stale))
         return fresh
