@@ -210,7 +210,15 @@ class BootstrapPool:
                 self._adoptions += 1
             seq = trace.reserve() if trace.ENABLED else None
         if seq is not None:
-            trace.emit("PoolPublish", seq=seq, key=key, generation=held, fresh=fresh)
+            trace.emit(
+                "PoolPublish",
+                seq=seq,
+                key=key,
+                generation=held,
+                fresh=fresh,
+                instance=held.instance_id,
+                fresh_instance=fresh.instance_id,
+            )
         return held
 
     def invalidate(self, entries: Mapping[PoolKey, Generation]) -> int:

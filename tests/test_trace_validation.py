@@ -322,3 +322,97 @@ def test_trace_of_the_stress_run_on_a_by_key_pool_is_caught(tmp_path: Path) -> N
     report = validate(read_trace(path))
     assert report.violation is not None
     assert report.violation.rule == "IdentitySafe"
+
+
+# --- the new steps: PeerLost, SendFail from idle, multi-key requests, retirement --------------
+
+K_CP1 = ["h:80", 0, 1, 0]
+
+
+def publish_with(key: list[Any], held: int, fresh: int, instance: str) -> dict[str, Any]:
+    return {**publish(key, held, fresh), "instance": instance, "fresh_instance": instance}
+
+
+def retire(addr: str, instance: str, keys: list[Any]) -> dict[str, Any]:
+    return {
+        "action": "PoolRetireInstance",
+        "addr": addr,
+        "instance_id": instance,
+        "removed": len(keys),
+        "keys": keys,
+    }
+
+
+MULTI_KEY = [
+    # r1 sets up both cp ranks of h:80 from instance "a".
+    rx("Miss", 1, "fetching"),
+    rx("FetchOk", 1, "fetched", [[K, 1], [K_CP1, 2]]),
+    rx("RegisterOk", 1, "registered", [[K, 1], [K_CP1, 2]]),
+    publish_with(K, 1, 1, "a"),
+    publish_with(K_CP1, 2, 2, "a"),
+    rx("Publish", 1, "cached", [[K, 1], [K_CP1, 2]]),
+    # cp rank 1's entry is dropped (a failure elsewhere); r2 hits cp0, misses cp1: a partial hit.
+    invalidate([[K_CP1, 2]], 1),
+    rx("Miss", 2, "fetching", [[K, 1]]),
+    rx("FetchOk", 2, "fetched", [[K, 1], [K_CP1, 3]]),
+    rx("RegisterOk", 2, "registered", [[K, 1], [K_CP1, 3]]),
+    publish_with(K_CP1, 3, 3, "a"),  # one publish per fetched key only
+    rx("Publish", 2, "cached", [[K, 1], [K_CP1, 3]]),
+    # The fan-out fails r2 (its prefill restarted): one invalidation drops every recorded key,
+    # the hit one included.
+    rx("PeerLost", 2, "failed", [[K, 1], [K_CP1, 3]]),
+    invalidate([[K, 1], [K_CP1, 3]], 2),
+    rx("Invalidate", 2, "invalidated", [[K, 1], [K_CP1, 3]]),
+    # The fan-out also reaches a receiver that had not looked anything up yet, and one waiting.
+    rx("PeerLost", 3, "failed"),
+    invalidate([], 0),
+    rx("Invalidate", 3, "invalidated"),
+    rx("SendOk", 1, "waiting", [[K, 1], [K_CP1, 2]]),
+    rx("PeerLost", 1, "failed", [[K, 1], [K_CP1, 2]]),
+    invalidate([[K, 1], [K_CP1, 2]], 0),
+    rx("Invalidate", 1, "invalidated", [[K, 1], [K_CP1, 2]]),
+    # send_metadata before init: SendFail from idle.
+    *fail_and_invalidate(4, "SendFail", [], 0),
+    # Instance "b" replaced "a"; an entry of "b" and one of "a" are pooled; "a" is retired.
+    *miss_publish(5, 4, key=K),
+    publish_with(K_CP1, 5, 5, "a"),
+]
+MULTI_KEY[-3] = publish_with(K, 4, 4, "b")  # r5's publish came from instance "b"
+
+
+def test_multi_key_fan_out_and_idle_failures_are_allowed() -> None:
+    events = [*MULTI_KEY, retire("h:80", "a", [K_CP1])]
+    report = validate(events)
+    assert report.ok, report.violation
+
+
+def test_retiring_a_newer_instances_entry_is_caught() -> None:
+    """The stale-observer bug: retiring "a" (or "everything but a") removes "b"'s entry."""
+    events = [*MULTI_KEY, retire("h:80", "a", [K, K_CP1])]
+    report = validate(events)
+    assert report.violation is not None and report.violation.rule == "ExactNodeFailure"
+    assert "another instance" in report.violation.reason
+
+
+def test_retirement_that_leaves_the_instance_behind_is_caught() -> None:
+    events = [*MULTI_KEY, retire("h:80", "b", [])]
+    report = validate(events)
+    assert report.violation is not None and report.violation.rule == "ExactNodeFailure"
+    assert "left" in report.violation.reason
+
+
+def test_stress_trace_has_retirements_and_the_old_rule_is_rejected(tmp_path: Path) -> None:
+    """The threaded stress run retires replaced instances while receivers publish the new one;
+    its trace validates. The same run on the pool with the old rule ("drop every instance but
+    the one named") drops live entries, and its trace is rejected."""
+    with trace.tracing(tmp_path / "stress.ndjson") as path:
+        stress.check_accounting(stress.run_stress(pool_module, seed=5))
+    events = read_trace(path)
+    assert sum(e["action"] == "PoolRetireInstance" for e in events) > 0
+    assert validate(events).ok
+    mutants.write_mutant(mutants.BY_NAME["retire_all_but_observed"], tmp_path)
+    mutant = mutants.load_module(tmp_path / "pool_retire_all_but_observed.py")
+    with trace.tracing(tmp_path / "mutant.ndjson") as path:
+        stress.run_stress(mutant, seed=5)
+    report = validate(read_trace(path))
+    assert report.violation is not None and report.violation.rule == "ExactNodeFailure"

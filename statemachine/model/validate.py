@@ -144,6 +144,8 @@ class Validator:
         self.seen_tokens: set[Token] = set()
         #: PoolInvalidate entry sets not yet claimed by a receiver's Invalidate step
         self.pending_invalidations: list[dict[Key, Token]] = []
+        #: the instance id of each generation, where PoolPublish named it
+        self.instance_of: dict[Token, str | None] = {}
 
     # --- pool events ------------------------------------------------------------------------
 
@@ -167,6 +169,12 @@ class Validator:
         self.pool[key] = held
         self.published.setdefault(key, set()).add(held)
         self.seen_tokens.update((held, fresh))
+        for token, name in ((held, "instance"), (fresh, "fresh_instance")):
+            if name in event:
+                instance = event[name]
+                if instance is not None and not isinstance(instance, str):
+                    raise TraceFormatError(f"{name} must be a string or null")
+                self.instance_of[token] = instance
 
     def _invalidate(self, event: Mapping[str, Any]) -> None:
         entries = _entries(event)
@@ -216,6 +224,7 @@ class Validator:
                         f"retirement of {addr!r} removed {foreign or gone}, not only "
                         "entries of that address",
                     )
+                self._check_retired_instance(event, addr, exact, gone)
                 for k in gone:
                     del self.pool[k]
             elif removed == len(exact):
@@ -234,6 +243,32 @@ class Validator:
             )
         for k in exact:
             del self.pool[k]
+
+    def _check_retired_instance(
+        self, event: Mapping[str, Any], addr: str, exact: list[Key], gone: list[Key]
+    ) -> None:
+        """POOL-6: exactly the entries of the named instance go (the trace does not record
+        the probe answers that show the instance was replaced, so that part is not checked)."""
+        instance = event.get("instance_id")
+        if not isinstance(instance, str):
+            return  # a trace without the id: the address check is all there is
+        known = {}
+        for k in exact:
+            token = self.pool[k]
+            if isinstance(token, int) and token in self.instance_of:
+                known[k] = self.instance_of[token]
+        wrong = [list(k) for k in gone if k in known and known[k] != instance]
+        if wrong:
+            raise _Violated(
+                "ExactNodeFailure",
+                f"retirement of instance {instance!r} at {addr!r} removed {wrong}, entries "
+                "of another instance (a stale observer dropping a newer instance's entries)",
+            )
+        kept = [list(k) for k in exact if known.get(k) == instance and k not in gone]
+        if kept:
+            raise _Violated(
+                "ExactNodeFailure", f"retirement of instance {instance!r} left {kept} behind"
+            )
 
     # --- receiver events --------------------------------------------------------------------
 
