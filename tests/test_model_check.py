@@ -232,3 +232,38 @@ def test_load_rejects_cfgs_the_mirror_cannot_check(
     path.write_text(GOOD.replace(*change), encoding="utf-8")
     with pytest.raises(CfgError, match=message):
         load(path)
+
+
+@pytest.mark.parametrize("mode", ["queueing", "immediate"])
+def test_every_property_holds_for_larger_fault_budgets(mode: str) -> None:
+    """The premise of the one-key argument (spec/model.md): the properties do not depend on
+    how many spurious failures there are (a multi-key request's other keys look like them)."""
+    from statemachine.model.checker import check
+    from statemachine.model.spec import (
+        ACTION_PROPERTIES,
+        INVARIANTS,
+        LIVENESS_PROPERTIES,
+        Constants,
+    )
+
+    for budget in (0, 2, 3):
+        model = BootstrapCache(Constants(("r1", "r2"), (80,), 1, budget, mode, "Correct"))
+        result = check(
+            model,
+            invariants=list(INVARIANTS),
+            properties=[*ACTION_PROPERTIES, *LIVENESS_PROPERTIES],
+        )
+        assert result.ok, (budget, result.first_violation())
+
+
+def test_docs_name_every_property_and_mutation() -> None:
+    from statemachine.model import spec
+
+    model_md = (REPO / "spec" / "model.md").read_text(encoding="utf-8")
+    prose = (REPO / "docs" / "formal-model.md").read_text(encoding="utf-8")
+    for name in (*spec.INVARIANTS, *spec.ACTION_PROPERTIES, *spec.LIVENESS_PROPERTIES):
+        assert f"`{name}`" in model_md and f"`{name}`" in prose, name
+    for name in (*spec.MUTATIONS, *spec.VARIANTS[1:]):
+        assert f"`{name}`" in model_md, name
+    for path in sorted(TLA_DIR.glob("MC*.cfg")):
+        assert f"`{path.name}`" in model_md, path.name
