@@ -312,16 +312,26 @@ def test_trace_of_concurrent_receivers_through_a_restart_is_allowed(
     assert report.ok, report.violation
 
 
-def test_trace_of_the_stress_run_on_a_by_key_pool_is_caught(tmp_path: Path) -> None:
-    """The same threaded workload on the delete-by-key mutant yields an IdentitySafe trace
-    violation: the validator has teeth on concurrent traces too."""
-    mutants.write_mutant(mutants.BY_NAME["delete_by_key"], tmp_path)
-    mutant = mutants.load_module(tmp_path / "pool_delete_by_key.py")
+@pytest.mark.parametrize(
+    "name, rule",
+    [
+        ("delete_by_key", "IdentitySafe"),
+        ("overwrite_not_setdefault", "POOL-2 setdefault"),
+        ("retire_all_but_observed", "ExactNodeFailure"),
+    ],
+)
+def test_trace_of_the_stress_run_on_a_failing_pool_variant_is_caught(
+    name: str, rule: str, tmp_path: Path
+) -> None:
+    """The same threaded workload on each pool variant the stress accounting catches yields a
+    trace the validator rejects, naming the rule: it has teeth on concurrent traces too."""
+    mutants.write_mutant(mutants.BY_NAME[name], tmp_path)
+    mutant = mutants.load_module(tmp_path / f"pool_{name}.py")
     with trace.tracing(tmp_path / "mutant.ndjson") as path:
         stress.run_stress(mutant, seed=3)
     report = validate(read_trace(path))
     assert report.violation is not None
-    assert report.violation.rule == "IdentitySafe"
+    assert report.violation.rule == rule
 
 
 # --- the new steps: PeerLost, SendFail from idle, multi-key requests, retirement --------------
