@@ -11,7 +11,7 @@
 (* lifecycle Machine (statemachine/lifecycle.py).  JoinFlight and Ack are  *)
 (* steps of other threads on a receiver's behalf (the single-flight        *)
 (* registry, the ack listener) and change no lifecycle state; Restart,     *)
-(* NodeFailure and RetireInstance are environment actions.                 *)
+(* NodeFailure, RetireInstance and WatchEvent are environment actions.     *)
 (*                                                                         *)
 (* The Python mirror statemachine/model/spec.py has the same variables,    *)
 (* actions and property names, and must find the same distinct states.    *)
@@ -37,10 +37,11 @@ CONSTANTS
     MaxRestarts,  \* restarts per address
     MaxFaults,    \* budget of spurious failures and aborts (see Fairness)
     Mode,         \* ZMQ send semantics: "immediate" or "queueing"
+    Discovery,    \* where rank infos come from: "http" (bootstrap server) or "etcd" (watched)
     Variant       \* "Correct" or a bug variant (see Invalidate, NodeFailure, ...)
 
 Variants == {"Correct", "NoInvalidation", "InvalidateByKey", "PrefixNodeFailure",
-             "RetireStaleObservation", "ReusedPortAcks"}
+             "RetireStaleObservation", "ReusedPortAcks", "RetireByKey"}
 
 ASSUME
     /\ Receivers # {}
@@ -49,6 +50,7 @@ ASSUME
     /\ MaxRestarts \in Nat
     /\ MaxFaults \in Nat
     /\ Mode \in {"immediate", "queueing"}
+    /\ Discovery \in {"http", "etcd"}
     /\ Variant \in Variants
 
 VARIABLES
@@ -60,9 +62,11 @@ VARIABLES
     epoch,     \* epoch[a]: the current epoch (restart count) of the prefill at a
     faults,    \* spurious failures and aborts so far
     acked,     \* acked[r]: 0, or 1 + the epoch of the prefill process that acked r's transfer
-    pooled     \* history: the referenced objects that have been published to the pool
+    pooled,    \* history: the referenced objects that have been published to the pool
+    watched,   \* watched[a]: the newest revision (epoch) of a the etcd watch has delivered
+    marked     \* receivers the fan-out marked failed (their owner's next call fails them)
 
-vars == <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled>>
+vars == <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
 None == 0
 
@@ -122,6 +126,7 @@ FailEarly(r) ==
         /\ rgen' = newGen
         /\ objEpoch' = Collect(pool, newGen, objEpoch)
         /\ pooled' = pooled \cap Referenced(pool, newGen)
+        /\ marked' = marked \ {r}
         /\ rstate' = [rstate EXCEPT ![r] = "failed"]
 
 -----------------------------------------------------------------------------
@@ -138,7 +143,7 @@ Hit(r, a) ==
                /\ rgen' = rgen
     /\ rstate' = [rstate EXCEPT ![r] = "cached"]
     /\ rkey' = [rkey EXCEPT ![r] = a]
-    /\ UNCHANGED <<pool, objEpoch, epoch, faults, acked, pooled>>
+    /\ UNCHANGED <<pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
 \* The fetch begins: its object remembers the epoch that answers first.
 Miss(r, a) ==
@@ -150,14 +155,14 @@ Miss(r, a) ==
            /\ objEpoch' = [objEpoch EXCEPT ![o] = epoch[a]]
     /\ rstate' = [rstate EXCEPT ![r] = "fetching"]
     /\ rkey' = [rkey EXCEPT ![r] = a]
-    /\ UNCHANGED <<pool, epoch, faults, acked, pooled>>
+    /\ UNCHANGED <<pool, epoch, faults, acked, pooled, watched, marked>>
 
 \* The fetch runs outside any lock; it returns the ports of the current epoch.
 FetchOk(r) ==
     /\ rstate[r] = "fetching"
     /\ objEpoch' = [objEpoch EXCEPT ![rgen[r]] = epoch[rkey[r]]]
     /\ rstate' = [rstate EXCEPT ![r] = "fetched"]
-    /\ UNCHANGED <<rkey, rgen, pool, epoch, faults, acked, pooled>>
+    /\ UNCHANGED <<rkey, rgen, pool, epoch, faults, acked, pooled, watched, marked>>
 
 \* From idle: resolving the dp rank failed or a follower's deadline passed
 \* (spurious), or the flight r follows failed (genuine).  From fetching:
@@ -167,7 +172,7 @@ FetchFail(r) ==
     /\ rstate[r] \in {"idle", "fetching"}
     /\ Failure(IF rstate[r] = "idle" THEN Orphan(r) ELSE objEpoch[rgen[r]] < epoch[rkey[r]])
     /\ FailEarly(r)
-    /\ UNCHANGED <<pool, epoch, acked>>
+    /\ UNCHANGED <<pool, epoch, acked, watched>>
 
 \* Registering KV args with every rank.  In queueing mode a dead port takes
 \* the message silently.
@@ -175,38 +180,43 @@ RegisterOk(r) ==
     /\ rstate[r] = "fetched"
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "registered"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
 RegisterFail(r) ==
     /\ rstate[r] = "fetched"
     /\ Failure(Mode = "immediate" /\ ~Live(r))
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked>>
 
 \* pool.setdefault(key, fresh): publish when empty, else adopt the winner
 \* (and record it in place of the fresh object).  The followers of the key
-\* are handed what the pool holds now.
+\* are handed what the pool holds now.  Watermark: a fresh object older than
+\* the newest revision the watch delivered is not published (its receiver was
+\* marked by that watch event and keeps it only until it fails).
 Publish(r) ==
     /\ rstate[r] = "registered"
     /\ LET k == rkey[r]
-           held == IF pool[k] = None THEN rgen[r] ELSE pool[k]
+           fresh == IF objEpoch[rgen[r]] >= watched[k] THEN rgen[r] ELSE None
+           held == IF pool[k] = None THEN fresh ELSE pool[k]
            newPool == [pool EXCEPT ![k] = held]
            newGen == [q \in Receivers |->
-                        IF q = r \/ (rstate[q] = "idle" /\ rkey[q] = k /\ rgen[q] = None)
+                        IF held # None /\ (q = r \/ (rstate[q] = "idle" /\ rkey[q] = k
+                                                     /\ rgen[q] = None))
                            THEN held ELSE rgen[q]]
        IN  /\ pool' = newPool
            /\ rgen' = newGen
            /\ objEpoch' = Collect(newPool, newGen, objEpoch)
-           /\ pooled' = (pooled \cup {held}) \cap Referenced(newPool, newGen)
+           /\ pooled' = (pooled \cup ({held} \ {None})) \cap Referenced(newPool, newGen)
     /\ rstate' = [rstate EXCEPT ![r] = "cached"]
-    /\ UNCHANGED <<rkey, epoch, faults, acked>>
+    /\ UNCHANGED <<rkey, epoch, faults, acked, watched, marked>>
 
 \* Per-request metadata.  Queueing mode: a dead port takes it silently.
 SendOk(r) ==
     /\ rstate[r] = "cached"
+    /\ r \notin marked
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "waiting"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
 \* From idle (no key yet): send_metadata before a successful init.
 SendFail(r) ==
@@ -214,11 +224,11 @@ SendFail(r) ==
        /\ rkey[r] = None
        /\ Failure(FALSE)
        /\ FailEarly(r)
-       /\ UNCHANGED <<pool, epoch, acked>>
+       /\ UNCHANGED <<pool, epoch, acked, watched>>
     \/ /\ rstate[r] = "cached"
        /\ Failure(Mode = "immediate" /\ ~Live(r))
        /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-       /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled>>
+       /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked>>
 
 \* poll() completes on the ack flag, whenever the ack listener set it.
 Complete(r) ==
@@ -231,8 +241,9 @@ Complete(r) ==
            /\ objEpoch' = Collect(pool, newGen, objEpoch)
            /\ pooled' = pooled \cap Referenced(pool, newGen)
     /\ acked' = [acked EXCEPT ![r] = 0]
+    /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "done"]
-    /\ UNCHANGED <<pool, epoch, faults>>
+    /\ UNCHANGED <<pool, epoch, faults, watched>>
 
 \* Only without an ack (poll() looks at the ack first).  Genuine when the
 \* metadata was lost or the prefill died; spurious otherwise.
@@ -241,19 +252,20 @@ Timeout(r) ==
     /\ acked[r] = 0
     /\ Failure(~Live(r))
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked>>
 
 \* The manager's fan-out: evidence that the prefill r depends on died or
-\* restarted (genuine when r's object is of a dead epoch), or a spurious one.
+\* restarted (genuine when r was marked or its object is of a dead epoch),
+\* or a spurious one.
 PeerLost(r) ==
     /\ rstate[r] \in {"idle", "cached", "waiting"}
-    /\ Failure(rgen[r] # None /\ ~Live(r))
+    /\ Failure(r \in marked \/ (rgen[r] # None /\ ~Live(r)))
     /\ IF rstate[r] = "idle"
           THEN /\ FailEarly(r)
-               /\ UNCHANGED <<pool, epoch, acked>>
+               /\ UNCHANGED <<pool, epoch, acked, watched>>
           ELSE /\ rstate' = [rstate EXCEPT ![r] = "failed"]
                /\ acked' = [acked EXCEPT ![r] = 0]
-               /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled>>
+               /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched, marked>>
 
 \* Drop pool[k] only if it *is* the recorded object (identity, under the lock),
 \* then forget the record.  Bug variants:
@@ -274,8 +286,9 @@ Invalidate(r) ==
            /\ rgen' = newGen
            /\ objEpoch' = Collect(newPool, newGen, objEpoch)
            /\ pooled' = pooled \cap Referenced(newPool, newGen)
+    /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "invalidated"]
-    /\ UNCHANGED <<epoch, faults, acked>>
+    /\ UNCHANGED <<epoch, faults, acked, watched>>
 
 \* The owner gives up: no invalidation.  Bounded by the same budget.
 Abort(r) ==
@@ -288,14 +301,15 @@ Abort(r) ==
            /\ objEpoch' = Collect(pool, newGen, objEpoch)
            /\ pooled' = pooled \cap Referenced(pool, newGen)
     /\ acked' = [acked EXCEPT ![r] = 0]
+    /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "aborted"]
-    /\ UNCHANGED <<pool, epoch>>
+    /\ UNCHANGED <<pool, epoch, watched>>
 
 \* A finished receiver starts its next request (for any key: chosen at lookup).
 NewRequest(r) ==
     /\ rstate[r] \in FinalStates
     /\ rstate' = [rstate EXCEPT ![r] = "idle"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
 -----------------------------------------------------------------------------
 (* Steps other threads take for a receiver: no lifecycle state changes.    *)
@@ -308,7 +322,7 @@ JoinFlight(r, a) ==
     /\ pool[a] = None
     /\ Flight(a)
     /\ rkey' = [rkey EXCEPT ![r] = a]
-    /\ UNCHANGED <<rstate, rgen, pool, objEpoch, epoch, faults, acked, pooled>>
+    /\ UNCHANGED <<rstate, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
 \* The ack listener: the prefill process now running at r's address finished
 \* r's transfer.  Only the epoch r's metadata reached can: a live one.  Bug
@@ -319,7 +333,7 @@ Ack(r) ==
     /\ acked[r] = 0
     /\ Live(r) \/ (Variant = "ReusedPortAcks" /\ Mode = "queueing")
     /\ acked' = [acked EXCEPT ![r] = epoch[rkey[r]] + 1]
-    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, pooled>>
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, pooled, watched, marked>>
 
 -----------------------------------------------------------------------------
 (* Environment actions: no receiver's lifecycle state changes.             *)
@@ -328,7 +342,7 @@ Ack(r) ==
 Restart(a) ==
     /\ epoch[a] < MaxRestarts
     /\ epoch' = [epoch EXCEPT ![a] = @ + 1]
-    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, faults, acked, pooled>>
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, faults, acked, pooled, watched, marked>>
 
 \* The prefill at a restarts and the heartbeat notices: the entries of exactly
 \* address a are dropped.  Bug variant PrefixNodeFailure: key.startswith(addr).
@@ -339,7 +353,7 @@ NodeFailure(a) ==
        IN  /\ pool' = newPool
            /\ objEpoch' = Collect(newPool, rgen, objEpoch)
            /\ pooled' = pooled \cap Referenced(newPool, rgen)
-    /\ UNCHANGED <<rstate, rkey, rgen, faults, acked>>
+    /\ UNCHANGED <<rstate, rkey, rgen, faults, acked, watched, marked>>
 
 \* An observer (the health probe, or a receiver whose fetch answered) saw
 \* instance e answer at a, at some time up to now, after it had seen an older
@@ -356,6 +370,29 @@ RetireInstance(a, e) ==
        IN  /\ pool' = newPool
            /\ objEpoch' = Collect(newPool, rgen, objEpoch)
            /\ pooled' = pooled \cap Referenced(newPool, rgen)
+    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, watched, marked>>
+
+\* The etcd watch delivers the next revision of a's registration, after a delay
+\* (revisions order what instance ids cannot).  Entries fetched at an older
+\* revision are retired, and the fan-out marks every receiver that holds an
+\* object older than it (its owner's next call fails it: PeerLost).  Bug
+\* variant RetireByKey: the event drops pool[a] whatever revision it holds.
+WatchEvent(a) ==
+    /\ Discovery = "etcd"
+    /\ watched[a] < epoch[a]
+    /\ LET w == watched[a] + 1
+           drop == pool[a] # None /\ (Variant = "RetireByKey" \/ objEpoch[pool[a]] < w)
+           newPool == IF drop THEN [pool EXCEPT ![a] = None] ELSE pool
+       IN  /\ watched' = [watched EXCEPT ![a] = w]
+           /\ pool' = newPool
+           /\ objEpoch' = Collect(newPool, rgen, objEpoch)
+           /\ pooled' = pooled \cap Referenced(newPool, rgen)
+           /\ marked' = marked \cup
+                  {r \in Receivers :
+                      /\ rkey[r] = a
+                      /\ rgen[r] # None
+                      /\ rstate[r] \in {"idle", "fetched", "registered", "cached", "waiting"}
+                      /\ objEpoch[rgen[r]] < w}
     /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked>>
 
 -----------------------------------------------------------------------------
@@ -370,6 +407,8 @@ Init ==
     /\ faults = 0
     /\ acked = [r \in Receivers |-> 0]
     /\ pooled = {}
+    /\ watched = [a \in Addrs |-> 0]
+    /\ marked = {}
 
 Next ==
     \/ \E r \in Receivers :
@@ -394,16 +433,18 @@ Next ==
         \/ Restart(a)
         \/ NodeFailure(a)
         \/ \E e \in 0 .. MaxRestarts : RetireInstance(a, e)
+        \/ WatchEvent(a)
 
 \* Fairness.  Spurious failures and aborts are bounded by MaxFaults, and
 \* restarts by MaxRestarts, so every behaviour has only finitely many of them
 \* and weak fairness on each receiver's own steps (every lifecycle step but
-\* Abort and PeerLost, plus the ack of its transfer) suffices for progress.
+\* Abort, plus the ack of its transfer) suffices for progress.
 \* Strong fairness on lookups of each key says every key keeps receiving
 \* requests (from some receiver); without it a stale entry of a key nobody
-\* asks for again would never be evicted.  PeerLost, NodeFailure and
-\* RetireInstance get no fairness: eviction must not rely on a health
-\* monitor or a fan-out being configured.
+\* asks for again would never be evicted.  NodeFailure, RetireInstance and
+\* WatchEvent get no fairness: eviction must not rely on a health monitor,
+\* a fan-out or etcd being there (PeerLost is fair only as one of the owner's
+\* steps: a marked receiver's next call fails it).
 ReceiverStep(r) ==
     \/ \E a \in Addrs : Hit(r, a) \/ Miss(r, a)
     \/ FetchOk(r) \/ FetchFail(r)
@@ -411,6 +452,7 @@ ReceiverStep(r) ==
     \/ Publish(r)
     \/ SendOk(r) \/ SendFail(r)
     \/ Complete(r) \/ Timeout(r)
+    \/ PeerLost(r)
     \/ Invalidate(r)
     \/ NewRequest(r)
     \/ Ack(r)
@@ -436,11 +478,15 @@ TypeOK ==
     /\ faults \in 0 .. MaxFaults
     /\ acked \in [Receivers -> 0 .. (MaxRestarts + 1)]
     /\ pooled \subseteq ObjIds
+    /\ watched \in [Addrs -> 0 .. MaxRestarts]
+    /\ marked \subseteq Receivers
 
 \* POOL-1/POOL-2: a receiver past setup uses a generation that was published,
-\* so other receivers can find it and its own failure can evict it.
+\* so other receivers can find it and its own failure can evict it (or it was
+\* marked failed by the watch, and its next call fails it).
 AdoptionCorrect ==
-    \A r \in Receivers : rstate[r] \in {"cached", "waiting"} => rgen[r] \in pooled
+    \A r \in Receivers :
+        rstate[r] \in {"cached", "waiting"} => (rgen[r] \in pooled \/ r \in marked)
 
 \* POOL-3: a receiver's step removes or replaces a live entry only as the
 \* invalidation of a receiver that holds that very object: a fresh generation
@@ -465,6 +511,14 @@ ExactNodeFailure ==
 \* No request succeeds unless the epoch whose ports it used did its transfer.
 NoStaleSuccess ==
     [][\A r \in Receivers : Complete(r) => acked[r] = objEpoch[rgen[r]] + 1]_vars
+
+\* With etcd: no request starts its transfer on a generation older than the
+\* newest revision the watch has delivered for its address.
+NoStaleStart ==
+    [][\A r \in Receivers :
+          (rstate[r] = "cached" /\ rstate'[r] = "waiting") =>
+              objEpoch[rgen[r]] >= watched[rkey[r]]
+      ]_vars
 
 \* Once restarts stop (they are bounded), a stale entry is eventually evicted.
 StaleEntryEvicted == \A a \in Addrs : Stale(a) ~> ~Stale(a)

@@ -25,6 +25,8 @@ CI_CONFIGS: dict[str, str | None] = {
     "MCPrefixNodeFailure.cfg": "ExactNodeFailure",
     "MCRetireStaleObservation.cfg": "ExactNodeFailure",
     "MCReusedPortAcks.cfg": "NoStaleSuccess",
+    "MCEtcd.cfg": None,
+    "MCEtcdRetireByKey.cfg": "ExactNodeFailure",
 }
 _results: dict[str, tuple[BootstrapCache, Result]] = {}
 
@@ -55,11 +57,18 @@ def test_verdict(name: str) -> None:
     violation = result.first_violation()
     if expected is None:
         assert result.ok and violation is None
-        assert all(result.verdicts.values()) and len(result.verdicts) == 7
+        assert all(result.verdicts.values()) and len(result.verdicts) == 8
     else:
         assert violation is not None and violation.property == expected
         # Safety properties other than the expected one still hold in the variant.
-        safety = ("TypeOK", "AdoptionCorrect", "IdentitySafe", "ExactNodeFailure", "NoStaleSuccess")
+        safety = (
+            "TypeOK",
+            "AdoptionCorrect",
+            "IdentitySafe",
+            "ExactNodeFailure",
+            "NoStaleSuccess",
+            "NoStaleStart",
+        )
         for other in safety:
             if other != expected:
                 assert result.verdicts[other], other
@@ -81,6 +90,7 @@ def _replay(model: BootstrapCache, cex: Counterexample) -> None:
         "MCPrefixNodeFailure.cfg",
         "MCRetireStaleObservation.cfg",
         "MCReusedPortAcks.cfg",
+        "MCEtcdRetireByKey.cfg",
     ],
 )
 def test_safety_counterexample_replays_and_ends_in_the_violation(name: str) -> None:
@@ -178,7 +188,7 @@ GOOD = """
    comment *)
 SPECIFICATION Spec
 CONSTANTS Receivers = {r1, r2}  Addrs = {80, 8000}
-    MaxRestarts = 1 MaxFaults = 0 Mode = "queueing" Variant = "Correct"
+    MaxRestarts = 1 MaxFaults = 0 Mode = "queueing" Discovery = "http" Variant = "Correct"
 INVARIANTS TypeOK
 PROPERTY IdentitySafe StaleEntryEvicted
 CHECK_DEADLOCK FALSE

@@ -32,6 +32,7 @@ def interpreter_for(model: BootstrapCache, text: str = SPEC_TEXT) -> Interpreter
             "MaxRestarts": c.max_restarts,
             "MaxFaults": c.max_faults,
             "Mode": c.mode,
+            "Discovery": c.discovery,
             "Variant": c.variant,
         },
     )
@@ -49,6 +50,8 @@ def to_mirror(model: BootstrapCache, d: Mapping[str, Any]) -> State:
         faults=d["faults"],
         acked=tuple(d["acked"](r) for r in rs),
         pooled=frozenset(d["pooled"]),
+        watched=tuple(d["watched"](a) for a in model.addrs),
+        marked=frozenset(str(r) for r in d["marked"]),
     )
 
 
@@ -97,6 +100,7 @@ def cross_check(model: BootstrapCache, interp: Interpreter, *, fairness: bool) -
         ("MCInvalidateByKey.cfg", True),
         ("MCNoInvalidation.cfg", False),
         ("MCSmall.cfg", False),
+        ("MCEtcd.cfg", True),
     ],
 )
 def test_spec_text_and_mirror_agree(name: str, fairness: bool) -> None:
@@ -121,7 +125,7 @@ def model_states(model: BootstrapCache) -> set[State]:
     "old, new",
     [
         # Publish overwrites instead of setdefault.
-        ("held == IF pool[k] = None THEN rgen[r] ELSE pool[k]", "held == rgen[r]"),
+        ("held == IF pool[k] = None THEN fresh ELSE pool[k]", "held == rgen[r]"),
         # A fetch takes the largest free id instead of the smallest.
         (
             "CHOOSE o \\in free : \\A q \\in free : o <= q",

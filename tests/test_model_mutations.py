@@ -25,7 +25,7 @@ from statemachine.model.mutations import (
 )
 from statemachine.model.spec import BootstrapCache, Constants
 
-CI_CONFIGS = {"MCSmall.cfg", "MCImmediate.cfg", "MCTwoKeys.cfg"}
+CI_CONFIGS = {"MCSmall.cfg", "MCImmediate.cfg", "MCTwoKeys.cfg", "MCEtcd.cfg"}
 
 
 def test_the_table_covers_the_required_mutations() -> None:
@@ -86,6 +86,8 @@ def test_mirror_flag_is_the_text_edit(mutation: SpecMutation) -> None:
     constants = TWO_KEYS if mutation.cfg == "MCTwoKeys.cfg" else SMALL
     if mutation.cfg == "MCImmediate.cfg":
         constants = Constants(("r1", "r2"), (80,), 1, 0, "immediate", "Correct")
+    if mutation.cfg == "MCEtcd.cfg":
+        constants = Constants(("r1", "r2"), (80,), 1, 0, "queueing", "Correct", "etcd")
     model = BootstrapCache(constants, mutation=mutation.name)
     interp = interpreter_for(model, mutated_text(mutation))
     count = cross_check(model, interp, fairness=False)

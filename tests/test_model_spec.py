@@ -47,6 +47,8 @@ def test_tla_files_exist() -> None:
         "MCRetireStaleObservation.cfg",
         "MCReusedPortAcks.cfg",
         "MCTwoKeys.cfg",
+        "MCEtcd.cfg",
+        "MCEtcdRetireByKey.cfg",
     }
 
 

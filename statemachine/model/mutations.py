@@ -37,7 +37,7 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
         "IdentitySafe",
         (
             (
-                "           held == IF pool[k] = None THEN rgen[r] ELSE pool[k]\n",
+                "           held == IF pool[k] = None THEN fresh ELSE pool[k]\n",
                 "           held == rgen[r]\n",
             ),
         ),
@@ -47,7 +47,7 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
         "LoserKeepsOwn",
         "MCSmall.cfg",
         "AdoptionCorrect",
-        (("IF q = r \\/ (rstate[q]", "IF q # r /\\ (rstate[q]"),),
+        (("(q = r \\/ (rstate[q]", "(q # r /\\ (rstate[q]"),),
         "the publish loser keeps its unpublished object: its failure cannot evict the winner",
     ),
     SpecMutation(
@@ -70,10 +70,11 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
             (
                 "    /\\ Failure(~Live(r))\n"
                 '    /\\ rstate\' = [rstate EXCEPT ![r] = "failed"]\n'
-                "    /\\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled>>\n",
+                "    /\\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched,"
+                " marked>>\n",
                 "    /\\ Failure(~Live(r))\n"
                 "    /\\ FailEarly(r)\n"
-                "    /\\ UNCHANGED <<pool, epoch, acked>>\n",
+                "    /\\ UNCHANGED <<pool, epoch, acked, watched>>\n",
             ),
         ),
         "a timeout does not invalidate: in queueing mode stale ports are reused forever",
@@ -150,6 +151,25 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
         "StaleEntryEvicted",
         (("SF_vars(Lookup(a))", "WF_vars(Lookup(a))"),),
         "a key asked for only now and then keeps its stale entry forever",
+    ),
+    SpecMutation(
+        "NoWatermark",
+        "MCEtcd.cfg",
+        "NoStaleStart",
+        (
+            (
+                "           fresh == IF objEpoch[rgen[r]] >= watched[k] THEN rgen[r] ELSE None\n",
+                "           fresh == rgen[r]\n",
+            ),
+        ),
+        "a fetch older than the watch publishes anyway: the next request starts on dead ports",
+    ),
+    SpecMutation(
+        "NoFanOutMark",
+        "MCEtcd.cfg",
+        "NoStaleStart",
+        (("                  {r \\in Receivers :\n", "                  {r \\in {} :\n"),),
+        "the watch retires entries but fails no in-flight receiver: they send to dead ports",
     ),
 )
 

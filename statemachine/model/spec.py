@@ -42,6 +42,8 @@ VARIABLES: tuple[str, ...] = (
     "faults",
     "acked",
     "pooled",
+    "watched",
+    "marked",
 )
 
 MODES: tuple[str, ...] = ("immediate", "queueing")
@@ -52,7 +54,9 @@ VARIANTS: tuple[str, ...] = (
     "PrefixNodeFailure",
     "RetireStaleObservation",
     "ReusedPortAcks",
+    "RetireByKey",
 )
+DISCOVERIES: tuple[str, ...] = ("http", "etcd")
 
 #: Receiver actions: exactly the lifecycle Machine's events, in the order of the spec's ``Next``.
 RECEIVER_ACTIONS: tuple[str, ...] = (
@@ -78,13 +82,18 @@ HELPER_ACTIONS: tuple[str, ...] = ("JoinFlight", "Ack")
 #: Actions that take a receiver and an address.
 KEYED_ACTIONS: frozenset[str] = frozenset({"Hit", "Miss", "JoinFlight"})
 #: Environment actions (first parameter: an address); they change no lifecycle state.
-ENV_ACTIONS: tuple[str, ...] = ("Restart", "NodeFailure", "RetireInstance")
+ENV_ACTIONS: tuple[str, ...] = ("Restart", "NodeFailure", "RetireInstance", "WatchEvent")
 ACTIONS: tuple[str, ...] = RECEIVER_ACTIONS + HELPER_ACTIONS + ENV_ACTIONS
 #: ``ReceiverStep(r)``: the receiver's weakly fair steps.
-RECEIVER_STEP: frozenset[str] = (frozenset(RECEIVER_ACTIONS) - {"Abort", "PeerLost"}) | {"Ack"}
+RECEIVER_STEP: frozenset[str] = (frozenset(RECEIVER_ACTIONS) - {"Abort"}) | {"Ack"}
 
 INVARIANTS: tuple[str, ...] = ("TypeOK", "AdoptionCorrect")
-ACTION_PROPERTIES: tuple[str, ...] = ("IdentitySafe", "ExactNodeFailure", "NoStaleSuccess")
+ACTION_PROPERTIES: tuple[str, ...] = (
+    "IdentitySafe",
+    "ExactNodeFailure",
+    "NoStaleSuccess",
+    "NoStaleStart",
+)
 LIVENESS_PROPERTIES: tuple[str, ...] = ("StaleEntryEvicted", "RequestsSucceed")
 CONSTANTS: tuple[str, ...] = (
     "Receivers",
@@ -92,9 +101,12 @@ CONSTANTS: tuple[str, ...] = (
     "MaxRestarts",
     "MaxFaults",
     "Mode",
+    "Discovery",
     "Variant",
 )
 FLIGHT_STATES = frozenset({"fetching", "fetched", "registered"})
+#: States in which a watch event marks a receiver holding an older object.
+MARKABLE = frozenset({"idle", "fetched", "registered", "cached", "waiting"})
 
 #: Spec mutations the mirror reproduces (see ``statemachine.model.mutations``).
 MUTATIONS: tuple[str, ...] = (
@@ -110,6 +122,8 @@ MUTATIONS: tuple[str, ...] = (
     "NoFairness",
     "UnboundedFaults",
     "WeakFairLookups",
+    "NoWatermark",
+    "NoFanOutMark",
 )
 
 
@@ -125,6 +139,8 @@ class State(NamedTuple):
     faults: int
     acked: tuple[int, ...]
     pooled: frozenset[int]
+    watched: tuple[int, ...]
+    marked: frozenset[str]
 
 
 class Step(NamedTuple):
@@ -147,6 +163,7 @@ class Constants:
     max_faults: int
     mode: str
     variant: str
+    discovery: str = "http"
 
     def __post_init__(self) -> None:
         # The spec's ASSUME, checked the same way.
@@ -162,6 +179,8 @@ class Constants:
             raise ValueError(f"Mode must be one of {MODES}")
         if self.variant not in VARIANTS:
             raise ValueError(f"Variant must be one of {VARIANTS}")
+        if self.discovery not in DISCOVERIES:
+            raise ValueError(f"Discovery must be one of {DISCOVERIES}")
 
 
 def _put(values: tuple[int, ...], index: int, value: int) -> tuple[int, ...]:
@@ -231,6 +250,7 @@ class BootstrapCache:
         self.object_ids = range(1, self.n_objects + 1)
         self.queueing = c.mode == "queueing"
         self.variant = c.variant
+        self.etcd = c.discovery == "etcd"
         self._receiver_table: dict[str, Callable[[State, int], State | None]] = {
             "FetchOk": self.fetch_ok,
             "FetchFail": self.fetch_fail,
@@ -320,8 +340,13 @@ class BootstrapCache:
             rgen=rgen,
             objEpoch=self.collect(s.pool, rgen, s.objEpoch),
             pooled=self.keep_pooled(s.pooled, s.pool, rgen),
+            marked=self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "failed"),
         )
+
+    def unmark(self, marked: frozenset[str], i: int) -> frozenset[str]:
+        r = self.receivers[i]
+        return marked - {r} if r in marked else marked
 
     # --- Init ---------------------------------------------------------------------------------
 
@@ -338,6 +363,8 @@ class BootstrapCache:
                 faults=0,
                 acked=(0,) * nr,
                 pooled=frozenset(),
+                watched=(0,) * na,
+                marked=frozenset(),
             )
         ]
 
@@ -409,29 +436,38 @@ class BootstrapCache:
             return None
         a = s.rkey[i]
         k = self.addr_index[a]
+        own = s.rgen[i]
+        watermark = self.mutation == "NoWatermark" or s.objEpoch[own - 1] >= s.watched[k]
+        fresh = own if watermark else NONE
         if self.mutation == "PublishOverwrites":
-            held = s.rgen[i]
+            held = own
         else:
-            held = s.rgen[i] if s.pool[k] == NONE else s.pool[k]
+            held = fresh if s.pool[k] == NONE else s.pool[k]
         keep_own = self.mutation == "LoserKeepsOwn"
         pool = _put(s.pool, k, held)
         rgen = tuple(
             held
-            if (q == i and not keep_own)
-            or (q != i and s.rstate[q] == "idle" and s.rkey[q] == a and s.rgen[q] == NONE)
+            if held != NONE
+            and (
+                (q == i and not keep_own)
+                or (q != i and s.rstate[q] == "idle" and s.rkey[q] == a and s.rgen[q] == NONE)
+            )
             else g
             for q, g in enumerate(s.rgen)
         )
+        published = s.pooled | {held} if held != NONE else s.pooled
         return s._replace(
             pool=pool,
             rgen=rgen,
             objEpoch=self.collect(pool, rgen, s.objEpoch),
-            pooled=self.keep_pooled(s.pooled | {held}, pool, rgen),
+            pooled=self.keep_pooled(published, pool, rgen),
             rstate=_put_state(s.rstate, i, "cached"),
         )
 
     def send_ok(self, s: State, i: int) -> State | None:
-        if s.rstate[i] != "cached" or not (self.queueing or self.live(s, i)):
+        if s.rstate[i] != "cached" or self.receivers[i] in s.marked:
+            return None
+        if not (self.queueing or self.live(s, i)):
             return None
         return s._replace(rstate=_put_state(s.rstate, i, "waiting"))
 
@@ -459,6 +495,7 @@ class BootstrapCache:
             objEpoch=self.collect(s.pool, rgen, s.objEpoch),
             pooled=self.keep_pooled(s.pooled, s.pool, rgen),
             acked=_put(s.acked, i, 0),
+            marked=self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "done"),
         )
 
@@ -476,7 +513,8 @@ class BootstrapCache:
         state = s.rstate[i]
         if state not in ("idle", "cached", "waiting"):
             return None
-        faults = self.failure(s, s.rgen[i] != NONE and not self.live(s, i))
+        genuine = self.receivers[i] in s.marked or (s.rgen[i] != NONE and not self.live(s, i))
+        faults = self.failure(s, genuine)
         if faults is None:
             return None
         if state == "idle":
@@ -504,6 +542,7 @@ class BootstrapCache:
             rgen=rgen,
             objEpoch=self.collect(pool, rgen, s.objEpoch),
             pooled=self.keep_pooled(s.pooled, pool, rgen),
+            marked=self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "invalidated"),
         )
 
@@ -521,6 +560,7 @@ class BootstrapCache:
             objEpoch=self.collect(s.pool, rgen, s.objEpoch),
             pooled=self.keep_pooled(s.pooled, s.pool, rgen),
             acked=_put(s.acked, i, 0),
+            marked=self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "aborted"),
         )
 
@@ -582,6 +622,32 @@ class BootstrapCache:
             pooled=self.keep_pooled(s.pooled, pool, s.rgen),
         )
 
+    def watch_event(self, s: State, j: int) -> State | None:
+        if not self.etcd or s.watched[j] >= s.epoch[j]:
+            return None
+        w = s.watched[j] + 1
+        o = s.pool[j]
+        drop = o != NONE and (self.variant == "RetireByKey" or s.objEpoch[o - 1] < w)
+        pool = _put(s.pool, j, NONE) if drop else s.pool
+        a = self.addrs[j]
+        marked = s.marked
+        if self.mutation != "NoFanOutMark":
+            marked = marked | {
+                r
+                for i, r in enumerate(self.receivers)
+                if s.rkey[i] == a
+                and s.rgen[i] != NONE
+                and s.rstate[i] in MARKABLE
+                and s.objEpoch[s.rgen[i] - 1] < w
+            }
+        return s._replace(
+            watched=_put(s.watched, j, w),
+            pool=pool,
+            objEpoch=self.collect(pool, s.rgen, s.objEpoch),
+            pooled=self.keep_pooled(s.pooled, pool, s.rgen),
+            marked=marked if marked != s.marked else s.marked,
+        )
+
     # --- Next -----------------------------------------------------------------------------
 
     def apply(self, s: State, step: Step) -> State | None:
@@ -598,10 +664,15 @@ class BootstrapCache:
             if step.action in self._receiver_table:
                 (r,) = step.params
                 return self._receiver_table[step.action](s, self.receivers.index(str(r)))
-            if step.action in ("Restart", "NodeFailure"):
+            if step.action in ("Restart", "NodeFailure", "WatchEvent"):
                 (a,) = step.params
                 j = self.addr_index[int(a)]
-                return self.restart(s, j) if step.action == "Restart" else self.node_failure(s, j)
+                env = {
+                    "Restart": self.restart,
+                    "NodeFailure": self.node_failure,
+                    "WatchEvent": self.watch_event,
+                }
+                return env[step.action](s, j)
             if step.action == "RetireInstance":
                 a, e = step.params
                 e = int(e)
@@ -643,6 +714,9 @@ class BootstrapCache:
                 t = self.retire_instance(s, j, e)
                 if t is not None:
                     yield Step("RetireInstance", (a, e)), t
+            t = self.watch_event(s, j)
+            if t is not None:
+                yield Step("WatchEvent", (a,)), t
 
     # --- invariants and properties ---------------------------------------------------------
 
@@ -661,12 +735,14 @@ class BootstrapCache:
             and 0 <= s.faults <= c.max_faults
             and all(0 <= x <= c.max_restarts + 1 for x in s.acked)
             and s.pooled <= set(self.object_ids)
+            and all(0 <= w <= c.max_restarts for w in s.watched)
+            and s.marked <= set(self.receivers)
         )
 
     def adoption_correct(self, s: State) -> bool:
         return all(
-            st not in ("cached", "waiting") or g in s.pooled
-            for st, g in zip(s.rstate, s.rgen, strict=True)
+            st not in ("cached", "waiting") or g in s.pooled or r in s.marked
+            for r, st, g in zip(self.receivers, s.rstate, s.rgen, strict=True)
         )
 
     def identity_safe(self, s: State, t: State) -> bool:
@@ -703,6 +779,14 @@ class BootstrapCache:
                 return False
         return True
 
+    def no_stale_start(self, s: State, t: State) -> bool:
+        for i in range(len(self.receivers)):
+            if s.rstate[i] == "cached" and t.rstate[i] == "waiting":
+                j = self.addr_index[s.rkey[i]]
+                if s.objEpoch[s.rgen[i] - 1] < s.watched[j]:
+                    return False
+        return True
+
     def invariant(self, name: str) -> StatePredicate:
         table: dict[str, StatePredicate] = {
             "TypeOK": self.type_ok,
@@ -715,6 +799,7 @@ class BootstrapCache:
             "IdentitySafe": self.identity_safe,
             "ExactNodeFailure": self.exact_node_failure,
             "NoStaleSuccess": self.no_stale_success,
+            "NoStaleStart": self.no_stale_start,
         }
         return table[name]
 
@@ -767,7 +852,7 @@ class BootstrapCache:
     def _domain(self, var: str) -> tuple[str | int, ...]:
         if var in ("rstate", "rkey", "rgen", "acked"):
             return self.receivers
-        if var in ("pool", "epoch"):
+        if var in ("pool", "epoch", "watched"):
             return self.addrs
         return tuple(self.object_ids)
 
