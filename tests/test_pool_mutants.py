@@ -137,8 +137,13 @@ def test_stress_accounting_catches_mutant(name: str, mutant_dir: Path) -> None:
     of publish races; 3 of 3 seeds caught each of these mutants.)
     """
     module = mutants.load_module(mutant_dir / f"pool_{name}.py")
-    with pytest.raises(AssertionError):
-        stress.check_accounting(stress.run_stress(module))
+    # Under a loaded machine a run interleaves less; a mutant must be caught within 3 seeds.
+    for seed in (0, 1, 2):
+        try:
+            stress.check_accounting(stress.run_stress(module, seed=seed))
+        except AssertionError:
+            return
+    pytest.fail(f"mutant {name} survived 3 seeds of the stress test")
 
 
 @pytest.mark.parametrize("name", ["eq_not_is", "value_generation_only", "prefix_retire"])
