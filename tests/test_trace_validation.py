@@ -426,3 +426,82 @@ def test_stress_trace_has_retirements_and_the_old_rule_is_rejected(tmp_path: Pat
         stress.run_stress(mutant, seed=5)
     report = validate(read_trace(path))
     assert report.violation is not None and report.violation.rule == "ExactNodeFailure"
+
+
+def _multi_key_workload(pool_module: Any, seed: int) -> None:
+    """Four threads run two-key requests (cp ranks 0 and 1 of one address) on one pool while a
+    restarter moves the instance on: partial hits, one publish per missing key, and on a
+    failure one invalidation of every recorded key, the hit ones included."""
+    import random
+    import threading
+
+    pool = pool_module.BootstrapPool()
+    keys = [pool_module.PoolKey("h:80", 0, cp, 0) for cp in (0, 1)]
+    current = {"instance": "h:80#0"}
+    done = threading.Event()
+
+    def request_loop(rng: random.Random) -> None:
+        for _ in range(3000):
+            if done.is_set():
+                return
+            entries = {}
+            for key in keys:
+                held = pool.lookup(key)
+                if held is None:
+                    instance = current["instance"]
+                    fresh = pool_module.Generation(
+                        (pool_module.RankInfo("10.0.0.9", 17000, 0),), instance
+                    )
+                    held = pool.publish(key, fresh)
+                entries[key] = held
+            stale = any(g.instance_id != current["instance"] for g in entries.values())
+            if stale or rng.random() < 0.05:
+                pool.invalidate(entries)
+
+    def restarter() -> None:
+        for epoch in range(1, 200):
+            if done.wait(0.002):
+                return
+            current["instance"] = f"h:80#{epoch}"
+
+    threads = [
+        threading.Thread(target=request_loop, args=(random.Random(seed * 10 + n),))
+        for n in range(4)
+    ]
+    restart = threading.Thread(target=restarter)
+    restart.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    done.set()
+    restart.join(30)
+
+
+def test_threaded_multi_key_trace_is_allowed_and_by_key_deletion_is_caught(
+    tmp_path: Path,
+) -> None:
+    partial = False
+    for seed in range(1, 6):  # every trace must validate; one must show a partial removal
+        with trace.tracing(tmp_path / f"multi{seed}.ndjson") as path:
+            _multi_key_workload(pool_module, seed=seed)
+        events = read_trace(path)
+        report = validate(events)
+        assert report.ok, report.violation
+        invalidations = [e for e in events if e["action"] == "PoolInvalidate"]
+        assert sum(len(e["entries"]) == 2 for e in invalidations) > 10
+        # One key already dropped or replaced by another thread, the other still recorded.
+        partial = partial or any(e["removed"] == 1 for e in invalidations)
+        if partial:
+            break
+    assert partial, "no invalidation met one replaced and one recorded key"
+    mutants.write_mutant(mutants.BY_NAME["delete_by_key"], tmp_path)
+    mutant = mutants.load_module(tmp_path / "pool_delete_by_key.py")
+    for seed in (1, 2, 3):
+        with trace.tracing(tmp_path / f"mutant{seed}.ndjson") as path:
+            _multi_key_workload(mutant, seed=seed)
+        report = validate(read_trace(path))
+        if report.violation is not None:
+            assert report.violation.rule == "IdentitySafe"
+            return
+    pytest.fail("the by-key pool's multi-key traces were all accepted")
