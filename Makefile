@@ -44,7 +44,10 @@ crosshair: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
-# TLC is not installable from the registries CI reaches; run it where a user has the jar.
+# TLC is not installable from the registries CI reaches; run it where a user has the jar
+# (TLA2TOOLS_JAR=/path/to/tla2tools.jar make tlc): every cfg, MCLarge included, and every spec
+# mutation, compared with the mirror. Without the variable it says TLC was skipped. `make test`
+# runs the same comparison without MCLarge (tests/test_model_tlc.py) when the variable is set.
 tlc: $(STAMP)
 	$(PY) -m statemachine.model.tlc
 

@@ -8,20 +8,25 @@
 (* which epoch of the prefill's ports it holds.  A prefill restart starts  *)
 (* a new epoch: every port of an older epoch is dead while the key stays   *)
 (* the same.  The receiver actions are exactly the events of the receiver  *)
-(* lifecycle Machine (statemachine/lifecycle.py); Restart, NodeFailure and *)
-(* RetireInstance are environment actions that change no receiver state.   *)
+(* lifecycle Machine (statemachine/lifecycle.py).  JoinFlight and Ack are  *)
+(* steps of other threads on a receiver's behalf (the single-flight        *)
+(* registry, the ack listener) and change no lifecycle state; Restart,     *)
+(* NodeFailure, RetireInstance and WatchEvent are environment actions.     *)
 (*                                                                         *)
 (* The Python mirror statemachine/model/spec.py has the same variables,    *)
 (* actions and property names, and must find the same distinct states.    *)
 (*                                                                         *)
 (* Abstractions (see spec/model.md):                                       *)
-(*  - one key per bootstrap address, and a request sets up one key;        *)
+(*  - one key per bootstrap address, and a request sets up one key (the    *)
+(*    argument that one key per request suffices is in spec/model.md);     *)
 (*  - an address is a port number p, standing for "host:p" on one host, so *)
 (*    "host:80" is a string prefix of "host:8000" exactly when 80 is a     *)
 (*    decimal prefix of 8000;                                              *)
-(*  - a restart is atomic (die and come back in one step);                 *)
+(*  - a restart is atomic (die and come back in one step); the heartbeat   *)
+(*    declares a node dead only in the step its process restarts;          *)
+(*  - instance ids are epochs: the instance answering at a is epoch[a];    *)
 (*  - object ids are recycled: a fetch takes the smallest id nothing       *)
-(*    references, and the data of unreferenced ids is reset to 0, so every *)
+(*    references, and the data of unreferenced ids is reset, so every      *)
 (*    state has one canonical representation.                              *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
@@ -32,7 +37,11 @@ CONSTANTS
     MaxRestarts,  \* restarts per address
     MaxFaults,    \* budget of spurious failures and aborts (see Fairness)
     Mode,         \* ZMQ send semantics: "immediate" or "queueing"
-    Variant       \* "Correct" or a bug variant (see Invalidate, NodeFailure)
+    Discovery,    \* where rank infos come from: "http" (bootstrap server) or "etcd" (watched)
+    Variant       \* "Correct" or a bug variant (see Invalidate, NodeFailure, ...)
+
+Variants == {"Correct", "NoInvalidation", "InvalidateByKey", "PrefixNodeFailure",
+             "RetireStaleObservation", "ReusedPortAcks", "RetireByKey"}
 
 ASSUME
     /\ Receivers # {}
@@ -41,29 +50,35 @@ ASSUME
     /\ MaxRestarts \in Nat
     /\ MaxFaults \in Nat
     /\ Mode \in {"immediate", "queueing"}
-    /\ Variant \in {"Correct", "NoInvalidation", "InvalidateByKey", "PrefixNodeFailure"}
+    /\ Discovery \in {"http", "etcd"}
+    /\ Variant \in Variants
 
 VARIABLES
     rstate,    \* rstate[r]: lifecycle state of receiver r
-    rkey,      \* rkey[r]: the key (address) r set up, or None
-    rgen,      \* rgen[r]: the object r holds and has recorded for rkey[r], or None
+    rkey,      \* rkey[r]: the key (address) r set up or follows, or None
+    rgen,      \* rgen[r]: the object r holds (its fetch, its record, or its flight's), or None
     pool,      \* pool[a]: the object cached for key a, or None
     objEpoch,  \* objEpoch[o]: the prefill epoch whose ports object o holds
     epoch,     \* epoch[a]: the current epoch (restart count) of the prefill at a
-    faults     \* spurious failures and aborts so far
+    faults,    \* spurious failures and aborts so far
+    acked,     \* acked[r]: 0, or 1 + the epoch of the prefill process that acked r's transfer
+    pooled,    \* history: the referenced objects that have been published to the pool
+    watched,   \* watched[a]: the newest revision (epoch) of a the etcd watch has delivered
+    marked     \* receivers the fan-out marked failed (their owner's next call fails them)
 
-vars == <<rstate, rkey, rgen, pool, objEpoch, epoch, faults>>
+vars == <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
 None == 0
 
 \* Enough ids that a fetch always finds a free one: the pool holds at most one
-\* object per address and every other receiver at most one.
+\* object per address and every receiver at most one.
 ObjIds == 1 .. (Cardinality(Addrs) + Cardinality(Receivers))
 
 LifecycleStates == {"idle", "fetching", "fetched", "registered", "cached",
                     "waiting", "done", "failed", "invalidated", "aborted"}
 ActiveStates == {"idle", "fetching", "fetched", "registered", "cached", "waiting"}
 FinalStates == {"done", "invalidated", "aborted"}
+FlightStates == {"fetching", "fetched", "registered"}
 
 \* Objects referenced by the pool or by a receiver.
 Referenced(p, g) == ({p[a] : a \in Addrs} \cup {g[r] : r \in Receivers}) \ {None}
@@ -79,6 +94,15 @@ FreeId ==
 \* r holds ports of the prefill's current epoch: its sends reach a live process.
 Live(r) == objEpoch[rgen[r]] = epoch[rkey[r]]
 
+LiveEntry(a) == pool[a] # None /\ objEpoch[pool[a]] = epoch[a]
+Stale(a) == pool[a] # None /\ objEpoch[pool[a]] < epoch[a]
+
+\* A fetch for key a is running (its leader has not yet published or failed).
+Flight(a) == \E q \in Receivers : rstate[q] \in FlightStates /\ rkey[q] = a
+
+\* r waits, idle, on the flight for rkey[r], and that flight ended without a generation.
+Orphan(r) == rstate[r] = "idle" /\ rkey[r] # None /\ rgen[r] = None /\ ~Flight(rkey[r])
+
 \* A failure is genuine when the environment forces it; otherwise it is spurious
 \* (flaky fetch, slow prefill hitting the timeout, lost send) and spends budget.
 Failure(genuine) ==
@@ -93,104 +117,155 @@ DigitPrefix(p, n) == \E k \in 0 .. 9 : n \div (10 ^ k) = p
 DropsOnFailure(a, b) ==
     IF Variant = "PrefixNodeFailure" THEN DigitPrefix(a, b) ELSE a = b
 
+\* r fails before holding a generation it recorded (idle or fetching): it
+\* forgets its key and object, so its invalidation drops nothing.
+FailEarly(r) ==
+    LET newKey == [rkey EXCEPT ![r] = None]
+        newGen == [rgen EXCEPT ![r] = None]
+    IN  /\ rkey' = newKey
+        /\ rgen' = newGen
+        /\ objEpoch' = Collect(pool, newGen, objEpoch)
+        /\ pooled' = pooled \cap Referenced(pool, newGen)
+        /\ marked' = marked \ {r}
+        /\ rstate' = [rstate EXCEPT ![r] = "failed"]
+
 -----------------------------------------------------------------------------
 (* Receiver actions: one per lifecycle event.                              *)
 
+\* A lookup hit, or (a follower) the generation its flight's leader published.
 Hit(r, a) ==
     /\ rstate[r] = "idle"
-    /\ pool[a] # None
+    /\ IF rkey[r] = None
+          THEN /\ pool[a] # None
+               /\ rgen' = [rgen EXCEPT ![r] = pool[a]]
+          ELSE /\ rkey[r] = a
+               /\ rgen[r] # None
+               /\ rgen' = rgen
     /\ rstate' = [rstate EXCEPT ![r] = "cached"]
     /\ rkey' = [rkey EXCEPT ![r] = a]
-    /\ rgen' = [rgen EXCEPT ![r] = pool[a]]
-    /\ UNCHANGED <<pool, objEpoch, epoch, faults>>
+    /\ UNCHANGED <<pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
+\* The fetch begins: its object remembers the epoch that answers first.
 Miss(r, a) ==
     /\ rstate[r] = "idle"
+    /\ rkey[r] = None
     /\ pool[a] = None
+    /\ LET o == FreeId
+       IN  /\ rgen' = [rgen EXCEPT ![r] = o]
+           /\ objEpoch' = [objEpoch EXCEPT ![o] = epoch[a]]
     /\ rstate' = [rstate EXCEPT ![r] = "fetching"]
     /\ rkey' = [rkey EXCEPT ![r] = a]
-    /\ UNCHANGED <<rgen, pool, objEpoch, epoch, faults>>
+    /\ UNCHANGED <<pool, epoch, faults, acked, pooled, watched, marked>>
 
 \* The fetch runs outside any lock; it returns the ports of the current epoch.
 FetchOk(r) ==
     /\ rstate[r] = "fetching"
-    /\ LET o == FreeId
-       IN  /\ rgen' = [rgen EXCEPT ![r] = o]
-           /\ objEpoch' = [objEpoch EXCEPT ![o] = epoch[rkey[r]]]
+    /\ objEpoch' = [objEpoch EXCEPT ![rgen[r]] = epoch[rkey[r]]]
     /\ rstate' = [rstate EXCEPT ![r] = "fetched"]
-    /\ UNCHANGED <<rkey, pool, epoch, faults>>
+    /\ UNCHANGED <<rkey, rgen, pool, epoch, faults, acked, pooled, watched, marked>>
 
-\* From idle too: resolving the prefill dp rank is a bootstrap query.  The
-\* prefill is never down in a state (restarts are atomic): always spurious.
+\* From idle: resolving the dp rank failed or a follower's deadline passed
+\* (spurious), or the flight r follows failed (genuine).  From fetching:
+\* genuine when the prefill restarted since the fetch began (two rank
+\* queries answered by two instances), spurious otherwise.
 FetchFail(r) ==
     /\ rstate[r] \in {"idle", "fetching"}
-    /\ Failure(FALSE)
-    /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-    /\ rkey' = [rkey EXCEPT ![r] = None]
-    /\ UNCHANGED <<rgen, pool, objEpoch, epoch>>
+    /\ Failure(IF rstate[r] = "idle" THEN Orphan(r) ELSE objEpoch[rgen[r]] < epoch[rkey[r]])
+    /\ FailEarly(r)
+    /\ UNCHANGED <<pool, epoch, acked, watched>>
 
 \* Registering KV args with every rank.  In queueing mode a dead port takes
-\* the message silently and loses it.
+\* the message silently.
 RegisterOk(r) ==
     /\ rstate[r] = "fetched"
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "registered"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
 RegisterFail(r) ==
     /\ rstate[r] = "fetched"
     /\ Failure(Mode = "immediate" /\ ~Live(r))
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked>>
 
 \* pool.setdefault(key, fresh): publish when empty, else adopt the winner
-\* (and record it in place of the fresh object).
+\* (and record it in place of the fresh object).  The followers of the key
+\* are handed what the pool holds now.  Watermark: a fresh object older than
+\* the newest revision the watch delivered is not published (its receiver was
+\* marked by that watch event and keeps it only until it fails).
 Publish(r) ==
     /\ rstate[r] = "registered"
     /\ LET k == rkey[r]
-           held == IF pool[k] = None THEN rgen[r] ELSE pool[k]
+           fresh == IF objEpoch[rgen[r]] >= watched[k] THEN rgen[r] ELSE None
+           held == IF pool[k] = None THEN fresh ELSE pool[k]
            newPool == [pool EXCEPT ![k] = held]
-           newGen == [rgen EXCEPT ![r] = held]
+           newGen == [q \in Receivers |->
+                        IF held # None /\ (q = r \/ (rstate[q] = "idle" /\ rkey[q] = k
+                                                     /\ rgen[q] = None))
+                           THEN held ELSE rgen[q]]
        IN  /\ pool' = newPool
            /\ rgen' = newGen
            /\ objEpoch' = Collect(newPool, newGen, objEpoch)
+           /\ pooled' = (pooled \cup ({held} \ {None})) \cap Referenced(newPool, newGen)
     /\ rstate' = [rstate EXCEPT ![r] = "cached"]
-    /\ UNCHANGED <<rkey, epoch, faults>>
+    /\ UNCHANGED <<rkey, epoch, faults, acked, watched, marked>>
 
-\* Per-request metadata.  Queueing mode: a dead port swallows it.
+\* Per-request metadata.  Queueing mode: a dead port takes it silently.
 SendOk(r) ==
     /\ rstate[r] = "cached"
+    /\ r \notin marked
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "waiting"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
+\* From idle (no key yet): send_metadata before a successful init.
 SendFail(r) ==
-    /\ rstate[r] = "cached"
-    /\ Failure(Mode = "immediate" /\ ~Live(r))
-    /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch>>
+    \/ /\ rstate[r] = "idle"
+       /\ rkey[r] = None
+       /\ Failure(FALSE)
+       /\ FailEarly(r)
+       /\ UNCHANGED <<pool, epoch, acked, watched>>
+    \/ /\ rstate[r] = "cached"
+       /\ Failure(Mode = "immediate" /\ ~Live(r))
+       /\ rstate' = [rstate EXCEPT ![r] = "failed"]
+       /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked>>
 
-\* The transfer completes only if the metadata reached a live prefill of the
-\* epoch r's ports belong to.  Epochs only grow and an object's epoch was
-\* current when fetched, so "live now" implies "live when the metadata was
-\* sent": no extra variable is needed to remember delivery.
+\* poll() completes on the ack flag, whenever the ack listener set it.
 Complete(r) ==
     /\ rstate[r] = "waiting"
-    /\ Live(r)
+    /\ acked[r] # 0
     /\ LET newKey == [rkey EXCEPT ![r] = None]
            newGen == [rgen EXCEPT ![r] = None]
        IN  /\ rkey' = newKey
            /\ rgen' = newGen
            /\ objEpoch' = Collect(pool, newGen, objEpoch)
+           /\ pooled' = pooled \cap Referenced(pool, newGen)
+    /\ acked' = [acked EXCEPT ![r] = 0]
+    /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "done"]
-    /\ UNCHANGED <<pool, epoch, faults>>
+    /\ UNCHANGED <<pool, epoch, faults, watched>>
 
-\* Genuine when the metadata was lost or the prefill died; spurious otherwise.
+\* Only without an ack (poll() looks at the ack first).  Genuine when the
+\* metadata was lost or the prefill died; spurious otherwise.
 Timeout(r) ==
     /\ rstate[r] = "waiting"
+    /\ acked[r] = 0
     /\ Failure(~Live(r))
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked>>
+
+\* The manager's fan-out: evidence that the prefill r depends on died or
+\* restarted (genuine when r was marked or its object is of a dead epoch),
+\* or a spurious one.
+PeerLost(r) ==
+    /\ rstate[r] \in {"idle", "cached", "waiting"}
+    /\ Failure(r \in marked \/ (rgen[r] # None /\ ~Live(r)))
+    /\ IF rstate[r] = "idle"
+          THEN /\ FailEarly(r)
+               /\ UNCHANGED <<pool, epoch, acked, watched>>
+          ELSE /\ rstate' = [rstate EXCEPT ![r] = "failed"]
+               /\ acked' = [acked EXCEPT ![r] = 0]
+               /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched, marked>>
 
 \* Drop pool[k] only if it *is* the recorded object (identity, under the lock),
 \* then forget the record.  Bug variants:
@@ -210,8 +285,10 @@ Invalidate(r) ==
            /\ rkey' = newKey
            /\ rgen' = newGen
            /\ objEpoch' = Collect(newPool, newGen, objEpoch)
+           /\ pooled' = pooled \cap Referenced(newPool, newGen)
+    /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "invalidated"]
-    /\ UNCHANGED <<epoch, faults>>
+    /\ UNCHANGED <<epoch, faults, acked, watched>>
 
 \* The owner gives up: no invalidation.  Bounded by the same budget.
 Abort(r) ==
@@ -222,41 +299,101 @@ Abort(r) ==
        IN  /\ rkey' = newKey
            /\ rgen' = newGen
            /\ objEpoch' = Collect(pool, newGen, objEpoch)
+           /\ pooled' = pooled \cap Referenced(pool, newGen)
+    /\ acked' = [acked EXCEPT ![r] = 0]
+    /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "aborted"]
-    /\ UNCHANGED <<pool, epoch>>
+    /\ UNCHANGED <<pool, epoch, watched>>
 
 \* A finished receiver starts its next request (for any key: chosen at lookup).
 NewRequest(r) ==
     /\ rstate[r] \in FinalStates
     /\ rstate' = [rstate EXCEPT ![r] = "idle"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
+
+-----------------------------------------------------------------------------
+(* Steps other threads take for a receiver: no lifecycle state changes.    *)
+
+\* Single flight: an idle receiver that misses while a fetch for the key runs
+\* waits for that flight instead of fetching (it stays idle).
+JoinFlight(r, a) ==
+    /\ rstate[r] = "idle"
+    /\ rkey[r] = None
+    /\ pool[a] = None
+    /\ Flight(a)
+    /\ rkey' = [rkey EXCEPT ![r] = a]
+    /\ UNCHANGED <<rstate, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
+
+\* The ack listener: the prefill process now running at r's address finished
+\* r's transfer.  Only the epoch r's metadata reached can: a live one.  Bug
+\* variant ReusedPortAcks: in queueing mode the frames queued for a dead port
+\* reach a new process that bound the same port, and it acks.
+Ack(r) ==
+    /\ rstate[r] = "waiting"
+    /\ acked[r] = 0
+    /\ Live(r) \/ (Variant = "ReusedPortAcks" /\ Mode = "queueing")
+    /\ acked' = [acked EXCEPT ![r] = epoch[rkey[r]] + 1]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, pooled, watched, marked>>
 
 -----------------------------------------------------------------------------
 (* Environment actions: no receiver's lifecycle state changes.             *)
 
-\* The prefill at a restarts: a new epoch; every port of older epochs is dead.
+\* The prefill at a restarts unnoticed: a new epoch; older ports are dead.
 Restart(a) ==
     /\ epoch[a] < MaxRestarts
     /\ epoch' = [epoch EXCEPT ![a] = @ + 1]
-    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, faults>>
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, faults, acked, pooled, watched, marked>>
 
-\* The heartbeat declares a dead and drops the entries of exactly address a.
-\* Bug variant PrefixNodeFailure: SGLang's key.startswith(addr).
+\* The prefill at a restarts and the heartbeat notices: the entries of exactly
+\* address a are dropped.  Bug variant PrefixNodeFailure: key.startswith(addr).
 NodeFailure(a) ==
+    /\ epoch[a] < MaxRestarts
+    /\ epoch' = [epoch EXCEPT ![a] = @ + 1]
     /\ LET newPool == [b \in Addrs |-> IF DropsOnFailure(a, b) THEN None ELSE pool[b]]
        IN  /\ pool' = newPool
            /\ objEpoch' = Collect(newPool, rgen, objEpoch)
-    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults>>
+           /\ pooled' = pooled \cap Referenced(newPool, rgen)
+    /\ UNCHANGED <<rstate, rkey, rgen, faults, acked, watched, marked>>
 
-\* The bootstrap server answers with a new instance id: entries fetched from an
-\* older instance are dropped (POOL-6).
-RetireInstance(a) ==
+\* An observer (the health probe, or a receiver whose fetch answered) saw
+\* instance e answer at a, at some time up to now, after it had seen an older
+\* instance there: it retires the entries of that older instance (POOL-6).
+\* Bug variant RetireStaleObservation: the code before this rule dropped every
+\* entry whose instance differs from e, although e may be stale by now.
+RetireInstance(a, e) ==
+    /\ e <= epoch[a]
     /\ pool[a] # None
-    /\ objEpoch[pool[a]] < epoch[a]
+    /\ IF Variant = "RetireStaleObservation"
+          THEN objEpoch[pool[a]] # e
+          ELSE objEpoch[pool[a]] < e
     /\ LET newPool == [pool EXCEPT ![a] = None]
        IN  /\ pool' = newPool
            /\ objEpoch' = Collect(newPool, rgen, objEpoch)
-    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults>>
+           /\ pooled' = pooled \cap Referenced(newPool, rgen)
+    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, watched, marked>>
+
+\* The etcd watch delivers the next revision of a's registration, after a delay
+\* (revisions order what instance ids cannot).  Entries fetched at an older
+\* revision are retired, and the fan-out marks every receiver that holds an
+\* object older than it (its owner's next call fails it: PeerLost).  Bug
+\* variant RetireByKey: the event drops pool[a] whatever revision it holds.
+WatchEvent(a) ==
+    /\ Discovery = "etcd"
+    /\ watched[a] < epoch[a]
+    /\ LET w == watched[a] + 1
+           drop == pool[a] # None /\ (Variant = "RetireByKey" \/ objEpoch[pool[a]] < w)
+           newPool == IF drop THEN [pool EXCEPT ![a] = None] ELSE pool
+       IN  /\ watched' = [watched EXCEPT ![a] = w]
+           /\ pool' = newPool
+           /\ objEpoch' = Collect(newPool, rgen, objEpoch)
+           /\ pooled' = pooled \cap Referenced(newPool, rgen)
+           /\ marked' = marked \cup
+                  {r \in Receivers :
+                      /\ rkey[r] = a
+                      /\ rgen[r] # None
+                      /\ rstate[r] \in {"idle", "fetched", "registered", "cached", "waiting"}
+                      /\ objEpoch[rgen[r]] < w}
+    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked>>
 
 -----------------------------------------------------------------------------
 
@@ -268,6 +405,10 @@ Init ==
     /\ objEpoch = [o \in ObjIds |-> 0]
     /\ epoch = [a \in Addrs |-> 0]
     /\ faults = 0
+    /\ acked = [r \in Receivers |-> 0]
+    /\ pooled = {}
+    /\ watched = [a \in Addrs |-> 0]
+    /\ marked = {}
 
 Next ==
     \/ \E r \in Receivers :
@@ -282,23 +423,28 @@ Next ==
         \/ SendFail(r)
         \/ Complete(r)
         \/ Timeout(r)
+        \/ PeerLost(r)
         \/ Invalidate(r)
         \/ Abort(r)
         \/ NewRequest(r)
+        \/ \E a \in Addrs : JoinFlight(r, a)
+        \/ Ack(r)
     \/ \E a \in Addrs :
         \/ Restart(a)
         \/ NodeFailure(a)
-        \/ RetireInstance(a)
+        \/ \E e \in 0 .. MaxRestarts : RetireInstance(a, e)
+        \/ WatchEvent(a)
 
 \* Fairness.  Spurious failures and aborts are bounded by MaxFaults, and
 \* restarts by MaxRestarts, so every behaviour has only finitely many of them
-\* and weak fairness on each receiver's own steps (everything but Abort)
-\* suffices for progress: no strong fairness on success branches is needed.
+\* and weak fairness on each receiver's own steps (every lifecycle step but
+\* Abort, plus the ack of its transfer) suffices for progress.
 \* Strong fairness on lookups of each key says every key keeps receiving
 \* requests (from some receiver); without it a stale entry of a key nobody
-\* asks for again would never be evicted.  NodeFailure and RetireInstance get
-\* no fairness: the heartbeat never fails behind a stable service address, so
-\* eviction must not rely on them.
+\* asks for again would never be evicted.  NodeFailure, RetireInstance and
+\* WatchEvent get no fairness: eviction must not rely on a health monitor,
+\* a fan-out or etcd being there (PeerLost is fair only as one of the owner's
+\* steps: a marked receiver's next call fails it).
 ReceiverStep(r) ==
     \/ \E a \in Addrs : Hit(r, a) \/ Miss(r, a)
     \/ FetchOk(r) \/ FetchFail(r)
@@ -306,8 +452,10 @@ ReceiverStep(r) ==
     \/ Publish(r)
     \/ SendOk(r) \/ SendFail(r)
     \/ Complete(r) \/ Timeout(r)
+    \/ PeerLost(r)
     \/ Invalidate(r)
     \/ NewRequest(r)
+    \/ Ack(r)
 
 Lookup(a) == \E r \in Receivers : Hit(r, a) \/ Miss(r, a)
 
@@ -318,7 +466,7 @@ Fairness ==
 Spec == Init /\ [][Next]_vars /\ Fairness
 
 -----------------------------------------------------------------------------
-(* Invariants and properties.                                              *)
+(* Invariants and properties: consequences, in terms of epochs.            *)
 
 TypeOK ==
     /\ rstate \in [Receivers -> LifecycleStates]
@@ -328,37 +476,49 @@ TypeOK ==
     /\ objEpoch \in [ObjIds -> 0 .. MaxRestarts]
     /\ epoch \in [Addrs -> 0 .. MaxRestarts]
     /\ faults \in 0 .. MaxFaults
+    /\ acked \in [Receivers -> 0 .. (MaxRestarts + 1)]
+    /\ pooled \subseteq ObjIds
+    /\ watched \in [Addrs -> 0 .. MaxRestarts]
+    /\ marked \subseteq Receivers
 
-\* POOL-3: an invalidation removes nothing but the object the invalidating
-\* receiver recorded, under the key it recorded it for; a replacement published
-\* concurrently by another receiver is never lost.  An action property, since
-\* "which object was removed" is a fact about a step, and object ids recycle.
-IdentitySafe ==
-    [][\A r \in Receivers :
-          Invalidate(r) =>
-              \A a \in Addrs : pool'[a] # pool[a] => (a = rkey[r] /\ pool[a] = rgen[r])
-      ]_vars
-
-\* POOL-1/POOL-2: a receiver that reaches "cached" by Hit or Publish holds
-\* the object the pool holds at that step (the hit, its own, or the winner's).
+\* POOL-1/POOL-2: a receiver past setup uses a generation that was published,
+\* so other receivers can find it and its own failure can evict it (or it was
+\* marked failed by the watch, and its next call fails it).
 AdoptionCorrect ==
-    [][\A r \in Receivers :
-          ((\E a \in Addrs : Hit(r, a)) \/ Publish(r)) => rgen'[r] = pool'[rkey'[r]]
+    \A r \in Receivers :
+        rstate[r] \in {"cached", "waiting"} => (rgen[r] \in pooled \/ r \in marked)
+
+\* POOL-3: a receiver's step removes or replaces a live entry only as the
+\* invalidation of a receiver that holds that very object: a fresh generation
+\* is never lost to another receiver's stale failure or publish.
+IdentitySafe ==
+    [][\A a \in Addrs :
+          (LiveEntry(a) /\ pool'[a] # pool[a] /\ rstate' # rstate) =>
+              \E r \in Receivers :
+                  /\ rgen[r] = pool[a]
+                  /\ rstate[r] = "failed"
+                  /\ rstate'[r] = "invalidated"
       ]_vars
 
-\* No request succeeds on a stale generation: a property of the success step
-\* (as a state invariant it would break at the next restart).
-NoStaleSuccess ==
-    [][\A r \in Receivers : Complete(r) => objEpoch[rgen[r]] = epoch[rkey[r]]]_vars
-
-\* POOL-5, POOL-6: a node failure (or an instance retirement) of a removes
-\* entries of address a only.
+\* POOL-5/POOL-6: an environment step (node failure, retirement) removes an
+\* entry only if it holds ports of a dead epoch once the step is taken.
 ExactNodeFailure ==
     [][\A a \in Addrs :
-          (NodeFailure(a) \/ RetireInstance(a)) => \A b \in Addrs \ {a} : pool'[b] = pool[b]
+          (pool[a] # None /\ pool'[a] # pool[a] /\ rstate' = rstate) =>
+              objEpoch[pool[a]] < epoch'[a]
       ]_vars
 
-Stale(a) == pool[a] # None /\ objEpoch[pool[a]] < epoch[a]
+\* No request succeeds unless the epoch whose ports it used did its transfer.
+NoStaleSuccess ==
+    [][\A r \in Receivers : Complete(r) => acked[r] = objEpoch[rgen[r]] + 1]_vars
+
+\* With etcd: no request starts its transfer on a generation older than the
+\* newest revision the watch has delivered for its address.
+NoStaleStart ==
+    [][\A r \in Receivers :
+          (rstate[r] = "cached" /\ rstate'[r] = "waiting") =>
+              objEpoch[rgen[r]] >= watched[rkey[r]]
+      ]_vars
 
 \* Once restarts stop (they are bounded), a stale entry is eventually evicted.
 StaleEntryEvicted == \A a \in Addrs : Stale(a) ~> ~Stale(a)

@@ -176,7 +176,6 @@ class PrefillRestarted(PeerLost):
 class TransferFailed(PeerLost):
     """A prefill rank reported that the KV transfer of this room failed."""
 
-
     """The request was aborted by its owner."""
 
 

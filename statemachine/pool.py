@@ -128,19 +128,23 @@ def invalidate_address_entries(pool: dict[PoolKey, Generation], addr: str) -> in
 
 
 def retire_instance_entries(pool: dict[PoolKey, Generation], addr: str, instance_id: str) -> int:
-    """Remove entries of ``addr`` fetched from a server instance other than ``instance_id``.
+    """Remove the entries of exactly ``addr`` fetched from instance ``instance_id``.
 
-    Entries whose generation already carries ``instance_id`` were fetched from the running
-    server and survive; so do entries without an instance id (an old server that sends none).
+    The caller *knows* that instance was replaced: it saw ``instance_id`` answer at ``addr``
+    before it saw another id answer there, and an instance id, once replaced, never answers
+    again. Entries of any other instance (a newer one included: ids carry no order) and of
+    servers that send no id survive, so a stale observer cannot remove a newer instance's
+    entries (POOL-6).
 
-    post: all(k.addr != addr or g.instance_id in (None, instance_id) for k, g in pool.items())
+    post: all(k.addr != addr or g.instance_id != instance_id for k, g in pool.items())
     post: all(k in pool for k in __old__.pool if k.addr != addr)
+    post: all(k in pool for k in __old__.pool if __old__.pool[k].instance_id != instance_id)
     post: __return__ == len(__old__.pool) - len(pool)
     """
     doomed = [
         key
         for key, generation in pool.items()
-        if key.addr == addr and generation.instance_id not in (None, instance_id)
+        if key.addr == addr and generation.instance_id == instance_id
     ]
     for key in doomed:
         del pool[key]
@@ -238,11 +242,13 @@ class BootstrapPool:
             trace.emit("PoolInvalidateAddress", seq=seq, addr=addr, removed=removed)
         return removed
 
-    def observe_instance(self, addr: str, instance_id: str) -> int:
-        """A server at ``addr`` answered as ``instance_id``: drop older instances' entries.
+    def retire_instance(self, addr: str, instance_id: str) -> int:
+        """Instance ``instance_id`` at ``addr`` was replaced: drop its entries (POOL-6).
 
-        A prefill restart behind a stable address changes the instance id before any send
-        fails, so entries fetched from the previous instance are known stale (POOL-6).
+        Call only with an id the caller saw answer at ``addr`` *before* it saw a different id
+        answer there (the health monitor's previous probe; the ids of entries a receiver had
+        adopted before its fetch answered with another). Never "everything but the id I just
+        saw": that id may already be stale, and the entries of a newer instance would go.
         """
         gone: list[PoolKey] = []
         seq = None
@@ -263,24 +269,6 @@ class BootstrapPool:
                 keys=gone,
             )
         return removed
-
-    def retire_instance(self, addr: str, instance_id: str) -> int:
-        """Drop every entry of exactly ``addr`` fetched from instance ``instance_id``.
-
-        For a caller that *knows* ``instance_id`` was replaced (it saw that id answer, then a
-        different one from the same address; a replaced id never answers again), so a stale
-        observer cannot remove a newer instance's entries. Returns the count.
-        """
-        with self._lock:
-            doomed = [
-                key
-                for key, held in self._entries.items()
-                if key.addr == addr and held.instance_id == instance_id
-            ]
-            for key in doomed:
-                del self._entries[key]
-            self._address_invalidations += len(doomed)
-        return len(doomed)
 
     def get(self, key: PoolKey) -> Generation | None:
         """Peek without counting (for tests, reports and tracing)."""

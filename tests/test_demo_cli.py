@@ -34,7 +34,7 @@ def test_opening_says_what_runs_and_when_the_kill_comes() -> None:
     text = opening(args, [mode])
     assert text.splitlines() == [
         "demo: one 20 s run in mode 'ours' (immediate ZMQ, invalidation, instance id, fan-out + "
-            "single-flight).",
+        "single-flight).",
         "On 127.0.0.1: a prefill of 1 bootstrap server + 2 rank processes (tp=2, pp=1);",
         "in this process, 8 decode request loops sending 400 requests/s.",
         "At 10.0 s every prefill process is SIGKILLed and restarted behind the same",

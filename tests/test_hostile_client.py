@@ -102,9 +102,10 @@ def test_http35_receiver_init_bounded_against_trickle(
     decode_parts: tuple[BootstrapClient, ZmqTransport],
 ) -> None:
     client, transport = decode_parts
-    with make_decode(client, transport) as manager, TrickleServer(
-        interval=1.0, phase="headers"
-    ) as server:
+    with (
+        make_decode(client, transport) as manager,
+        TrickleServer(interval=1.0, phase="headers") as server,
+    ):
         times = []
         for room in range(3):
             receiver = manager.receiver(server.address, room)

@@ -16,7 +16,7 @@ import pytest
 
 from statemachine.model.check import load
 from statemachine.model.interp import Atom, InterpError, Interpreter
-from statemachine.model.spec import ACTION_PROPERTIES, BootstrapCache, State
+from statemachine.model.spec import ACTION_PROPERTIES, INVARIANTS, BootstrapCache, State
 
 TLA_DIR = Path(__file__).resolve().parents[1] / "TLA"
 SPEC_TEXT = (TLA_DIR / "BootstrapCache.tla").read_text(encoding="utf-8")
@@ -32,6 +32,7 @@ def interpreter_for(model: BootstrapCache, text: str = SPEC_TEXT) -> Interpreter
             "MaxRestarts": c.max_restarts,
             "MaxFaults": c.max_faults,
             "Mode": c.mode,
+            "Discovery": c.discovery,
             "Variant": c.variant,
         },
     )
@@ -47,6 +48,10 @@ def to_mirror(model: BootstrapCache, d: Mapping[str, Any]) -> State:
         objEpoch=tuple(d["objEpoch"](o) for o in model.object_ids),
         epoch=tuple(d["epoch"](a) for a in model.addrs),
         faults=d["faults"],
+        acked=tuple(d["acked"](r) for r in rs),
+        pooled=frozenset(d["pooled"]),
+        watched=tuple(d["watched"](a) for a in model.addrs),
+        marked=frozenset(str(r) for r in d["marked"]),
     )
 
 
@@ -59,9 +64,11 @@ def cross_check(model: BootstrapCache, interp: Interpreter, *, fairness: bool) -
     conditions = model.fairness()
     for s in queue:
         d = seen[s]
-        assert interp.holds("TypeOK", d) == model.type_ok(s)
+        for name in INVARIANTS:
+            assert interp.holds(name, d) == model.invariant(name)(s), (name, s)
         for j, a in enumerate(model.addrs):
             assert interp.holds("Stale", d, args=(a,)) == model.stale(s, j)
+            assert interp.holds("LiveEntry", d, args=(a,)) == model.live_entry(s, j)
         by_interp = {to_mirror(model, t): t for t in interp.successors("Next", d)}
         labelled = list(model.successors(s))
         assert set(by_interp) == {t for _, t in labelled}, s
@@ -93,6 +100,7 @@ def cross_check(model: BootstrapCache, interp: Interpreter, *, fairness: bool) -
         ("MCInvalidateByKey.cfg", True),
         ("MCNoInvalidation.cfg", False),
         ("MCSmall.cfg", False),
+        ("MCEtcd.cfg", True),
     ],
 )
 def test_spec_text_and_mirror_agree(name: str, fairness: bool) -> None:
@@ -117,7 +125,7 @@ def model_states(model: BootstrapCache) -> set[State]:
     "old, new",
     [
         # Publish overwrites instead of setdefault.
-        ("held == IF pool[k] = None THEN rgen[r] ELSE pool[k]", "held == rgen[r]"),
+        ("held == IF pool[k] = None THEN fresh ELSE pool[k]", "held == rgen[r]"),
         # A fetch takes the largest free id instead of the smallest.
         (
             "CHOOSE o \\in free : \\A q \\in free : o <= q",
@@ -125,8 +133,8 @@ def model_states(model: BootstrapCache) -> set[State]:
         ),
         # Hit forgets to record the key.
         (
-            "/\\ rkey' = [rkey EXCEPT ![r] = a]\n    /\\ rgen' = [rgen EXCEPT ![r] = pool[a]]",
-            "/\\ rkey' = rkey\n    /\\ rgen' = [rgen EXCEPT ![r] = pool[a]]",
+            '= "cached"]\n    /\\ rkey\' = [rkey EXCEPT ![r] = a]',
+            '= "cached"]\n    /\\ rkey\' = rkey',
         ),
     ],
 )

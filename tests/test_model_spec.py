@@ -44,6 +44,11 @@ def test_tla_files_exist() -> None:
         "MCNoInvalidation.cfg",
         "MCInvalidateByKey.cfg",
         "MCPrefixNodeFailure.cfg",
+        "MCRetireStaleObservation.cfg",
+        "MCReusedPortAcks.cfg",
+        "MCTwoKeys.cfg",
+        "MCEtcd.cfg",
+        "MCEtcdRetireByKey.cfg",
     }
 
 
@@ -68,11 +73,13 @@ def test_next_names_exactly_the_mirror_actions() -> None:
     _applied_names(defs["Next"].definiens, applied)
     actions = {name for name in applied if name in defs}
     assert actions == set(spec.ACTIONS)
-    assert set(spec.KEYED_ACTIONS) == {
-        name for name in spec.RECEIVER_ACTIONS if len(defs[name].arity) == 2
-    }
+    receiver_side = (*spec.RECEIVER_ACTIONS, *spec.HELPER_ACTIONS)
+    assert set(spec.KEYED_ACTIONS) == {name for name in receiver_side if len(defs[name].arity) == 2}
+    for name in receiver_side:
+        assert defs[name].arity[0].operator == "r", name  # the receiver comes first
     for name in spec.ENV_ACTIONS:
-        assert len(defs[name].arity) == 1
+        assert defs[name].arity[0].operator == "a", name  # the address comes first
+    assert len(defs["RetireInstance"].arity) == 2  # (a, e): the instance observed
 
 
 def test_receiver_step_is_every_receiver_action_but_abort() -> None:
@@ -98,6 +105,8 @@ def test_property_and_variable_names_match() -> None:
 
 def test_action_properties_are_box_action_formulas() -> None:
     defs = _definitions()
+    for name in spec.INVARIANTS:
+        assert getattr(defs[name].definiens, "operator", None) != "[]", name
     for name in spec.ACTION_PROPERTIES:
         body = defs[name].definiens
         assert body.operator == "[]", name

@@ -191,7 +191,7 @@ def test_pool4_stats_counts_every_operation_exactly() -> None:
     pool.publish(K80, gen(instance_id="b"))
     pool.invalidate({K80: g1})  # kept_newer
     pool.invalidate_address("10.0.0.2:80")  # 1 address invalidation
-    pool.observe_instance("10.0.0.1:8000", "b")  # retires K8000's "a": 1 more
+    pool.retire_instance("10.0.0.1:8000", "a")  # retires K8000's "a": 1 more
     assert pool.stats() == PoolStats(
         entries=1,
         hits=2,
@@ -258,13 +258,13 @@ def test_pool5_invalidate_address_entries_function() -> None:
 # --- POOL-6 instance-id retirement ----------------------------------------------------------
 
 
-def test_pool6_observe_instance_retires_other_instances_of_that_address() -> None:
+def test_pool6_retire_instance_drops_exactly_that_instance_of_that_address() -> None:
     pool = BootstrapPool()
     pool.publish(K80, gen(instance_id="old"))
     current = pool.publish(K80_TP1, gen(instance_id="new"))
     anonymous = pool.publish(PoolKey("10.0.0.1:80", 1, 0, 0), gen(instance_id=None))
     neighbour = pool.publish(K8000, gen(instance_id="old"))
-    assert pool.observe_instance("10.0.0.1:80", "new") == 1
+    assert pool.retire_instance("10.0.0.1:80", "old") == 1
     assert pool.snapshot() == {
         K80_TP1: current,
         PoolKey("10.0.0.1:80", 1, 0, 0): anonymous,
@@ -273,11 +273,22 @@ def test_pool6_observe_instance_retires_other_instances_of_that_address() -> Non
     counters(pool, entries=3, publishes=4, address_invalidations=1)
 
 
-def test_pool6_observe_the_same_instance_again_removes_nothing() -> None:
+def test_pool6_a_stale_observer_cannot_remove_a_newer_instance() -> None:
+    """The observer saw "b" replace "a", but by now "c" has replaced "b" and published: the
+    retirement of "a" (the only id it knows was replaced) leaves "c" alone. The rule this
+    replaced ("drop everything but b") would have dropped the newest entries."""
+    pool = BootstrapPool()
+    newest = pool.publish(K80, gen(instance_id="c"))
+    assert pool.retire_instance("10.0.0.1:80", "a") == 0
+    assert pool.retire_instance("10.0.0.1:80", "b") == 0
+    assert pool.snapshot() == {K80: newest}
+
+
+def test_pool6_retire_an_unknown_instance_or_a_prefix_removes_nothing() -> None:
     pool = BootstrapPool()
     g = pool.publish(K80, gen(instance_id="i1"))
-    assert pool.observe_instance("10.0.0.1:80", "i1") == 0
-    assert pool.observe_instance("10.0.0.1:8", "i2") == 0  # prefix of the address
+    assert pool.retire_instance("10.0.0.1:80", "i2") == 0
+    assert pool.retire_instance("10.0.0.1:8", "i1") == 0  # prefix of the address
     assert pool.snapshot() == {K80: g}
     counters(pool, entries=1, publishes=1)
 
@@ -285,7 +296,7 @@ def test_pool6_observe_the_same_instance_again_removes_nothing() -> None:
 def test_pool6_retire_instance_entries_function() -> None:
     old, new = gen(instance_id="1"), gen(instance_id="2")
     entries = {K80: old, K80_TP1: new}
-    assert retire_instance_entries(entries, "10.0.0.1:80", "2") == 1
+    assert retire_instance_entries(entries, "10.0.0.1:80", "1") == 1
     assert entries == {K80_TP1: new}
 
 
@@ -305,7 +316,7 @@ def test_pool7_trace_output_happens_outside_the_lock(monkeypatch: pytest.MonkeyP
     g = pool.publish(K80, gen(instance_id="a"))
     pool.invalidate({K80: g})
     pool.publish(K80, gen(instance_id="a"))
-    pool.observe_instance("10.0.0.1:80", "b")
+    pool.retire_instance("10.0.0.1:80", "a")
     pool.invalidate_address("10.0.0.1:80")
     assert emitted == [
         ("PoolPublish", False),

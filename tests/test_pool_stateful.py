@@ -171,15 +171,16 @@ def pool_machine(pool_module: ModuleType) -> type[RuleBasedStateMachine]:
             assert removed == len(before) - len(self.pool)
             self.counts["address_invalidations"] += removed
 
-        @rule(addr=st.sampled_from(ADDRESSES))
-        def observe_instance(self, addr: str) -> None:
-            """A fresh probe of ``addr`` answered with the current instance id."""
-            instance = f"{addr}#{self.epoch[addr]}"
+        @rule(addr=st.sampled_from(ADDRESSES), back=st.integers(min_value=1, max_value=3))
+        def retire_instance(self, addr: str, back: int) -> None:
+            """An observer saw ``back`` restarts ago's instance replaced: retire exactly it."""
+            if self.epoch[addr] < back:
+                return
+            instance = f"{addr}#{self.epoch[addr] - back}"
             before = self.pool.snapshot()
-            removed = self.pool.observe_instance(addr, instance)
+            removed = self.pool.retire_instance(addr, instance)
             self.check_exact_removal(
-                before,
-                lambda key, g: key.addr == addr and g.instance_id not in (None, instance),
+                before, lambda key, g: key.addr == addr and g.instance_id == instance
             )
             assert removed == len(before) - len(self.pool)
             self.counts["address_invalidations"] += removed

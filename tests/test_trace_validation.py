@@ -312,13 +312,196 @@ def test_trace_of_concurrent_receivers_through_a_restart_is_allowed(
     assert report.ok, report.violation
 
 
-def test_trace_of_the_stress_run_on_a_by_key_pool_is_caught(tmp_path: Path) -> None:
-    """The same threaded workload on the delete-by-key mutant yields an IdentitySafe trace
-    violation: the validator has teeth on concurrent traces too."""
-    mutants.write_mutant(mutants.BY_NAME["delete_by_key"], tmp_path)
-    mutant = mutants.load_module(tmp_path / "pool_delete_by_key.py")
+@pytest.mark.parametrize(
+    "name, rule",
+    [
+        ("delete_by_key", "IdentitySafe"),
+        ("overwrite_not_setdefault", "POOL-2 setdefault"),
+        ("retire_all_but_observed", "ExactNodeFailure"),
+    ],
+)
+def test_trace_of_the_stress_run_on_a_failing_pool_variant_is_caught(
+    name: str, rule: str, tmp_path: Path
+) -> None:
+    """The same threaded workload on each pool variant the stress accounting catches yields a
+    trace the validator rejects, naming the rule: it has teeth on concurrent traces too."""
+    mutants.write_mutant(mutants.BY_NAME[name], tmp_path)
+    mutant = mutants.load_module(tmp_path / f"pool_{name}.py")
     with trace.tracing(tmp_path / "mutant.ndjson") as path:
         stress.run_stress(mutant, seed=3)
     report = validate(read_trace(path))
     assert report.violation is not None
-    assert report.violation.rule == "IdentitySafe"
+    assert report.violation.rule == rule
+
+
+# --- the new steps: PeerLost, SendFail from idle, multi-key requests, retirement --------------
+
+K_CP1 = ["h:80", 0, 1, 0]
+
+
+def publish_with(key: list[Any], held: int, fresh: int, instance: str) -> dict[str, Any]:
+    return {**publish(key, held, fresh), "instance": instance, "fresh_instance": instance}
+
+
+def retire(addr: str, instance: str, keys: list[Any]) -> dict[str, Any]:
+    return {
+        "action": "PoolRetireInstance",
+        "addr": addr,
+        "instance_id": instance,
+        "removed": len(keys),
+        "keys": keys,
+    }
+
+
+MULTI_KEY = [
+    # r1 sets up both cp ranks of h:80 from instance "a".
+    rx("Miss", 1, "fetching"),
+    rx("FetchOk", 1, "fetched", [[K, 1], [K_CP1, 2]]),
+    rx("RegisterOk", 1, "registered", [[K, 1], [K_CP1, 2]]),
+    publish_with(K, 1, 1, "a"),
+    publish_with(K_CP1, 2, 2, "a"),
+    rx("Publish", 1, "cached", [[K, 1], [K_CP1, 2]]),
+    # cp rank 1's entry is dropped (a failure elsewhere); r2 hits cp0, misses cp1: a partial hit.
+    invalidate([[K_CP1, 2]], 1),
+    rx("Miss", 2, "fetching", [[K, 1]]),
+    rx("FetchOk", 2, "fetched", [[K, 1], [K_CP1, 3]]),
+    rx("RegisterOk", 2, "registered", [[K, 1], [K_CP1, 3]]),
+    publish_with(K_CP1, 3, 3, "a"),  # one publish per fetched key only
+    rx("Publish", 2, "cached", [[K, 1], [K_CP1, 3]]),
+    # The fan-out fails r2 (its prefill restarted): one invalidation drops every recorded key,
+    # the hit one included.
+    rx("PeerLost", 2, "failed", [[K, 1], [K_CP1, 3]]),
+    invalidate([[K, 1], [K_CP1, 3]], 2),
+    rx("Invalidate", 2, "invalidated", [[K, 1], [K_CP1, 3]]),
+    # The fan-out also reaches a receiver that had not looked anything up yet, and one waiting.
+    rx("PeerLost", 3, "failed"),
+    invalidate([], 0),
+    rx("Invalidate", 3, "invalidated"),
+    rx("SendOk", 1, "waiting", [[K, 1], [K_CP1, 2]]),
+    rx("PeerLost", 1, "failed", [[K, 1], [K_CP1, 2]]),
+    invalidate([[K, 1], [K_CP1, 2]], 0),
+    rx("Invalidate", 1, "invalidated", [[K, 1], [K_CP1, 2]]),
+    # send_metadata before init: SendFail from idle.
+    *fail_and_invalidate(4, "SendFail", [], 0),
+    # Instance "b" replaced "a"; an entry of "b" and one of "a" are pooled; "a" is retired.
+    *miss_publish(5, 4, key=K),
+    publish_with(K_CP1, 5, 5, "a"),
+]
+MULTI_KEY[-3] = publish_with(K, 4, 4, "b")  # r5's publish came from instance "b"
+
+
+def test_multi_key_fan_out_and_idle_failures_are_allowed() -> None:
+    events = [*MULTI_KEY, retire("h:80", "a", [K_CP1])]
+    report = validate(events)
+    assert report.ok, report.violation
+
+
+def test_retiring_a_newer_instances_entry_is_caught() -> None:
+    """The stale-observer bug: retiring "a" (or "everything but a") removes "b"'s entry."""
+    events = [*MULTI_KEY, retire("h:80", "a", [K, K_CP1])]
+    report = validate(events)
+    assert report.violation is not None and report.violation.rule == "ExactNodeFailure"
+    assert "another instance" in report.violation.reason
+
+
+def test_retirement_that_leaves_the_instance_behind_is_caught() -> None:
+    events = [*MULTI_KEY, retire("h:80", "b", [])]
+    report = validate(events)
+    assert report.violation is not None and report.violation.rule == "ExactNodeFailure"
+    assert "left" in report.violation.reason
+
+
+def test_stress_trace_has_retirements_and_the_old_rule_is_rejected(tmp_path: Path) -> None:
+    """The threaded stress run retires replaced instances while receivers publish the new one;
+    its trace validates. The same run on the pool with the old rule ("drop every instance but
+    the one named") drops live entries, and its trace is rejected."""
+    with trace.tracing(tmp_path / "stress.ndjson") as path:
+        stress.check_accounting(stress.run_stress(pool_module, seed=5))
+    events = read_trace(path)
+    assert sum(e["action"] == "PoolRetireInstance" for e in events) > 0
+    assert validate(events).ok
+    mutants.write_mutant(mutants.BY_NAME["retire_all_but_observed"], tmp_path)
+    mutant = mutants.load_module(tmp_path / "pool_retire_all_but_observed.py")
+    with trace.tracing(tmp_path / "mutant.ndjson") as path:
+        stress.run_stress(mutant, seed=5)
+    report = validate(read_trace(path))
+    assert report.violation is not None and report.violation.rule == "ExactNodeFailure"
+
+
+def _multi_key_workload(pool_module: Any, seed: int) -> None:
+    """Four threads run two-key requests (cp ranks 0 and 1 of one address) on one pool while a
+    restarter moves the instance on: partial hits, one publish per missing key, and on a
+    failure one invalidation of every recorded key, the hit ones included."""
+    import random
+    import threading
+
+    pool = pool_module.BootstrapPool()
+    keys = [pool_module.PoolKey("h:80", 0, cp, 0) for cp in (0, 1)]
+    current = {"instance": "h:80#0"}
+    done = threading.Event()
+
+    def request_loop(rng: random.Random) -> None:
+        for _ in range(3000):
+            if done.is_set():
+                return
+            entries = {}
+            for key in keys:
+                held = pool.lookup(key)
+                if held is None:
+                    instance = current["instance"]
+                    fresh = pool_module.Generation(
+                        (pool_module.RankInfo("10.0.0.9", 17000, 0),), instance
+                    )
+                    held = pool.publish(key, fresh)
+                entries[key] = held
+            stale = any(g.instance_id != current["instance"] for g in entries.values())
+            if stale or rng.random() < 0.05:
+                pool.invalidate(entries)
+
+    def restarter() -> None:
+        for epoch in range(1, 200):
+            if done.wait(0.002):
+                return
+            current["instance"] = f"h:80#{epoch}"
+
+    threads = [
+        threading.Thread(target=request_loop, args=(random.Random(seed * 10 + n),))
+        for n in range(4)
+    ]
+    restart = threading.Thread(target=restarter)
+    restart.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    done.set()
+    restart.join(30)
+
+
+def test_threaded_multi_key_trace_is_allowed_and_by_key_deletion_is_caught(
+    tmp_path: Path,
+) -> None:
+    partial = False
+    for seed in range(1, 6):  # every trace must validate; one must show a partial removal
+        with trace.tracing(tmp_path / f"multi{seed}.ndjson") as path:
+            _multi_key_workload(pool_module, seed=seed)
+        events = read_trace(path)
+        report = validate(events)
+        assert report.ok, report.violation
+        invalidations = [e for e in events if e["action"] == "PoolInvalidate"]
+        assert sum(len(e["entries"]) == 2 for e in invalidations) > 10
+        # One key already dropped or replaced by another thread, the other still recorded.
+        partial = partial or any(e["removed"] == 1 for e in invalidations)
+        if partial:
+            break
+    assert partial, "no invalidation met one replaced and one recorded key"
+    mutants.write_mutant(mutants.BY_NAME["delete_by_key"], tmp_path)
+    mutant = mutants.load_module(tmp_path / "pool_delete_by_key.py")
+    for seed in (1, 2, 3):
+        with trace.tracing(tmp_path / f"mutant{seed}.ndjson") as path:
+            _multi_key_workload(mutant, seed=seed)
+        report = validate(read_trace(path))
+        if report.violation is not None:
+            assert report.violation.rule == "IdentitySafe"
+            return
+    pytest.fail("the by-key pool's multi-key traces were all accepted")

@@ -438,11 +438,12 @@ class DecodeManager:
         """``finder``'s fetch from ``addr`` answered as ``new_id`` while it held entries of
         ``old_ids``: retire those, and fail the other requests that use them (``finder``
         refetches its stale keys itself)."""
-        # MERGE: with the model branch's pool this is `pool.retire_instance(addr, old)` for
-        # each old id (TEAM.md's retirement rule); this branch's pool still has observe_instance.
-        self.pool.observe_instance(addr, new_id)
+        # Retire exactly the replaced ids (POOL-6): ``finder`` adopted those entries before
+        # its fetch began, so they answered before ``new_id`` did. Never "every id but
+        # new_id": a newer instance may have published since this fetch was answered.
         for old in old_ids:
             if old is not None:
+                self.pool.retire_instance(addr, old)
                 self._restarted(addr, old, new_id, cause="fetch", exclude=finder)
 
     # --- failure fan-out --------------------------------------------------------------------

@@ -90,7 +90,7 @@ class AuditedPool(BootstrapPool):
     ``live_instance()`` names the bootstrap-server instance running now (``None`` while the
     prefill is down). A *lost live generation* is a generation of that instance removed by an
     operation that had no right to it: ``invalidate(entries)`` removing a generation that is not
-    the caller's recorded object for that key, or ``observe_instance`` removing one of the live
+    the caller's recorded object for that key, or ``retire_instance`` removing one of the live
     instance's generations. The audit lock serialises removals only (publish and lookup never
     remove), and the pool holds one entry per key, so the before/after copies are tiny.
     """
@@ -110,15 +110,6 @@ class AuditedPool(BootstrapPool):
             removed = super().invalidate(entries)
             for key, generation in self._removed(before):
                 if entries.get(key) is not generation and self._is_live(generation):
-                    self.lost_live_generations += 1
-        return removed
-
-    def observe_instance(self, addr: str, instance_id: str) -> int:
-        with self._audit_lock:
-            before = self.snapshot()
-            removed = super().observe_instance(addr, instance_id)
-            for _, generation in self._removed(before):
-                if self._is_live(generation):
                     self.lost_live_generations += 1
         return removed
 
@@ -154,9 +145,6 @@ class AuditedPool(BootstrapPool):
 class SglangPool(AuditedPool):
     """SGLang today: invalidation on failure, but no instance id to retire entries by."""
 
-    def observe_instance(self, addr: str, instance_id: str) -> int:
-        return 0
-
     def retire_instance(self, addr: str, instance_id: str) -> int:
         return 0
 
@@ -168,9 +156,6 @@ class NoInvalidationPool(AuditedPool):
         return 0
 
     def invalidate_address(self, addr: str) -> int:
-        return 0
-
-    def observe_instance(self, addr: str, instance_id: str) -> int:
         return 0
 
     def retire_instance(self, addr: str, instance_id: str) -> int:

@@ -89,6 +89,7 @@ def load(path: str | Path) -> Loaded:
             max_faults=_natural(c["MaxFaults"], "MaxFaults", where),
             mode=_string(c["Mode"], "Mode", where),
             variant=_string(c["Variant"], "Variant", where),
+            discovery=_string(c["Discovery"], "Discovery", where),
         )
     except ValueError as exc:
         raise CfgError(f"ASSUME violated: {exc}", path=where) from None

@@ -180,7 +180,7 @@ def explore(
             if now - last_report >= 1.0:
                 last_report = now
                 print(
-                    f"  {len(graph.states)} distinct states found, {len(queue)} left on queue, "
+                    f"  progress: {len(graph.states)} states so far, {len(queue)} on queue, "
                     f"{now - started:.1f} s",
                     file=sys.stderr,
                 )

@@ -4,8 +4,9 @@ Every reachable step of the mirror is projected onto the receiver it belongs to:
 lifecycle state before, lifecycle state after)``. That set must equal the transition set of
 ``statemachine.lifecycle.MACHINE`` read through ``machine.events[...]`` (trigger names are the
 action names). Steps of environment actions (``Restart``, ``NodeFailure``, ``RetireInstance``)
-have no Machine counterpart and must leave every receiver's lifecycle state alone; a receiver
-action must leave every *other* receiver's lifecycle state alone.
+and of the helper actions other threads take for a receiver (``JoinFlight``, ``Ack``) have no
+Machine counterpart and must leave every receiver's lifecycle state alone; a receiver action
+must leave every *other* receiver's lifecycle state alone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from dataclasses import dataclass, field
 from transitions import Machine
 
 from statemachine.model.checker import explore
-from statemachine.model.spec import ENV_ACTIONS, RECEIVER_ACTIONS, BootstrapCache, State, Step
+from statemachine.model.spec import (
+    ENV_ACTIONS,
+    HELPER_ACTIONS,
+    RECEIVER_ACTIONS,
+    BootstrapCache,
+    State,
+    Step,
+)
 
 #: (action, source state, destination state)
 Transition = tuple[str, str, str]
@@ -38,7 +46,7 @@ class Projection:
     """What the model's reachable steps do to receivers' lifecycle states."""
 
     transitions: set[Transition] = field(default_factory=set)
-    #: environment steps that changed some receiver's lifecycle state (must stay empty)
+    #: environment or helper steps that changed a receiver's lifecycle state (must stay empty)
     env_violations: list[tuple[State, Step, State]] = field(default_factory=list)
     #: receiver steps that changed another receiver's lifecycle state (must stay empty)
     cross_violations: list[tuple[State, Step, State]] = field(default_factory=list)
@@ -50,7 +58,7 @@ def project(model: BootstrapCache) -> Projection:
     receivers = model.receivers
 
     def observe(s: State, step: Step, t: State) -> None:
-        if step.action in ENV_ACTIONS:
+        if step.action in ENV_ACTIONS or step.action in HELPER_ACTIONS:
             if s.rstate != t.rstate:
                 projection.env_violations.append((s, step, t))
             return

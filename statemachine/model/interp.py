@@ -348,6 +348,13 @@ class Interpreter:
                 self._ev(node.item, {**env, **b}, state, primed)
                 for b in self._bindings(node.declarations, env, state, primed)
             )
+        if kind == "SetSlice":
+            found = []
+            for binding in self._bindings(node.declaration, env, state, primed):
+                if self._ev(node.predicate, {**env, **binding}, state, primed):
+                    ((_, value),) = binding.items()
+                    found.append(value)
+            return frozenset(found)
         if kind == "Function":
             pairs = []
             for binding in self._bindings(node.declaration, env, state, primed):

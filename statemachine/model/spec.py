@@ -9,11 +9,16 @@ and an action formula such as ``Invalidate(r)`` holds for a step ``s -> t`` exac
 
 Encoding (the same values TLC holds):
 
-* receivers are model values, kept in sorted order; ``rstate``, ``rkey`` and ``rgen`` are
-  tuples indexed by that order (a TLA+ function with domain ``Receivers``);
+* receivers are model values, kept in sorted order; ``rstate``, ``rkey``, ``rgen`` and
+  ``acked`` are tuples indexed by that order (a TLA+ function with domain ``Receivers``);
 * addresses are port numbers, sorted; ``pool`` and ``epoch`` are indexed by that order;
 * object ids are ``1 .. |Addrs| + |Receivers|``; ``objEpoch[o]`` is at index ``o - 1``;
+  ``pooled`` is a frozenset of object ids;
 * ``None`` is ``0`` for keys and objects, as in the spec.
+
+A *spec mutation* (``statemachine.model.mutations``) is applied to the mirror by the
+``mutation`` argument of :class:`BootstrapCache`, and to a temporary copy of the spec text for
+TLC; both must then find the same states and violate the same property.
 """
 
 from __future__ import annotations
@@ -27,12 +32,33 @@ from statemachine.lifecycle import ACTIVE_STATES, FINAL_STATES, STATES
 NONE = 0
 
 #: The spec's variables, in the order of its ``vars`` tuple.
-VARIABLES: tuple[str, ...] = ("rstate", "rkey", "rgen", "pool", "objEpoch", "epoch", "faults")
+VARIABLES: tuple[str, ...] = (
+    "rstate",
+    "rkey",
+    "rgen",
+    "pool",
+    "objEpoch",
+    "epoch",
+    "faults",
+    "acked",
+    "pooled",
+    "watched",
+    "marked",
+)
 
 MODES: tuple[str, ...] = ("immediate", "queueing")
-VARIANTS: tuple[str, ...] = ("Correct", "NoInvalidation", "InvalidateByKey", "PrefixNodeFailure")
+VARIANTS: tuple[str, ...] = (
+    "Correct",
+    "NoInvalidation",
+    "InvalidateByKey",
+    "PrefixNodeFailure",
+    "RetireStaleObservation",
+    "ReusedPortAcks",
+    "RetireByKey",
+)
+DISCOVERIES: tuple[str, ...] = ("http", "etcd")
 
-#: Receiver actions, with their parameters, in the order of the spec's ``Next``.
+#: Receiver actions: exactly the lifecycle Machine's events, in the order of the spec's ``Next``.
 RECEIVER_ACTIONS: tuple[str, ...] = (
     "Hit",
     "Miss",
@@ -45,24 +71,28 @@ RECEIVER_ACTIONS: tuple[str, ...] = (
     "SendFail",
     "Complete",
     "Timeout",
+    "PeerLost",
     "Invalidate",
     "Abort",
     "NewRequest",
 )
-#: Receiver actions that also take an address.
-KEYED_ACTIONS: frozenset[str] = frozenset({"Hit", "Miss"})
-#: Environment actions (parameter: an address); they change no receiver's lifecycle state.
-ENV_ACTIONS: tuple[str, ...] = ("Restart", "NodeFailure", "RetireInstance")
-ACTIONS: tuple[str, ...] = RECEIVER_ACTIONS + ENV_ACTIONS
-#: ``ReceiverStep(r)``: the receiver's weakly fair steps (all but Abort).
-RECEIVER_STEP: frozenset[str] = frozenset(RECEIVER_ACTIONS) - {"Abort"}
+#: Steps other threads take for a receiver (single-flight registry, ack listener): they take
+#: a receiver parameter but change no lifecycle state and have no Machine event.
+HELPER_ACTIONS: tuple[str, ...] = ("JoinFlight", "Ack")
+#: Actions that take a receiver and an address.
+KEYED_ACTIONS: frozenset[str] = frozenset({"Hit", "Miss", "JoinFlight"})
+#: Environment actions (first parameter: an address); they change no lifecycle state.
+ENV_ACTIONS: tuple[str, ...] = ("Restart", "NodeFailure", "RetireInstance", "WatchEvent")
+ACTIONS: tuple[str, ...] = RECEIVER_ACTIONS + HELPER_ACTIONS + ENV_ACTIONS
+#: ``ReceiverStep(r)``: the receiver's weakly fair steps.
+RECEIVER_STEP: frozenset[str] = (frozenset(RECEIVER_ACTIONS) - {"Abort"}) | {"Ack"}
 
-INVARIANTS: tuple[str, ...] = ("TypeOK",)
+INVARIANTS: tuple[str, ...] = ("TypeOK", "AdoptionCorrect")
 ACTION_PROPERTIES: tuple[str, ...] = (
     "IdentitySafe",
-    "AdoptionCorrect",
-    "NoStaleSuccess",
     "ExactNodeFailure",
+    "NoStaleSuccess",
+    "NoStaleStart",
 )
 LIVENESS_PROPERTIES: tuple[str, ...] = ("StaleEntryEvicted", "RequestsSucceed")
 CONSTANTS: tuple[str, ...] = (
@@ -71,7 +101,29 @@ CONSTANTS: tuple[str, ...] = (
     "MaxRestarts",
     "MaxFaults",
     "Mode",
+    "Discovery",
     "Variant",
+)
+FLIGHT_STATES = frozenset({"fetching", "fetched", "registered"})
+#: States in which a watch event marks a receiver holding an older object.
+MARKABLE = frozenset({"idle", "fetched", "registered", "cached", "waiting"})
+
+#: Spec mutations the mirror reproduces (see ``statemachine.model.mutations``).
+MUTATIONS: tuple[str, ...] = (
+    "PublishOverwrites",
+    "LoserKeepsOwn",
+    "InvalidateByKey",
+    "TimeoutKeepsEntry",
+    "RetireStaleObservation",
+    "CompleteWithoutAck",
+    "AckWithoutLiveness",
+    "PrefixNodeFailure",
+    "HeartbeatFalsePositive",
+    "NoFairness",
+    "UnboundedFaults",
+    "WeakFairLookups",
+    "NoWatermark",
+    "NoFanOutMark",
 )
 
 
@@ -85,6 +137,10 @@ class State(NamedTuple):
     objEpoch: tuple[int, ...]
     epoch: tuple[int, ...]
     faults: int
+    acked: tuple[int, ...]
+    pooled: frozenset[int]
+    watched: tuple[int, ...]
+    marked: frozenset[str]
 
 
 class Step(NamedTuple):
@@ -107,6 +163,7 @@ class Constants:
     max_faults: int
     mode: str
     variant: str
+    discovery: str = "http"
 
     def __post_init__(self) -> None:
         # The spec's ASSUME, checked the same way.
@@ -122,6 +179,8 @@ class Constants:
             raise ValueError(f"Mode must be one of {MODES}")
         if self.variant not in VARIANTS:
             raise ValueError(f"Variant must be one of {VARIANTS}")
+        if self.discovery not in DISCOVERIES:
+            raise ValueError(f"Discovery must be one of {DISCOVERIES}")
 
 
 def _put(values: tuple[int, ...], index: int, value: int) -> tuple[int, ...]:
@@ -171,22 +230,27 @@ def _lookup_of(a: int) -> Callable[[Step], bool]:
     """Is a step a ``Lookup(a)`` step (``Hit(r, a)`` or ``Miss(r, a)`` for some ``r``)?"""
 
     def covers(step: Step) -> bool:
-        return step.action in KEYED_ACTIONS and step.params[1] == a
+        return step.action in ("Hit", "Miss") and step.params[1] == a
 
     return covers
 
 
 class BootstrapCache:
-    """The mirror for one set of constants."""
+    """The mirror for one set of constants (and, optionally, one spec mutation)."""
 
-    def __init__(self, constants: Constants) -> None:
+    def __init__(self, constants: Constants, mutation: str | None = None) -> None:
+        if mutation is not None and mutation not in MUTATIONS:
+            raise ValueError(f"unknown mutation {mutation!r}")
         self.constants = c = constants
+        self.mutation = mutation
         self.receivers = c.receivers
         self.addrs = c.addrs
         self.addr_index = {a: j for j, a in enumerate(c.addrs)}
         self.n_objects = len(c.addrs) + len(c.receivers)
         self.object_ids = range(1, self.n_objects + 1)
         self.queueing = c.mode == "queueing"
+        self.variant = c.variant
+        self.etcd = c.discovery == "etcd"
         self._receiver_table: dict[str, Callable[[State, int], State | None]] = {
             "FetchOk": self.fetch_ok,
             "FetchFail": self.fetch_fail,
@@ -197,22 +261,21 @@ class BootstrapCache:
             "SendFail": self.send_fail,
             "Complete": self.complete,
             "Timeout": self.timeout,
+            "PeerLost": self.peer_lost,
             "Invalidate": self.invalidate,
             "Abort": self.abort,
             "NewRequest": self.new_request,
+            "Ack": self.ack,
         }
-        self._unkeyed = tuple((name, self._receiver_table[name]) for name in RECEIVER_ACTIONS[2:])
-        self._env_table: dict[str, Callable[[State, int], State | None]] = {
-            "Restart": self.restart,
-            "NodeFailure": self.node_failure,
-            "RetireInstance": self.retire_instance,
-        }
+        self._unkeyed = tuple(
+            (name, self._receiver_table[name]) for name in (*RECEIVER_ACTIONS[2:], "Ack")
+        )
+        prefix = c.variant == "PrefixNodeFailure" or mutation == "PrefixNodeFailure"
         self._drops = tuple(
-            tuple(
-                (digit_prefix(a, b) if c.variant == "PrefixNodeFailure" else a == b)
-                for b in c.addrs
-            )
-            for a in c.addrs
+            tuple((digit_prefix(a, b) if prefix else a == b) for b in c.addrs) for a in c.addrs
+        )
+        self._retire_stale = (
+            c.variant == "RetireStaleObservation" or mutation == "RetireStaleObservation"
         )
 
     # --- helpers (the spec's operators) -----------------------------------------------------
@@ -228,6 +291,12 @@ class BootstrapCache:
         # Keep the old tuple when nothing changed (equal values; saves memory).
         return obj_epoch if collected == obj_epoch else collected
 
+    def keep_pooled(
+        self, pooled: frozenset[int], pool: tuple[int, ...], rgen: tuple[int, ...]
+    ) -> frozenset[int]:
+        kept = pooled & self.referenced(pool, rgen)
+        return pooled if kept == pooled else frozenset(kept)
+
     def free_id(self, s: State) -> int:
         ref = self.referenced(s.pool, s.rgen)
         return min(o for o in self.object_ids if o not in ref)
@@ -237,7 +306,7 @@ class BootstrapCache:
 
     def failure(self, s: State, genuine: bool) -> int | None:
         """``Failure(genuine)``: the new ``faults``, or None when the budget forbids it."""
-        if genuine:
+        if genuine or self.mutation == "UnboundedFaults":
             return s.faults
         if s.faults < self.constants.max_faults:
             return s.faults + 1
@@ -246,6 +315,38 @@ class BootstrapCache:
     def stale(self, s: State, j: int) -> bool:
         o = s.pool[j]
         return o != NONE and s.objEpoch[o - 1] < s.epoch[j]
+
+    def live_entry(self, s: State, j: int) -> bool:
+        o = s.pool[j]
+        return o != NONE and s.objEpoch[o - 1] == s.epoch[j]
+
+    def flight(self, s: State, a: int) -> bool:
+        return any(st in FLIGHT_STATES and k == a for st, k in zip(s.rstate, s.rkey, strict=True))
+
+    def orphan(self, s: State, i: int) -> bool:
+        return (
+            s.rstate[i] == "idle"
+            and s.rkey[i] != NONE
+            and s.rgen[i] == NONE
+            and not self.flight(s, s.rkey[i])
+        )
+
+    def fail_early(self, s: State, i: int, faults: int) -> State:
+        """``FailEarly(r)`` with the new ``faults``."""
+        rgen = _put(s.rgen, i, NONE)
+        return s._replace(
+            faults=faults,
+            rkey=_put(s.rkey, i, NONE),
+            rgen=rgen,
+            objEpoch=self.collect(s.pool, rgen, s.objEpoch),
+            pooled=self.keep_pooled(s.pooled, s.pool, rgen),
+            marked=self.unmark(s.marked, i),
+            rstate=_put_state(s.rstate, i, "failed"),
+        )
+
+    def unmark(self, marked: frozenset[str], i: int) -> frozenset[str]:
+        r = self.receivers[i]
+        return marked - {r} if r in marked else marked
 
     # --- Init ---------------------------------------------------------------------------------
 
@@ -260,46 +361,62 @@ class BootstrapCache:
                 objEpoch=(0,) * self.n_objects,
                 epoch=(0,) * na,
                 faults=0,
+                acked=(0,) * nr,
+                pooled=frozenset(),
+                watched=(0,) * na,
+                marked=frozenset(),
             )
         ]
 
     # --- receiver actions (i: receiver index, j: address index) ----------------------------
 
     def hit(self, s: State, i: int, j: int) -> State | None:
-        if s.rstate[i] != "idle" or s.pool[j] == NONE:
+        if s.rstate[i] != "idle":
             return None
+        a = self.addrs[j]
+        if s.rkey[i] == NONE:
+            if s.pool[j] == NONE:
+                return None
+            rgen = _put(s.rgen, i, s.pool[j])
+        else:
+            if s.rkey[i] != a or s.rgen[i] == NONE:
+                return None
+            rgen = s.rgen
         return s._replace(
-            rstate=_put_state(s.rstate, i, "cached"),
-            rkey=_put(s.rkey, i, self.addrs[j]),
-            rgen=_put(s.rgen, i, s.pool[j]),
+            rstate=_put_state(s.rstate, i, "cached"), rkey=_put(s.rkey, i, a), rgen=rgen
         )
 
     def miss(self, s: State, i: int, j: int) -> State | None:
-        if s.rstate[i] != "idle" or s.pool[j] != NONE:
+        if s.rstate[i] != "idle" or s.rkey[i] != NONE or s.pool[j] != NONE:
             return None
+        o = self.free_id(s)
         return s._replace(
-            rstate=_put_state(s.rstate, i, "fetching"), rkey=_put(s.rkey, i, self.addrs[j])
+            rgen=_put(s.rgen, i, o),
+            objEpoch=_put(s.objEpoch, o - 1, s.epoch[j]),
+            rstate=_put_state(s.rstate, i, "fetching"),
+            rkey=_put(s.rkey, i, self.addrs[j]),
         )
 
     def fetch_ok(self, s: State, i: int) -> State | None:
         if s.rstate[i] != "fetching":
             return None
-        o = self.free_id(s)
         return s._replace(
-            rgen=_put(s.rgen, i, o),
-            objEpoch=_put(s.objEpoch, o - 1, s.epoch[self.addr_index[s.rkey[i]]]),
+            objEpoch=_put(s.objEpoch, s.rgen[i] - 1, s.epoch[self.addr_index[s.rkey[i]]]),
             rstate=_put_state(s.rstate, i, "fetched"),
         )
 
     def fetch_fail(self, s: State, i: int) -> State | None:
-        if s.rstate[i] not in ("idle", "fetching"):
+        state = s.rstate[i]
+        if state == "idle":
+            genuine = self.orphan(s, i)
+        elif state == "fetching":
+            genuine = not self.live(s, i)  # objEpoch < epoch: epochs only grow
+        else:
             return None
-        faults = self.failure(s, False)
+        faults = self.failure(s, genuine)
         if faults is None:
             return None
-        return s._replace(
-            faults=faults, rstate=_put_state(s.rstate, i, "failed"), rkey=_put(s.rkey, i, NONE)
-        )
+        return self.fail_early(s, i, faults)
 
     def register_ok(self, s: State, i: int) -> State | None:
         if s.rstate[i] != "fetched" or not (self.queueing or self.live(s, i)):
@@ -317,24 +434,49 @@ class BootstrapCache:
     def publish(self, s: State, i: int) -> State | None:
         if s.rstate[i] != "registered":
             return None
-        k = self.addr_index[s.rkey[i]]
-        held = s.rgen[i] if s.pool[k] == NONE else s.pool[k]
+        a = s.rkey[i]
+        k = self.addr_index[a]
+        own = s.rgen[i]
+        watermark = self.mutation == "NoWatermark" or s.objEpoch[own - 1] >= s.watched[k]
+        fresh = own if watermark else NONE
+        if self.mutation == "PublishOverwrites":
+            held = own
+        else:
+            held = fresh if s.pool[k] == NONE else s.pool[k]
+        keep_own = self.mutation == "LoserKeepsOwn"
         pool = _put(s.pool, k, held)
-        rgen = _put(s.rgen, i, held)
+        rgen = tuple(
+            held
+            if held != NONE
+            and (
+                (q == i and not keep_own)
+                or (q != i and s.rstate[q] == "idle" and s.rkey[q] == a and s.rgen[q] == NONE)
+            )
+            else g
+            for q, g in enumerate(s.rgen)
+        )
+        published = s.pooled | {held} if held != NONE else s.pooled
         return s._replace(
             pool=pool,
             rgen=rgen,
             objEpoch=self.collect(pool, rgen, s.objEpoch),
+            pooled=self.keep_pooled(published, pool, rgen),
             rstate=_put_state(s.rstate, i, "cached"),
         )
 
     def send_ok(self, s: State, i: int) -> State | None:
-        if s.rstate[i] != "cached" or not (self.queueing or self.live(s, i)):
+        if s.rstate[i] != "cached" or self.receivers[i] in s.marked:
+            return None
+        if not (self.queueing or self.live(s, i)):
             return None
         return s._replace(rstate=_put_state(s.rstate, i, "waiting"))
 
     def send_fail(self, s: State, i: int) -> State | None:
-        if s.rstate[i] != "cached":
+        state = s.rstate[i]
+        if state == "idle" and s.rkey[i] == NONE:
+            faults = self.failure(s, False)
+            return None if faults is None else self.fail_early(s, i, faults)
+        if state != "cached":
             return None
         faults = self.failure(s, not self.queueing and not self.live(s, i))
         if faults is None:
@@ -342,32 +484,53 @@ class BootstrapCache:
         return s._replace(faults=faults, rstate=_put_state(s.rstate, i, "failed"))
 
     def complete(self, s: State, i: int) -> State | None:
-        if s.rstate[i] != "waiting" or not self.live(s, i):
+        if s.rstate[i] != "waiting":
+            return None
+        if s.acked[i] == 0 and self.mutation != "CompleteWithoutAck":
             return None
         rgen = _put(s.rgen, i, NONE)
         return s._replace(
             rkey=_put(s.rkey, i, NONE),
             rgen=rgen,
             objEpoch=self.collect(s.pool, rgen, s.objEpoch),
+            pooled=self.keep_pooled(s.pooled, s.pool, rgen),
+            acked=_put(s.acked, i, 0),
+            marked=self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "done"),
         )
 
     def timeout(self, s: State, i: int) -> State | None:
-        if s.rstate[i] != "waiting":
+        if s.rstate[i] != "waiting" or s.acked[i] != 0:
             return None
         faults = self.failure(s, not self.live(s, i))
         if faults is None:
             return None
+        if self.mutation == "TimeoutKeepsEntry":
+            return self.fail_early(s, i, faults)
         return s._replace(faults=faults, rstate=_put_state(s.rstate, i, "failed"))
+
+    def peer_lost(self, s: State, i: int) -> State | None:
+        state = s.rstate[i]
+        if state not in ("idle", "cached", "waiting"):
+            return None
+        genuine = self.receivers[i] in s.marked or (s.rgen[i] != NONE and not self.live(s, i))
+        faults = self.failure(s, genuine)
+        if faults is None:
+            return None
+        if state == "idle":
+            return self.fail_early(s, i, faults)
+        return s._replace(
+            faults=faults, rstate=_put_state(s.rstate, i, "failed"), acked=_put(s.acked, i, 0)
+        )
 
     def invalidate(self, s: State, i: int) -> State | None:
         if s.rstate[i] != "failed":
             return None
         g = s.rgen[i]
-        variant = self.constants.variant
+        variant = self.variant
         if variant == "NoInvalidation":
             drop = False
-        elif variant == "InvalidateByKey":
+        elif variant == "InvalidateByKey" or self.mutation == "InvalidateByKey":
             drop = g != NONE
         else:
             drop = g != NONE and s.pool[self.addr_index[s.rkey[i]]] == g
@@ -378,6 +541,8 @@ class BootstrapCache:
             rkey=_put(s.rkey, i, NONE),
             rgen=rgen,
             objEpoch=self.collect(pool, rgen, s.objEpoch),
+            pooled=self.keep_pooled(s.pooled, pool, rgen),
+            marked=self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "invalidated"),
         )
 
@@ -393,6 +558,9 @@ class BootstrapCache:
             rkey=_put(s.rkey, i, NONE),
             rgen=rgen,
             objEpoch=self.collect(s.pool, rgen, s.objEpoch),
+            pooled=self.keep_pooled(s.pooled, s.pool, rgen),
+            acked=_put(s.acked, i, 0),
+            marked=self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "aborted"),
         )
 
@@ -400,6 +568,22 @@ class BootstrapCache:
         if s.rstate[i] not in FINAL_STATES:
             return None
         return s._replace(rstate=_put_state(s.rstate, i, "idle"))
+
+    # --- steps of other threads for a receiver -----------------------------------------------
+
+    def join_flight(self, s: State, i: int, j: int) -> State | None:
+        a = self.addrs[j]
+        if s.rstate[i] != "idle" or s.rkey[i] != NONE or s.pool[j] != NONE or not self.flight(s, a):
+            return None
+        return s._replace(rkey=_put(s.rkey, i, a))
+
+    def ack(self, s: State, i: int) -> State | None:
+        if s.rstate[i] != "waiting" or s.acked[i] != 0:
+            return None
+        reused = self.variant == "ReusedPortAcks" and self.queueing
+        if not (self.live(s, i) or reused or self.mutation == "AckWithoutLiveness"):
+            return None
+        return s._replace(acked=_put(s.acked, i, s.epoch[self.addr_index[s.rkey[i]]] + 1))
 
     # --- environment actions (j: address index) ---------------------------------------------
 
@@ -409,25 +593,62 @@ class BootstrapCache:
         return s._replace(epoch=_put(s.epoch, j, s.epoch[j] + 1))
 
     def node_failure(self, s: State, j: int) -> State | None:
+        if self.mutation == "HeartbeatFalsePositive":
+            epoch = s.epoch
+        elif s.epoch[j] >= self.constants.max_restarts:
+            return None
+        else:
+            epoch = _put(s.epoch, j, s.epoch[j] + 1)
         drops = self._drops[j]
         pool = tuple(NONE if drops[b] else o for b, o in enumerate(s.pool))
-        if pool == s.pool:
-            return s  # nothing to drop: a stuttering step
-        return s._replace(pool=pool, objEpoch=self.collect(pool, s.rgen, s.objEpoch))
+        return s._replace(
+            epoch=epoch,
+            pool=pool,
+            objEpoch=self.collect(pool, s.rgen, s.objEpoch),
+            pooled=self.keep_pooled(s.pooled, pool, s.rgen),
+        )
 
-    def retire_instance(self, s: State, j: int) -> State | None:
-        if not self.stale(s, j):
+    def retire_instance(self, s: State, j: int, e: int) -> State | None:
+        o = s.pool[j]
+        if e > s.epoch[j] or o == NONE:
+            return None
+        held = s.objEpoch[o - 1]
+        if not (held != e if self._retire_stale else held < e):
             return None
         pool = _put(s.pool, j, NONE)
-        return s._replace(pool=pool, objEpoch=self.collect(pool, s.rgen, s.objEpoch))
+        return s._replace(
+            pool=pool,
+            objEpoch=self.collect(pool, s.rgen, s.objEpoch),
+            pooled=self.keep_pooled(s.pooled, pool, s.rgen),
+        )
+
+    def watch_event(self, s: State, j: int) -> State | None:
+        if not self.etcd or s.watched[j] >= s.epoch[j]:
+            return None
+        w = s.watched[j] + 1
+        o = s.pool[j]
+        drop = o != NONE and (self.variant == "RetireByKey" or s.objEpoch[o - 1] < w)
+        pool = _put(s.pool, j, NONE) if drop else s.pool
+        a = self.addrs[j]
+        marked = s.marked
+        if self.mutation != "NoFanOutMark":
+            marked = marked | {
+                r
+                for i, r in enumerate(self.receivers)
+                if s.rkey[i] == a
+                and s.rgen[i] != NONE
+                and s.rstate[i] in MARKABLE
+                and s.objEpoch[s.rgen[i] - 1] < w
+            }
+        return s._replace(
+            watched=_put(s.watched, j, w),
+            pool=pool,
+            objEpoch=self.collect(pool, s.rgen, s.objEpoch),
+            pooled=self.keep_pooled(s.pooled, pool, s.rgen),
+            marked=marked if marked != s.marked else s.marked,
+        )
 
     # --- Next -----------------------------------------------------------------------------
-
-    def _receiver_action(self, name: str) -> Callable[[State, int], State | None]:
-        return self._receiver_table[name]
-
-    def _env_action(self, name: str) -> Callable[[State, int], State | None]:
-        return self._env_table[name]
 
     def apply(self, s: State, step: Step) -> State | None:
         """The successor of ``s`` by ``step``, or None when the step is not enabled.
@@ -438,25 +659,39 @@ class BootstrapCache:
             if step.action in KEYED_ACTIONS:
                 r, a = step.params
                 i, j = self.receivers.index(str(r)), self.addr_index[int(a)]
-                return self.hit(s, i, j) if step.action == "Hit" else self.miss(s, i, j)
-            if step.action in RECEIVER_ACTIONS:
+                keyed = {"Hit": self.hit, "Miss": self.miss, "JoinFlight": self.join_flight}
+                return keyed[step.action](s, i, j)
+            if step.action in self._receiver_table:
                 (r,) = step.params
-                return self._receiver_action(step.action)(s, self.receivers.index(str(r)))
-            if step.action in ENV_ACTIONS:
+                return self._receiver_table[step.action](s, self.receivers.index(str(r)))
+            if step.action in ("Restart", "NodeFailure", "WatchEvent"):
                 (a,) = step.params
-                return self._env_action(step.action)(s, self.addr_index[int(a)])
+                j = self.addr_index[int(a)]
+                env = {
+                    "Restart": self.restart,
+                    "NodeFailure": self.node_failure,
+                    "WatchEvent": self.watch_event,
+                }
+                return env[step.action](s, j)
+            if step.action == "RetireInstance":
+                a, e = step.params
+                e = int(e)
+                if not 0 <= e <= self.constants.max_restarts:
+                    raise ValueError(e)
+                return self.retire_instance(s, self.addr_index[int(a)], e)
         except (KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"bad parameters for {step}") from exc
         raise ValueError(f"unknown action {step.action!r}")
 
     def successors(self, s: State) -> Iterator[tuple[Step, State]]:
         """Every enabled step of ``Next`` from ``s`` with its successor (stuttering included)."""
+        addrs = tuple(enumerate(self.addrs))
         for i, r in enumerate(self.receivers):
-            for j, a in enumerate(self.addrs):
+            for j, a in addrs:
                 t = self.hit(s, i, j)
                 if t is not None:
                     yield Step("Hit", (r, a)), t
-            for j, a in enumerate(self.addrs):
+            for j, a in addrs:
                 t = self.miss(s, i, j)
                 if t is not None:
                     yield Step("Miss", (r, a)), t
@@ -464,11 +699,24 @@ class BootstrapCache:
                 t = action(s, i)
                 if t is not None:
                     yield Step(name, (r,)), t
-        for j, a in enumerate(self.addrs):
-            for name in ENV_ACTIONS:
-                t = self._env_action(name)(s, j)
+            for j, a in addrs:
+                t = self.join_flight(s, i, j)
                 if t is not None:
-                    yield Step(name, (a,)), t
+                    yield Step("JoinFlight", (r, a)), t
+        for j, a in addrs:
+            t = self.restart(s, j)
+            if t is not None:
+                yield Step("Restart", (a,)), t
+            t = self.node_failure(s, j)
+            if t is not None:
+                yield Step("NodeFailure", (a,)), t
+            for e in range(self.constants.max_restarts + 1):
+                t = self.retire_instance(s, j, e)
+                if t is not None:
+                    yield Step("RetireInstance", (a, e)), t
+            t = self.watch_event(s, j)
+            if t is not None:
+                yield Step("WatchEvent", (a,)), t
 
     # --- invariants and properties ---------------------------------------------------------
 
@@ -485,54 +733,73 @@ class BootstrapCache:
             and all(0 <= e <= c.max_restarts for e in s.objEpoch)
             and all(0 <= e <= c.max_restarts for e in s.epoch)
             and 0 <= s.faults <= c.max_faults
+            and all(0 <= x <= c.max_restarts + 1 for x in s.acked)
+            and s.pooled <= set(self.object_ids)
+            and all(0 <= w <= c.max_restarts for w in s.watched)
+            and s.marked <= set(self.receivers)
+        )
+
+    def adoption_correct(self, s: State) -> bool:
+        return all(
+            st not in ("cached", "waiting") or g in s.pooled or r in s.marked
+            for r, st, g in zip(self.receivers, s.rstate, s.rgen, strict=True)
         )
 
     def identity_safe(self, s: State, t: State) -> bool:
-        for i in range(len(self.receivers)):
-            # Cheap necessary condition of Invalidate(r) before evaluating it exactly.
-            if t.rstate[i] == "invalidated" and t == self.invalidate(s, i):
-                for j, a in enumerate(self.addrs):
-                    if t.pool[j] != s.pool[j] and not (a == s.rkey[i] and s.pool[j] == s.rgen[i]):
-                        return False
+        if t.rstate == s.rstate:
+            return True
+        for j in range(len(self.addrs)):
+            if self.live_entry(s, j) and t.pool[j] != s.pool[j]:
+                explained = any(
+                    s.rgen[i] == s.pool[j]
+                    and s.rstate[i] == "failed"
+                    and t.rstate[i] == "invalidated"
+                    for i in range(len(self.receivers))
+                )
+                if not explained:
+                    return False
         return True
 
-    def adoption_correct(self, s: State, t: State) -> bool:
-        for i in range(len(self.receivers)):
-            if t.rstate[i] != "cached" or s.rstate[i] not in ("idle", "registered"):
-                continue  # neither Hit(r, a) nor Publish(r) can be this step
-            adopted = t == self.publish(s, i) or any(
-                t == self.hit(s, i, j) for j in range(len(self.addrs))
-            )
-            if adopted and t.rgen[i] != t.pool[self.addr_index[t.rkey[i]]]:
+    def exact_node_failure(self, s: State, t: State) -> bool:
+        if t.rstate != s.rstate:
+            return True
+        for j, o in enumerate(s.pool):
+            if o != NONE and t.pool[j] != o and not s.objEpoch[o - 1] < t.epoch[j]:
                 return False
         return True
 
     def no_stale_success(self, s: State, t: State) -> bool:
         for i in range(len(self.receivers)):
-            if t.rstate[i] == "done" and t == self.complete(s, i) and not self.live(s, i):
+            completes = t.rstate[i] == "done" and s.rstate[i] == "waiting"
+            if (
+                completes
+                and t == self.complete(s, i)
+                and s.acked[i] != s.objEpoch[s.rgen[i] - 1] + 1
+            ):
                 return False
         return True
 
-    def exact_node_failure(self, s: State, t: State) -> bool:
-        if t.rstate != s.rstate or t.rgen != s.rgen or t.epoch != s.epoch:
-            return True  # NodeFailure(a), RetireInstance(a) change none of these
-        for j in range(len(self.addrs)):
-            removal = t == self.node_failure(s, j) or t == self.retire_instance(s, j)
-            if removal and any(t.pool[b] != s.pool[b] for b in range(len(self.addrs)) if b != j):
-                return False
+    def no_stale_start(self, s: State, t: State) -> bool:
+        for i in range(len(self.receivers)):
+            if s.rstate[i] == "cached" and t.rstate[i] == "waiting":
+                j = self.addr_index[s.rkey[i]]
+                if s.objEpoch[s.rgen[i] - 1] < s.watched[j]:
+                    return False
         return True
 
     def invariant(self, name: str) -> StatePredicate:
-        if name == "TypeOK":
-            return self.type_ok
-        raise KeyError(name)
+        table: dict[str, StatePredicate] = {
+            "TypeOK": self.type_ok,
+            "AdoptionCorrect": self.adoption_correct,
+        }
+        return table[name]
 
     def action_property(self, name: str) -> StepPredicate:
         table: dict[str, StepPredicate] = {
             "IdentitySafe": self.identity_safe,
-            "AdoptionCorrect": self.adoption_correct,
-            "NoStaleSuccess": self.no_stale_success,
             "ExactNodeFailure": self.exact_node_failure,
+            "NoStaleSuccess": self.no_stale_success,
+            "NoStaleStart": self.no_stale_start,
         }
         return table[name]
 
@@ -571,18 +838,21 @@ class BootstrapCache:
 
     def fairness(self) -> list[Fairness]:
         """``Fairness`` of the spec: WF per receiver's steps, SF per key's lookups."""
+        if self.mutation == "NoFairness":
+            return []
         conditions = [
             Fairness("WF", f"ReceiverStep({r})", _receiver_step_of(r)) for r in self.receivers
         ]
-        conditions += [Fairness("SF", f"Lookup({a})", _lookup_of(a)) for a in self.addrs]
+        lookup = "WF" if self.mutation == "WeakFairLookups" else "SF"
+        conditions += [Fairness(lookup, f"Lookup({a})", _lookup_of(a)) for a in self.addrs]
         return conditions
 
     # --- printing ---------------------------------------------------------------------------
 
     def _domain(self, var: str) -> tuple[str | int, ...]:
-        if var in ("rstate", "rkey", "rgen"):
+        if var in ("rstate", "rkey", "rgen", "acked"):
             return self.receivers
-        if var in ("pool", "epoch"):
+        if var in ("pool", "epoch", "watched"):
             return self.addrs
         return tuple(self.object_ids)
 
@@ -598,6 +868,9 @@ class BootstrapCache:
         lines = []
         for var in VARIABLES:
             value = getattr(s, var)
+            if isinstance(value, frozenset):
+                lines.append(f"  {var} = {{{', '.join(str(o) for o in sorted(value))}}}")
+                continue
             if isinstance(value, int):
                 lines.append(f"  {var} = {value}")
                 continue
@@ -612,6 +885,10 @@ class BootstrapCache:
         for var in VARIABLES:
             before, after = getattr(s, var), getattr(t, var)
             if before == after:
+                continue
+            if isinstance(before, frozenset) and isinstance(after, frozenset):
+                shown = ", ".join(str(o) for o in sorted(after))
+                lines.append(f"  {var} = {{{shown}}}")
                 continue
             if isinstance(before, int) and isinstance(after, int):
                 lines.append(f"  {var}: {before} -> {after}")

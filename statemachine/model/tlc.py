@@ -1,16 +1,20 @@
-"""``make tlc``: run real TLC on every ``TLA/MC*.cfg`` and compare it with the mirror.
+"""``make tlc``: run real TLC on every cfg and every spec mutation, and compare with the mirror.
 
 Needs ``TLA2TOOLS_JAR`` (the path of a ``tla2tools.jar``) and ``java``. TLC is not available
-from the package registries CI reaches, so without the variable this says plainly that it
-skipped and exits 0.
+from the package registries CI reaches, so without the variable this says plainly that TLC
+was skipped and exits 0 (the mirror's side is checked by the tests either way).
 
-For each cfg the mirror is run first; then TLC (``-workers 1``). Compared:
-
-* the verdict: TLC's exit status (0 ok, 12 safety violated, 13 liveness violated) against the
-  mirror's first violated property, and TLC's property name when its message names one;
-* the distinct-state count, when the whole state space is explored by both: every passing cfg
-  and liveness violations (TLC completes the search before checking liveness on graphs this
-  small). A safety violation stops TLC early, so its count is then not comparable.
+Every run works on a temporary copy of the spec (the original text for a cfg, the mutated
+text for a mutation, see :mod:`statemachine.model.mutations`) with ``-continue`` (report
+every violated property and explore the whole state space), ``-lncheck final`` (check
+liveness once, on the complete graph, so that a liveness violation does not stop the search
+early either), ``-noGenerateSpecTE`` and a
+temporary ``-metadir``, so nothing is ever written under ``TLA/``. Compared with the mirror,
+for each run: the set of violated properties (TLC's "Invariant X is violated", "Action
+property X is violated", "Temporal property X was violated" and "Temporal properties X, Y
+and Z were violated"), the distinct-state count, and the exit status (13 exactly when a
+temporal property is violated; 0 otherwise, since ``-continue`` does not stop on a safety
+violation).
 
 Exit 0 when everything agrees (or when skipped), 1 on any disagreement, 2 on a usage error.
 """
@@ -24,128 +28,232 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from statemachine.model.check import TLA_DIR, load, run
+from statemachine.model.check import TLA_DIR, Loaded, load, run
+from statemachine.model.mutations import (
+    MUTATION_TABLE,
+    SPEC_NAME,
+    SpecMutation,
+    load_mutated,
+    write_mutated,
+)
+from statemachine.model.spec import LIVENESS_PROPERTIES
 
-EXIT_OK, EXIT_SAFETY, EXIT_LIVENESS = 0, 12, 13
+EXIT_OK, EXIT_LIVENESS = 0, 13
+#: Configs too large for CI's time budget: ``make tlc`` checks them, ``--ci`` leaves them out.
+LARGE_CONFIGS = frozenset({"MCLarge.cfg"})
+
+_SINGLE = re.compile(
+    r"Error: (?:Invariant (\w+) is violated|Action property (\w+) is violated"
+    r"|Temporal property (\w+) was violated)"
+)
+_PLURAL = re.compile(r"Error: Temporal properties (.+?) were violated")
 
 
 @dataclass
 class TlcRun:
     exit_code: int
     distinct_states: int | None
-    violated: str | None
+    violated: set[str]
     output: str
+    seconds: float = 0.0
 
 
 def parse_output(exit_code: int, output: str) -> TlcRun:
-    """Pull the distinct-state count and the violated property's name out of TLC's output."""
-    counts = re.findall(r"([\d,]+) distinct states found", output)
-    distinct = int(counts[-1].replace(",", "")) if counts else None
-    name = re.search(
-        r"Error: (?:Invariant (\w+) is violated|Action property (\w+) is violated"
-        r"|Temporal property (\w+) was violated)",
-        output,
-    )
-    violated = next((g for g in name.groups() if g), None) if name else None
-    if violated is None and "Temporal properties were violated" in output:
-        violated = "<temporal>"
+    """The distinct-state count and every violated property's name in TLC's output."""
+    counts = re.findall(r"^([\d,]+) states generated, ([\d,]+) distinct states found", output, re.M)
+    distinct = int(counts[-1][1].replace(",", "")) if counts else None
+    violated: set[str] = set()
+    for match in _SINGLE.finditer(output):
+        violated.update(g for g in match.groups() if g)
+    for match in _PLURAL.finditer(output):
+        violated.update(n for n in re.split(r",\s*|\s+and\s+", match.group(1).strip()) if n)
     return TlcRun(exit_code, distinct, violated, output)
 
 
-def run_tlc(jar: str, cfg: Path, timeout: float) -> TlcRun:
-    with tempfile.TemporaryDirectory(prefix="tlc-") as meta:
+def run_tlc(jar: str, spec_text: str, cfg_text: str, cfg_name: str, timeout: float) -> TlcRun:
+    """TLC on a temporary copy of the spec and cfg (nothing is written next to ``TLA/``)."""
+    with tempfile.TemporaryDirectory(prefix="tlc-") as work:
+        where = Path(work)
+        (where / SPEC_NAME).write_text(spec_text, encoding="utf-8")
+        (where / cfg_name).write_text(cfg_text, encoding="utf-8")
         command = [
             "java",
             "-XX:+UseParallelGC",
             "-cp",
             jar,
             "tlc2.TLC",
-            "-config",
-            cfg.name,
             "-workers",
             "1",
+            "-continue",
+            "-lncheck",
+            "final",
+            "-noGenerateSpecTE",
             "-metadir",
-            meta,
-            "BootstrapCache",
+            str(where / "meta"),
+            "-config",
+            cfg_name,
+            Path(SPEC_NAME).stem,
         ]
+        started = time.monotonic()
         done = subprocess.run(
-            command,
-            cwd=cfg.parent,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
+            command, cwd=where, capture_output=True, text=True, timeout=timeout, check=False
         )
-    return parse_output(done.returncode, done.stdout + done.stderr)
+        seconds = time.monotonic() - started
+    result = parse_output(done.returncode, done.stdout + done.stderr)
+    result.seconds = seconds
+    return result
 
 
-def compare_one(jar: str, cfg: Path, timeout: float) -> list[str]:
-    """Disagreements between TLC and the mirror for one cfg (empty when they agree)."""
-    loaded = load(cfg)
-    mirror = run(loaded)
-    violation = mirror.first_violation()
-    tlc = run_tlc(jar, cfg, timeout)
-    problems: list[str] = []
-    if violation is None:
-        expected_exit = EXIT_OK
-    elif violation.kind == "liveness":
-        expected_exit = EXIT_LIVENESS
-    else:
-        expected_exit = EXIT_SAFETY
-    # An action property is a safety property (12); accept 13 too, as TLC versions differ in
-    # how they classify a violated [][A]_v given under PROPERTY.
-    allowed = {EXIT_SAFETY, EXIT_LIVENESS} if violation and violation.kind == "action" else set()
-    if tlc.exit_code != expected_exit and tlc.exit_code not in allowed:
-        problems.append(f"TLC exit {tlc.exit_code}, mirror expects {expected_exit}")
-    if violation is not None and tlc.violated not in (None, "<temporal>"):
-        mirror_names = [n for n, held in mirror.verdicts.items() if not held]
-        if tlc.violated not in mirror_names:
-            problems.append(f"TLC reports {tlc.violated}, mirror {mirror_names}")
-    comparable = violation is None or violation.kind == "liveness"
-    if comparable and tlc.distinct_states != mirror.distinct_states:
-        problems.append(
-            f"TLC found {tlc.distinct_states} distinct states, mirror {mirror.distinct_states}"
+@dataclass
+class Comparison:
+    """One row of the table: a cfg (or a mutation on its cfg) in the mirror and in TLC."""
+
+    label: str
+    mirror_states: int
+    mirror_seconds: float
+    mirror_violated: set[str]
+    tlc: TlcRun | None = None
+    expected: str | None = None  # the property a mutation must break
+    problems: list[str] = field(default_factory=list)
+
+    def row(self) -> str:
+        violated = ", ".join(sorted(self.mirror_violated)) or "-"
+        tlc = (
+            f"TLC {self.tlc.distinct_states} states {self.tlc.seconds:.1f} s"
+            if self.tlc is not None
+            else "TLC skipped"
         )
-    verdict = "ok" if violation is None else f"{violation.property} violated"
-    print(
-        f"{cfg.name}: mirror {mirror.distinct_states} states, {verdict}; TLC exit "
-        f"{tlc.exit_code}, {tlc.distinct_states} states"
-        + (f", reports {tlc.violated}" if tlc.violated else "")
-        + (" -- AGREE" if not problems else " -- DISAGREE: " + "; ".join(problems))
+        verdict = "AGREE" if not self.problems else "DISAGREE: " + "; ".join(self.problems)
+        return (
+            f"{self.label:<40} violated: {violated:<40} mirror {self.mirror_states} states "
+            f"{self.mirror_seconds:.2f} s; {tlc} -- {verdict}"
+        )
+
+
+def _violated(loaded: Loaded) -> tuple[int, float, set[str]]:
+    result = run(loaded)
+    return (
+        result.distinct_states,
+        result.seconds,
+        {name for name, held in result.verdicts.items() if not held},
     )
-    if problems:
-        print(tlc.output[-3000:], file=sys.stderr)
-    return problems
+
+
+def compare(
+    label: str,
+    loaded: Loaded,
+    spec_text: str,
+    cfg: Path,
+    jar: str | None,
+    timeout: float,
+    expected: str | None = None,
+) -> Comparison:
+    states, seconds, violated = _violated(loaded)
+    row = Comparison(label, states, seconds, violated, expected=expected)
+    if expected is not None and expected not in violated:
+        row.problems.append(f"the mirror does not violate {expected}")
+    if jar is None:
+        return row
+    tlc = run_tlc(jar, spec_text, cfg.read_text(encoding="utf-8"), cfg.name, timeout)
+    row.tlc = tlc
+    expected_exit = EXIT_LIVENESS if violated & set(LIVENESS_PROPERTIES) else EXIT_OK
+    if tlc.exit_code != expected_exit:
+        row.problems.append(f"TLC exit {tlc.exit_code}, expected {expected_exit}")
+    if tlc.violated != violated:
+        row.problems.append(f"TLC violates {sorted(tlc.violated)}, mirror {sorted(violated)}")
+    if tlc.distinct_states != states:
+        row.problems.append(f"TLC found {tlc.distinct_states} distinct states, mirror {states}")
+    return row
+
+
+def configs(ci_only: bool) -> list[Path]:
+    return [
+        path
+        for path in sorted(TLA_DIR.glob("MC*.cfg"))
+        if not (ci_only and path.name in LARGE_CONFIGS)
+    ]
+
+
+def compare_all(
+    jar: str | None,
+    *,
+    ci_only: bool,
+    timeout: float = 1800.0,
+    cfg_paths: Iterable[Path] | None = None,
+    mutations: Iterable[SpecMutation] = MUTATION_TABLE,
+    report: Callable[[str], None] = print,
+) -> list[Comparison]:
+    """Every cfg, then every mutation: the mirror, and TLC when ``jar`` is given."""
+    spec_text = (TLA_DIR / SPEC_NAME).read_text(encoding="utf-8")
+    rows: list[Comparison] = []
+    for path in configs(ci_only) if cfg_paths is None else cfg_paths:
+        row = compare(path.name, load(path), spec_text, path, jar, timeout)
+        report(row.row())
+        rows.append(row)
+    for mutation in mutations:
+        with tempfile.TemporaryDirectory(prefix="mutation-") as work:
+            cfg = write_mutated(mutation, Path(work))
+            text = (Path(work) / SPEC_NAME).read_text(encoding="utf-8")
+            label = f"{mutation.name} on {mutation.cfg}"
+            row = compare(label, load_mutated(mutation), text, cfg, jar, timeout, mutation.violates)
+        report(row.row())
+        rows.append(row)
+    return rows
+
+
+def jar_from_environment() -> str | None:
+    """``TLA2TOOLS_JAR`` when it names a file and java is on PATH, else None."""
+    jar = os.environ.get("TLA2TOOLS_JAR")
+    if not jar or not Path(jar).is_file() or shutil.which("java") is None:
+        return None
+    return jar
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m statemachine.model.tlc", description=__doc__)
     parser.add_argument("configs", nargs="*", help="cfg files (default: every TLA/MC*.cfg)")
+    parser.add_argument("--ci", action="store_true", help="leave out the large configs")
+    parser.add_argument("--no-mutations", action="store_true", help="cfgs only")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per TLC run")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    jar = os.environ.get("TLA2TOOLS_JAR")
-    if not jar:
-        print("make tlc: SKIPPED -- TLA2TOOLS_JAR is not set (point it at a tla2tools.jar).")
+    named = os.environ.get("TLA2TOOLS_JAR")
+    if not named:
+        print("make tlc: TLC SKIPPED -- TLA2TOOLS_JAR is not set (point it at a tla2tools.jar).")
         return 0
-    if not Path(jar).is_file() or shutil.which("java") is None:
-        print(f"make tlc: cannot run: jar {jar!r} missing or java not on PATH", file=sys.stderr)
+    jar = jar_from_environment()
+    if jar is None:
+        print(f"make tlc: cannot run: jar {named!r} missing or java not on PATH", file=sys.stderr)
         return 2
-    configs = [Path(c).resolve() for c in args.configs] or sorted(TLA_DIR.glob("MC*.cfg"))
-    failures = 0
-    for cfg in configs:
-        try:
-            problems = compare_one(jar, cfg, args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{cfg.name}: TLC did not finish within {args.timeout:.0f} s")
-            problems = ["timeout"]
-        failures += bool(problems)
-    print(f"{len(configs) - failures} of {len(configs)} cfgs agree with TLC")
+    started = time.monotonic()
+    try:
+        rows = compare_all(
+            jar,
+            ci_only=args.ci,
+            timeout=args.timeout,
+            cfg_paths=[Path(c).resolve() for c in args.configs] or None,
+            mutations=() if args.no_mutations else MUTATION_TABLE,
+        )
+    except subprocess.TimeoutExpired as exc:
+        print(f"make tlc: a TLC run did not finish within {exc.timeout:.0f} s", file=sys.stderr)
+        return 1
+    failures = [row for row in rows if row.problems]
+    for row in failures:
+        if row.tlc is not None:
+            print(
+                f"--- {row.label}: end of TLC's output\n{row.tlc.output[-3000:]}", file=sys.stderr
+            )
+    print(
+        f"{len(rows) - len(failures)} of {len(rows)} runs agree with TLC "
+        f"({time.monotonic() - started:.0f} s)"
+    )
     return 1 if failures else 0
 
 

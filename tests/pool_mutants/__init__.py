@@ -111,7 +111,24 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        if key.addr.startswith(addr) and generation.instance_id",
             ),
         ),
-        "a restart seen at host:80 retires host:8000's entries",
+        "a restart seen at host:80 retires host:8000's entries with that instance id",
+        # Instance ids are unique per server process, so no entry of host:8000 carries an id of
+        # host:80's: the address filter is redundant and no test can tell (CrossHair, which
+        # picks the ids itself, still finds the contract broken).
+        equivalent=True,
+    ),
+    Mutant(
+        "retire_all_but_observed",
+        "retire_instance_entries",
+        (
+            (
+                "        if key.addr == addr and generation.instance_id == instance_id\n",
+                "        if key.addr == addr\n"
+                "        and generation.instance_id not in (None, instance_id)\n",
+            ),
+        ),
+        "the old observe_instance rule on the new call: every instance but the one named goes,\n"
+        "the live one included",
     ),
 )
 

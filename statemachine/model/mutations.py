@@ -1,0 +1,207 @@
+"""Seeded mutations of ``TLA/BootstrapCache.tla``: each must break a named property.
+
+A property that no edit of the spec can break says nothing. Each :class:`SpecMutation` is an
+exact text rewrite of the spec (applied to a temporary copy, never to ``TLA/``) together with
+the same change in the mirror (``BootstrapCache(constants, mutation=name)``), the CI config
+it runs on, and the property it must violate there. ``make tlc`` runs the mutated text
+through TLC and the flagged mirror on the same cfg and requires the same verdicts and the
+same distinct-state counts; ``tests/test_model_mutations.py`` checks the mirror side in CI,
+and that every rewrite still applies (a refactor of the spec that silently disarms a mutation
+fails there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from statemachine.model.check import TLA_DIR, Loaded, load
+from statemachine.model.spec import MUTATIONS, BootstrapCache
+
+SPEC_NAME = "BootstrapCache.tla"
+
+
+@dataclass(frozen=True)
+class SpecMutation:
+    name: str  # the mirror's flag (spec.MUTATIONS)
+    cfg: str  # the CI config it runs on
+    violates: str  # the property it must break there
+    edits: tuple[tuple[str, str], ...]  # exact (old, new) rewrites of the spec text
+    bug: str  # what the mutated system would do, in user-visible terms
+
+
+MUTATION_TABLE: tuple[SpecMutation, ...] = (
+    SpecMutation(
+        "PublishOverwrites",
+        "MCSmall.cfg",
+        "IdentitySafe",
+        (
+            (
+                "           held == IF pool[k] = None THEN fresh ELSE pool[k]\n",
+                "           held == rgen[r]\n",
+            ),
+        ),
+        "publish is an assignment: a slow stale publisher overwrites the fresh generation",
+    ),
+    SpecMutation(
+        "LoserKeepsOwn",
+        "MCSmall.cfg",
+        "AdoptionCorrect",
+        (("(q = r \\/ (rstate[q]", "(q # r /\\ (rstate[q]"),),
+        "the publish loser keeps its unpublished object: its failure cannot evict the winner",
+    ),
+    SpecMutation(
+        "InvalidateByKey",
+        "MCSmall.cfg",
+        "IdentitySafe",
+        (
+            (
+                "                      [] OTHER -> g # None /\\ pool[k] = g)",
+                "                      [] OTHER -> g # None)",
+            ),
+        ),
+        "a stale receiver's failure deletes the fresh generation another receiver published",
+    ),
+    SpecMutation(
+        "TimeoutKeepsEntry",
+        "MCSmall.cfg",
+        "StaleEntryEvicted",
+        (
+            (
+                "    /\\ Failure(~Live(r))\n"
+                '    /\\ rstate\' = [rstate EXCEPT ![r] = "failed"]\n'
+                "    /\\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched,"
+                " marked>>\n",
+                "    /\\ Failure(~Live(r))\n"
+                "    /\\ FailEarly(r)\n"
+                "    /\\ UNCHANGED <<pool, epoch, acked, watched>>\n",
+            ),
+        ),
+        "a timeout does not invalidate: in queueing mode stale ports are reused forever",
+    ),
+    SpecMutation(
+        "RetireStaleObservation",
+        "MCSmall.cfg",
+        "ExactNodeFailure",
+        (("          ELSE objEpoch[pool[a]] < e\n", "          ELSE objEpoch[pool[a]] # e\n"),),
+        "retire every other instance than a possibly stale observation: the newest goes",
+    ),
+    SpecMutation(
+        "CompleteWithoutAck",
+        "MCSmall.cfg",
+        "NoStaleSuccess",
+        (("    /\\ acked[r] # 0\n", ""),),
+        "a request completes without a transfer (garbage KV cache served as the prompt's)",
+    ),
+    SpecMutation(
+        "AckWithoutLiveness",
+        "MCImmediate.cfg",
+        "NoStaleSuccess",
+        (('    /\\ Live(r) \\/ (Variant = "ReusedPortAcks" /\\ Mode = "queueing")\n', ""),),
+        "a process of another epoch acknowledges a transfer it never did",
+    ),
+    SpecMutation(
+        "PrefixNodeFailure",
+        "MCTwoKeys.cfg",
+        "ExactNodeFailure",
+        (
+            (
+                '    IF Variant = "PrefixNodeFailure" THEN DigitPrefix(a, b) ELSE a = b',
+                "    DigitPrefix(a, b)",
+            ),
+        ),
+        "the death of host:80 also drops the healthy host:8000's entries",
+    ),
+    SpecMutation(
+        "HeartbeatFalsePositive",
+        "MCSmall.cfg",
+        "ExactNodeFailure",
+        (
+            (
+                "NodeFailure(a) ==\n    /\\ epoch[a] < MaxRestarts\n"
+                "    /\\ epoch' = [epoch EXCEPT ![a] = @ + 1]\n",
+                "NodeFailure(a) ==\n    /\\ epoch' = epoch\n",
+            ),
+        ),
+        "the heartbeat declares a live prefill dead and its fresh entries are dropped",
+    ),
+    SpecMutation(
+        "NoFairness",
+        "MCSmall.cfg",
+        "RequestsSucceed",
+        (("Spec == Init /\\ [][Next]_vars /\\ Fairness", "Spec == Init /\\ [][Next]_vars"),),
+        "nothing obliges any step: a request may wait forever",
+    ),
+    SpecMutation(
+        "UnboundedFaults",
+        "MCSmall.cfg",
+        "RequestsSucceed",
+        (
+            (
+                "               ELSE /\\ faults < MaxFaults\n"
+                "                    /\\ faults' = faults + 1\n",
+                "               ELSE faults' = faults\n",
+            ),
+        ),
+        "spurious failures never stop: a request may fail forever",
+    ),
+    SpecMutation(
+        "WeakFairLookups",
+        "MCTwoKeys.cfg",
+        "StaleEntryEvicted",
+        (("SF_vars(Lookup(a))", "WF_vars(Lookup(a))"),),
+        "a key asked for only now and then keeps its stale entry forever",
+    ),
+    SpecMutation(
+        "NoWatermark",
+        "MCEtcd.cfg",
+        "NoStaleStart",
+        (
+            (
+                "           fresh == IF objEpoch[rgen[r]] >= watched[k] THEN rgen[r] ELSE None\n",
+                "           fresh == rgen[r]\n",
+            ),
+        ),
+        "a fetch older than the watch publishes anyway: the next request starts on dead ports",
+    ),
+    SpecMutation(
+        "NoFanOutMark",
+        "MCEtcd.cfg",
+        "NoStaleStart",
+        (("                  {r \\in Receivers :\n", "                  {r \\in {} :\n"),),
+        "the watch retires entries but fails no in-flight receiver: they send to dead ports",
+    ),
+)
+
+BY_NAME = {m.name: m for m in MUTATION_TABLE}
+assert tuple(BY_NAME) == MUTATIONS, "spec.MUTATIONS and MUTATION_TABLE must list the same names"
+
+
+class RewriteNotApplied(AssertionError):
+    """A mutation's ``old`` text is not in the spec exactly once."""
+
+
+def mutated_text(mutation: SpecMutation, text: str | None = None) -> str:
+    """The spec text with the mutation's rewrites applied (each ``old`` exactly once)."""
+    source = (TLA_DIR / SPEC_NAME).read_text(encoding="utf-8") if text is None else text
+    for old, new in mutation.edits:
+        count = source.count(old)
+        if count != 1:
+            raise RewriteNotApplied(f"{mutation.name}: {old!r} found {count} times, expected 1")
+        source = source.replace(old, new)
+    return source
+
+
+def load_mutated(mutation: SpecMutation) -> Loaded:
+    """The mutation's cfg with the mirror flagged by the mutation."""
+    loaded = load(TLA_DIR / mutation.cfg)
+    loaded.model = BootstrapCache(loaded.model.constants, mutation=mutation.name)
+    return loaded
+
+
+def write_mutated(mutation: SpecMutation, directory: Path) -> Path:
+    """Write the mutated spec and its cfg into ``directory``; return the cfg's path."""
+    (directory / SPEC_NAME).write_text(mutated_text(mutation), encoding="utf-8")
+    cfg = directory / mutation.cfg
+    cfg.write_text((TLA_DIR / mutation.cfg).read_text(encoding="utf-8"), encoding="utf-8")
+    return cfg
