@@ -20,6 +20,7 @@ from statemachine import lifecycle as life
 from statemachine import pool as pool_module
 from statemachine import trace
 from statemachine.decode.receiver import BootstrapReceiver
+from statemachine.decode.transport import ZmqTransport
 from statemachine.model.validate import TraceFormatError, main, read_trace, validate
 from statemachine.pool import Generation, PoolKey
 
@@ -202,7 +203,14 @@ def prefill() -> Iterator[Prefill]:
 
 @pytest.fixture
 def side() -> Iterator[DecodeSide]:
-    yield from make_decode()
+    """A decode side whose transport has no socket monitor: with one, the restart's dead
+    ports are found and fanned out before the first send, and no receiver would ever hold
+    the stale generation this scenario is about."""
+    transport = ZmqTransport(monitor=False)
+    try:
+        yield from make_decode(transport=transport)
+    finally:
+        transport.close()
 
 
 def _stale_receiver_outlives_a_replacement(prefill: Prefill, side: DecodeSide) -> None:
