@@ -18,10 +18,12 @@ rank re-bound the same port with the same instance id - the revision is the orde
 instance ids lack. A re-put of identical bytes (a registrar that re-granted its lease) changes
 nothing.
 
-**Failures.** A compacted watch re-lists and diffs the store against the list, emitting a change
-for each key that differs. A broken stream or an unreachable etcd keeps the store serving (the
-receiver's failure-driven invalidation still works), retries with jittered back-off, re-lists
-on reconnect and diffs; ``stats()`` says ``connected=False`` meanwhile.
+**Failures.** A broken stream or an unreachable etcd keeps the store serving (the receiver's
+failure-driven invalidation still works) and retries with jittered back-off; on reconnect the
+watch resumes from revision + 1, so no change is missed and no list is needed. A resume whose
+revision was compacted meanwhile re-lists and diffs the store against the list, emitting a
+change for each key that differs (as does a cluster whose revision went backwards).
+``stats()`` says ``connected=False`` while etcd is unreachable.
 """
 
 from __future__ import annotations
@@ -356,8 +358,15 @@ class EtcdBootstrapSource:
                     break
                 with stream:
                     for message in stream:
-                        self._connected = True
-                        backoff = self._backoff_initial
+                        if message.created:
+                            self._connected = True
+                            backoff = self._backoff_initial
+                            if message.revision < self._revision:
+                                # The cluster's revision went backwards (restored or replaced
+                                # etcd): our history means nothing there. Start over.
+                                self._last_error = "etcd revision went backwards: re-listing"
+                                need_list = True
+                                break
                         self._apply(message)
             except WatchIdle:
                 self._idle_reopens += 1  # quiet prefix: re-open from revision + 1, no re-list
@@ -373,7 +382,9 @@ class EtcdBootstrapSource:
                 self._last_error = (
                     str(exc) if isinstance(exc, DiscoveryError) else f"{type(exc).__name__}: {exc}"
                 )
-                need_list = True  # what happened while we were away: re-list and diff
+                # Resume from revision + 1 (etcd keeps the history until compaction, so no
+                # change is missed); only a compacted resume costs a re-list.
+                need_list = need_list or not isinstance(exc, DiscoveryError)
                 self._stop.wait(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2.0, self._backoff_max)
             finally:

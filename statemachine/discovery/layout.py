@@ -9,7 +9,8 @@ One key per prefill rank::
 (``host:port``, IPv6 bracketed); the four ranks are decimal without leading zeros, the dp rank
 named as SGLang's bootstrap server names it (the system dp rank when there are several system
 dp groups, else the attention dp rank). The value is the rank's ``PUT /route`` body as JSON plus
-``"instance_id"``, attached to its registrar's lease. Both sides use only the functions here,
+``"instance_id"`` and ``"registration_id"`` (see :func:`encode_value`), attached to its
+registrar's lease. Both sides use only the functions here,
 so the layout is defined once.
 """
 
@@ -146,10 +147,18 @@ def registration_key(payload: Mapping[str, Any]) -> tuple[int, int, int, int]:
     return dp_rank, sizes["attn_cp_rank"][0], sizes["attn_tp_rank"][0], sizes["pp_rank"][0]
 
 
-def encode_value(payload: Mapping[str, Any], instance_id: str) -> bytes:
-    """The value a registrar writes: the route payload plus the instance id, as JSON."""
+def encode_value(payload: Mapping[str, Any], instance_id: str, registration_id: str) -> bytes:
+    """The value a registrar writes: the route payload, the instance id and the registrar's
+    own id, as JSON.
+
+    ``registration_id`` is new for every registrar (every process start): a rank restarted on
+    the same port under the same instance id still writes different bytes, so decode sides
+    retire what they cached from its previous life. A registrar re-putting its own values
+    (after its lease expired) writes identical bytes, which retires nothing.
+    """
     value = dict(payload)
     value["instance_id"] = instance_id
+    value["registration_id"] = registration_id
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 

@@ -94,6 +94,7 @@ class EtcdRegistrar:
         self.gateway = gateway
         self.bootstrap_addr = bootstrap_addr
         self.instance_id = instance_id or uuid.uuid4().hex
+        self.registration_id = uuid.uuid4().hex
         if len(self.instance_id) > 128:
             raise InvalidArgument("instance_id longer than 128 chars")
         self.prefix = normalise_prefix(prefix)
@@ -129,7 +130,7 @@ class EtcdRegistrar:
         try:
             dp, cp, tp, pp = registration_key(payload)
             key = rank_key(self.prefix, RankKey(self.bootstrap_addr, dp, cp, tp, pp))
-            value = encode_value(payload, self.instance_id)
+            value = encode_value(payload, self.instance_id, self.registration_id)
             # The decode side's check, run here, so a bad registration fails at its source.
             parse_value(
                 RankKey(self.bootstrap_addr, dp, cp, tp, pp), value, mod_revision=0, since=0
