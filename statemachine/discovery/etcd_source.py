@@ -114,11 +114,15 @@ class _AddressView:
         reference = max(records.values(), key=lambda r: r.mod_revision, default=None)
         ready = False
         if reference is not None:
-            layout = reference.layout
+            layout, instance = reference.layout, reference.instance_id
+            # Ready when every rank of the newest registration's topology is registered by the
+            # same instance: while a restart is half re-registered the prefill is NotReady
+            # (retryable), never a mix of two instances' ranks.
             complete = sum(
                 1
                 for (dp, cp, tp, pp), record in records.items()
                 if record.layout == layout
+                and record.instance_id == instance
                 and dp < reference.dp_size
                 and cp < reference.attn_cp_size
                 and tp < reference.attn_tp_size
@@ -210,7 +214,11 @@ class EtcdBootstrapSource:
                 addr=addr,
             )
         if not view.ready:
-            raise NotReady(f"{addr}: not every prefill rank registered in etcd yet", addr=addr)
+            raise NotReady(
+                f"{addr}: not every prefill rank registered in etcd by one instance yet "
+                "(starting or restarting): retry shortly",
+                addr=addr,
+            )
         return view
 
     def get_rank(
