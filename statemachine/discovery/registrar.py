@@ -60,6 +60,9 @@ class RegistrarStats:
     lease_regrants: int
     revoked: bool
     last_error: str | None
+    #: ``time.monotonic()`` of the last grant or keep-alive etcd acknowledged: the lease
+    #: expires TTL seconds after it unless refreshed
+    last_refresh: float | None
 
 
 class EtcdRegistrar:
@@ -116,6 +119,7 @@ class EtcdRegistrar:
         self._regrants = 0
         self._revoked = False
         self._last_error: str | None = None
+        self._last_refresh: float | None = None
 
     # --- registration --------------------------------------------------------------------------
 
@@ -157,9 +161,11 @@ class EtcdRegistrar:
                 lease = self._lease
             if lease is not None:
                 return lease
+            sent = time.monotonic()
             lease, _ = self.gateway.lease_grant(self.ttl)
             with self._lock:
                 self._lease = lease
+                self._last_refresh = sent
             return lease
 
     def _retry(self, what: str, call: Callable[[], int]) -> int:
@@ -208,19 +214,23 @@ class EtcdRegistrar:
             lease = self._lease
         if lease is None:
             return
+        sent = time.monotonic()
         ttl = self.gateway.lease_keepalive(lease)
         if ttl > 0:
             with self._lock:
                 self._keepalives += 1
+                self._last_refresh = sent
             return
         # The lease expired (etcd unreachable for longer than the TTL, or this process
         # stalled): its keys are gone. A new lease, and the same bytes put again.
+        sent = time.monotonic()
         new_lease, _ = self.gateway.lease_grant(self.ttl)
         with self._lock:
             if self._stop.is_set():
                 return
             self._lease = new_lease
             self._regrants += 1
+            self._last_refresh = sent
             values = list(self._values.items())
         for key, value in values:
             self.gateway.put(key, value, lease=new_lease)
@@ -266,6 +276,7 @@ class EtcdRegistrar:
                 lease_regrants=self._regrants,
                 revoked=self._revoked,
                 last_error=self._last_error,
+                last_refresh=self._last_refresh,
             )
 
 
