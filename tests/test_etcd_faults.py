@@ -270,3 +270,65 @@ def test_partition_with_compaction_relists_and_diffs(etcd: EtcdServer, prefix: s
         steady.close()
         source.close()
         relay.close()
+
+
+def test_keepalive_failures_are_retried_counted_and_recovered(
+    etcd: EtcdServer, prefix: str
+) -> None:
+    """The registrar is cut off etcd for longer than its keep-alive interval (but less than the
+    TTL): keep-alives fail, are retried with back-off and counted; after the heal the lease is
+    still the same and the keys never went away."""
+    relay = TcpForwarder(etcd.client_port)
+    ttl = 4
+    registrar = EtcdRegistrar(
+        EtcdGateway([relay.endpoint], connect_timeout=0.3, timeout=0.5),
+        ADDR,
+        prefix=prefix,
+        ttl=ttl,
+        keepalive_interval=0.5,
+        backoff=0.05,
+    )
+    source = EtcdBootstrapSource(EtcdGateway([etcd.endpoint]), prefix=prefix).start()
+    try:
+        assert source.wait_synced(BOUND)
+        registrar.register(payload(5000))
+        lease = registrar.stats().lease_id
+        assert wait_until(lambda: registrar.stats().keepalives >= 1, BOUND)
+        relay.cut()
+        assert wait_until(lambda: registrar.stats().keepalive_failures >= 3, BOUND)
+        relay.heal()
+        healed_at = registrar.stats().keepalives
+        assert wait_until(lambda: registrar.stats().keepalives > healed_at, BOUND)
+        stats = registrar.stats()
+        assert stats.lease_id == lease and stats.lease_regrants == 0
+        assert stats.last_error is not None and "keep-alive" in stats.last_error
+        assert source.stats().changes == 1  # the key never went away
+    finally:
+        registrar.close()
+        source.close()
+        relay.close()
+
+
+def test_sources_and_registrars_release_their_threads_and_sockets(
+    etcd: EtcdServer, prefix: str
+) -> None:
+    import threading
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def cycle() -> None:
+        with (
+            EtcdBootstrapSource(EtcdGateway([etcd.endpoint]), prefix=prefix) as source,
+            EtcdRegistrar(EtcdGateway([etcd.endpoint]), ADDR, prefix=prefix, ttl=5) as registrar,
+        ):
+            assert source.wait_synced(BOUND)
+            revision = registrar.register(payload(5000))
+            assert wait_until(lambda: source.revision >= revision, BOUND)
+
+    cycle()  # warm-up: imports, lazily created module state
+    threads, files = threading.active_count(), fds()
+    for _ in range(10):
+        cycle()
+    assert wait_until(lambda: threading.active_count() <= threads, BOUND)
+    assert wait_until(lambda: fds() <= files, BOUND), (fds(), files)
