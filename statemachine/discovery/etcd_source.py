@@ -362,7 +362,8 @@ class EtcdBootstrapSource:
                 )
                 with self._stream_lock:
                     self._stream = stream
-                if self._stop.is_set():
+                if self._stop.is_set():  # close() ran before the stream was visible to it
+                    stream.close()
                     break
                 with stream:
                     for message in stream:
@@ -444,6 +445,10 @@ class EtcdBootstrapSource:
             self._changed(key, revision, deleted=key not in listed)
 
     def _apply(self, message: WatchMessage) -> None:
+        # The store's revision moves once per message, after all its events: etcd sends every
+        # event of one revision (a transaction, a lease revoke) in one message, so a reader
+        # that sees revision R never sees R half applied.
+        newest = self._revision
         for event in message.events:
             self._events += 1
             try:
@@ -456,18 +461,18 @@ class EtcdBootstrapSource:
                 None if event.deleted else self._record(key, event.kv.value, event.kv.mod_revision)
             )
             revision = event.kv.mod_revision
+            newest = max(newest, revision)
             if old is None and record is None:
-                self._revision = max(self._revision, revision)
                 continue
             self._store(key, record)
-            # Data first, then the revision: a reader that sees revision R sees the data of R.
-            self._revision = max(self._revision, revision)
             self._changed(
                 key,
                 revision,
                 deleted=record is None,
                 content_changed=(old is None or record is None or old.raw != record.raw),
             )
+        # Data first, then the revision: a reader that sees revision R sees the data of R.
+        self._revision = newest
 
     def _store(self, key: RankKey, record: RankRecord | None) -> None:
         if record is None:

@@ -120,6 +120,7 @@ class EtcdRegistrar:
         self._revoked = False
         self._last_error: str | None = None
         self._last_refresh: float | None = None
+        self._reput_pending = False
 
     # --- registration --------------------------------------------------------------------------
 
@@ -220,6 +221,9 @@ class EtcdRegistrar:
             with self._lock:
                 self._keepalives += 1
                 self._last_refresh = sent
+                reput = self._reput_pending
+            if reput:
+                self._reput(lease)  # a re-put after a regrant failed midway: finish it
             return
         # The lease expired (etcd unreachable for longer than the TTL, or this process
         # stalled): its keys are gone. A new lease, and the same bytes put again.
@@ -231,11 +235,19 @@ class EtcdRegistrar:
             self._lease = new_lease
             self._regrants += 1
             self._last_refresh = sent
+            self._reput_pending = True
+        self._reput(new_lease)
+
+    def _reput(self, lease: int) -> None:
+        """Put every registered value under ``lease``; pending again if any put fails."""
+        with self._lock:
             values = list(self._values.items())
         for key, value in values:
-            self.gateway.put(key, value, lease=new_lease)
+            self.gateway.put(key, value, lease=lease)
             with self._lock:
                 self._puts += 1
+        with self._lock:
+            self._reput_pending = False
 
     # --- shutdown ------------------------------------------------------------------------------
 
