@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable
 
 from statemachine.decode.client import BootstrapClient, register_rank, route_payload
-from statemachine.discovery.etcd_source import EtcdBootstrapSource, RankChange
+from statemachine.discovery.etcd_source import EtcdBootstrapSource, RankChange, StampedGeneration
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.local_server import EtcdServer, find_etcd_binary
 from statemachine.discovery.registrar import EtcdRegistrar
@@ -49,7 +49,7 @@ def _fetch(source: EtcdBootstrapSource, pool: BootstrapPool, addr: str, tp_size:
     replies = [
         source.get_rank(addr, dp_rank=0, cp_rank=0, tp_rank=tp, pp_rank=0) for tp in range(tp_size)
     ]
-    generation = Generation(
+    generation = StampedGeneration(
         tuple(RankInfo(r.rank_ip, r.rank_port, 0) for r in replies), replies[0].instance_id, stamp
     )
     return pool.publish(PoolKey(addr, 0, 0, 0), generation)
@@ -252,7 +252,7 @@ def bench_hit_path(endpoint: str, rounds: int, ops: int, interval: float = 0.005
     prefix = f"/bench-{uuid.uuid4().hex[:8]}/ranks"
     pool = BootstrapPool()
     key = PoolKey("127.0.0.1:8998", 0, 0, 0)
-    pool.publish(key, Generation((RankInfo("127.0.0.1", 5000, 0),), "x", 1))
+    pool.publish(key, StampedGeneration((RankInfo("127.0.0.1", 5000, 0),), "x", 1))
     baseline, ours = [], []
     with EtcdBootstrapSource(EtcdGateway([endpoint]), prefix=prefix, pool=pool) as source:
         assert source.wait_synced(10.0)

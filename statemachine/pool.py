@@ -58,8 +58,6 @@ class Generation:
     ranks: tuple[RankInfo, ...]
     #: ``X-Bootstrap-Instance-Id`` of the server that answered, when it sent one.
     instance_id: str | None = None
-    #: etcd source: the store revision read before the fetch (docs/etcd.md); None otherwise.
-    revision: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

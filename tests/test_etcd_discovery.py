@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from statemachine.decode.client import route_payload
-from statemachine.discovery.etcd_source import EtcdBootstrapSource, RankChange
+from statemachine.discovery.etcd_source import EtcdBootstrapSource, RankChange, StampedGeneration
 from statemachine.discovery.gateway import EtcdGateway, prefix_range_end
 from statemachine.discovery.layout import (
     MalformedValue,
@@ -26,7 +26,7 @@ from statemachine.discovery.layout import (
 )
 from statemachine.discovery.registrar import EtcdRegistrar
 from statemachine.errors import EtcdUnavailable, NotFound, NotReady
-from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.pool import BootstrapPool, PoolKey, RankInfo
 from statemachine.validation import InvalidArgument
 from tests.etcd_support import EtcdServer, free_port, running_etcd, wait_until
 
@@ -58,20 +58,20 @@ def payload(port: int, *, tp: int = 0, tp_size: int = 1, dp: int = 0, dp_size: i
 
 def fetch(
     source: EtcdBootstrapSource, pool: BootstrapPool, addr: str, tp_size: int, dp: int = 0
-) -> Generation:
+) -> StampedGeneration:
     """What a receiver does on a miss with the etcd source: stamp, fetch, publish, check."""
     stamp = source.revision
     replies = [
         source.get_rank(addr, dp_rank=dp, cp_rank=0, tp_rank=tp, pp_rank=0) for tp in range(tp_size)
     ]
-    generation = Generation(
+    generation = StampedGeneration(
         tuple(RankInfo(r.rank_ip, r.rank_port, 0) for r in replies),
         replies[0].instance_id,
         stamp,
     )
     key = PoolKey(addr, dp, 0, 0)
     held = pool.publish(key, generation)
-    assert source.check_published(key, held)
+    assert isinstance(held, StampedGeneration) and source.check_published(key, held)
     return held
 
 
@@ -302,7 +302,7 @@ def test_identity_safe_retirement_by_revision(etcd: EtcdServer, prefix: str) -> 
         new = fetch(source, pool, ADDR, 1)
         assert new is not old and new.revision is not None and new.revision >= revision
         # A generation published late, from a read before the change, is caught on publish.
-        late = Generation(old.ranks, old.instance_id, old.revision)
+        late = StampedGeneration(old.ranks, old.instance_id, old.revision)
         key = PoolKey(ADDR, 0, 0, 0)
         pool.invalidate({key: new})
         assert pool.publish(key, late) is late

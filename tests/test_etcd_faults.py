@@ -126,9 +126,10 @@ def test_sigkilled_registrar_keys_vanish_at_lease_expiry(etcd: EtcdServer, prefi
     source = EtcdBootstrapSource(
         EtcdGateway([etcd.endpoint]), prefix=prefix, pool=pool, on_change=changes.append
     ).start()
-    proc = _start_registrar_process(etcd.endpoint, prefix, ttl)
+    proc = None
     try:
         assert source.wait_synced(BOUND)
+        proc = _start_registrar_process(etcd.endpoint, prefix, ttl)
         assert wait_until(lambda: source.stats().changes == 2, BOUND)
         old = fetch(source, pool, ADDR, 2)
         killed = time.perf_counter()
@@ -137,15 +138,15 @@ def test_sigkilled_registrar_keys_vanish_at_lease_expiry(etcd: EtcdServer, prefi
         assert wait_until(lambda: pool.get(KEY) is None, ttl + BOUND, interval=0.001)
         retired_after = time.perf_counter() - killed
         print(f"SIGKILL: retired {retired_after:.3f} s after the kill (TTL {ttl} s)")
-        # Lease expiry, not the kill itself, removed the keys: the keep-alive that last ran
-        # up to TTL/2 before the kill leaves at least about TTL/2 to go.
-        assert retired_after >= ttl / 2 - 0.1
+        # Lease expiry, not the kill itself, removed the keys: the last keep-alive, at most
+        # about TTL/2 before the kill (later under load), leaves a good part of the TTL to go.
+        assert retired_after >= 0.3
         deletes = [c for c in changes if c.deleted]
         assert {c.tp_rank for c in deletes} == {0, 1}
         assert any(c.retired == {KEY: old} for c in deletes)
         assert source.stats().synced
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
         source.close()
@@ -154,9 +155,10 @@ def test_sigkilled_registrar_keys_vanish_at_lease_expiry(etcd: EtcdServer, prefi
 def test_sigtermed_registrar_process_revokes_at_once(etcd: EtcdServer, prefix: str) -> None:
     ttl = 30
     source = EtcdBootstrapSource(EtcdGateway([etcd.endpoint]), prefix=prefix).start()
-    proc = _start_registrar_process(etcd.endpoint, prefix, ttl)
+    proc = None
     try:
         assert source.wait_synced(BOUND)
+        proc = _start_registrar_process(etcd.endpoint, prefix, ttl)
         assert wait_until(lambda: source.stats().changes == 2, BOUND)
         started = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
@@ -165,7 +167,7 @@ def test_sigtermed_registrar_process_revokes_at_once(etcd: EtcdServer, prefix: s
         assert wait_until(lambda: source.stats().changes == 4, BOUND)
         assert time.perf_counter() - started < ttl / 2  # revoked, not expired
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
         source.close()
@@ -182,9 +184,9 @@ def test_etcd_killed_and_restarted(etcd: EtcdServer, prefix: str) -> None:
         backoff_initial=0.05,
         backoff_max=0.5,
     ).start()
+    assert source.wait_synced(BOUND)
     old_instance = register_instance(etcd.endpoint, prefix, 5000, ttl=10)
     try:
-        assert source.wait_synced(BOUND)
         assert wait_until(lambda: source.stats().changes == 2, BOUND)
         old = fetch(source, pool, ADDR, 2)
         etcd.kill()

@@ -9,7 +9,8 @@ first list completes every call raises :class:`~statemachine.errors.NotReady` at
 
 **Retirement rule.** A generation (one pool entry) is *current* while every rank it holds is
 still registered with the same endpoint *and* has held that exact value since a revision no
-newer than the generation's own ``revision`` (the store revision read before its fetch). On
+newer than the generation's own ``revision`` (the store revision read before its fetch; see
+:class:`StampedGeneration`; an unstamped generation is current while its endpoints are). On
 every put or delete of a rank key at revision ``R`` the source drops, by identity
 (``BootstrapPool.invalidate``), each entry of that key's ``(addr, dp, cp)`` that is no longer
 current, and reports them to ``on_change``: exactly the generations fetched before ``R`` that
@@ -54,9 +55,28 @@ from statemachine.validation import (
     require_index,
 )
 
-__all__ = ["ChangeListener", "EtcdBootstrapSource", "EtcdSourceStats", "RankChange"]
+__all__ = [
+    "ChangeListener",
+    "EtcdBootstrapSource",
+    "EtcdSourceStats",
+    "RankChange",
+    "StampedGeneration",
+]
 
 _Ranks = tuple[int, int, int, int]  # (dp, cp, tp, pp)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class StampedGeneration(Generation):
+    """A generation fetched through the etcd source, stamped with the store's ``revision``
+    read *before* its ranks were fetched (``EtcdBootstrapSource.revision``).
+
+    A subclass rather than a field of :class:`Generation`: the pool's algorithms never look at
+    it, and keeping ``Generation`` as it is keeps its symbolic checks (CrossHair on pool.py)
+    as strong as they are. Compared by identity, like every generation.
+    """
+
+    revision: int | None = None
 
 
 class RankChange(NamedTuple):
@@ -195,7 +215,7 @@ class EtcdBootstrapSource:
     @property
     def revision(self) -> int:
         """The store's revision: every change up to it is applied. Read it *before* fetching
-        and stamp the generation with it (``Generation(..., revision=...)``)."""
+        and stamp the generation with it (``StampedGeneration(ranks, instance_id, revision)``)."""
         return self._revision
 
     def _view(self, addr: str) -> _AddressView:
@@ -278,7 +298,7 @@ class EtcdBootstrapSource:
         view = self._addrs.get(key.addr)
         if view is None:
             return False
-        stamp = generation.revision
+        stamp: int | None = getattr(generation, "revision", None)
         endpoints = view.endpoints
         for rank in generation.ranks:
             record = endpoints.get((rank.ip, rank.port, key.dp_rank, key.cp_rank, rank.pp_rank))
