@@ -9,12 +9,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
 from statemachine.decode.client import route_payload
-from statemachine.discovery.etcd_source import EtcdBootstrapSource, RankChange, StampedGeneration
+from statemachine.discovery.etcd_source import (
+    EtcdBootstrapSource,
+    RankChange,
+    StampedGeneration,
+    generation_for,
+    retiring_listener,
+    revision_of,
+    still_current,
+)
 from statemachine.discovery.gateway import EtcdGateway, prefix_range_end
 from statemachine.discovery.layout import (
     MalformedValue,
@@ -25,8 +33,8 @@ from statemachine.discovery.layout import (
     rank_key,
 )
 from statemachine.discovery.registrar import EtcdRegistrar
-from statemachine.errors import EtcdUnavailable, NotFound, NotReady
-from statemachine.pool import BootstrapPool, PoolKey, RankInfo
+from statemachine.errors import BootstrapError, EtcdUnavailable, NotFound, NotReady
+from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import InvalidArgument
 from tests.etcd_support import EtcdServer, free_port, running_etcd, wait_until
 
@@ -60,18 +68,16 @@ def fetch(
     source: EtcdBootstrapSource, pool: BootstrapPool, addr: str, tp_size: int, dp: int = 0
 ) -> StampedGeneration:
     """What a receiver does on a miss with the etcd source: stamp, fetch, publish, check."""
-    stamp = source.revision
+    stamp = revision_of(source)
     replies = [
         source.get_rank(addr, dp_rank=dp, cp_rank=0, tp_rank=tp, pp_rank=0) for tp in range(tp_size)
     ]
-    generation = StampedGeneration(
-        tuple(RankInfo(r.rank_ip, r.rank_port, 0) for r in replies),
-        replies[0].instance_id,
-        stamp,
+    generation = generation_for(
+        tuple(RankInfo(r.rank_ip, r.rank_port, 0) for r in replies), replies[0].instance_id, stamp
     )
     key = PoolKey(addr, dp, 0, 0)
     held = pool.publish(key, generation)
-    assert isinstance(held, StampedGeneration) and source.check_published(key, held)
+    assert isinstance(held, StampedGeneration) and still_current(source, key, held)
     return held
 
 
@@ -347,3 +353,82 @@ def test_an_expired_lease_is_regranted_and_the_ranks_re_put(etcd: EtcdServer, pr
         assert wait_until(lambda: source.stats().changes == 3, BOUND)  # put, delete, put
         assert registrar.stats().lease_id != lease
         assert source.get_rank(ADDR, dp_rank=0, cp_rank=0, tp_rank=0, pp_rank=0).rank_port == 5000
+
+
+# --- the gateway ---------------------------------------------------------------------------------
+
+
+def test_gateway_fails_over_to_the_next_endpoint(etcd: EtcdServer, prefix: str) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    gateway = EtcdGateway([dead, etcd.endpoint], connect_timeout=0.3, timeout=1.0)
+    key = f"{prefix}/failover".encode()
+    revision = gateway.put(key, b"v")
+    kv = gateway.get(key)
+    assert kv is not None and kv.value == b"v" and kv.mod_revision == revision
+    # Sources and registrars ride on the same failover.
+    with (
+        EtcdBootstrapSource(
+            EtcdGateway([dead, etcd.endpoint], connect_timeout=0.3), prefix=prefix
+        ) as source,
+        EtcdRegistrar(
+            EtcdGateway([dead, etcd.endpoint], connect_timeout=0.3), ADDR, prefix=prefix, ttl=5
+        ) as registrar,
+    ):
+        assert source.wait_synced(BOUND)
+        revision = registrar.register(payload(5000))
+        assert wait_until(lambda: source.revision >= revision, BOUND)
+        assert source.get_rank(ADDR, dp_rank=0, cp_rank=0, tp_rank=0, pp_rank=0).rank_port == 5000
+    gateway.delete_prefix(prefix.encode())
+
+
+def test_gateway_refusals_are_typed(etcd: EtcdServer) -> None:
+    from statemachine.errors import EtcdRequestFailed
+
+    gateway = EtcdGateway([etcd.endpoint])
+    assert gateway.lease_keepalive(123456789) == 0  # unknown lease: gone, not an error
+    with pytest.raises(EtcdRequestFailed) as refused:
+        gateway.lease_revoke(123456789)
+    assert refused.value.status == 404
+    with pytest.raises(InvalidArgument):
+        EtcdGateway(["127.0.0.1:2379"])  # not a URL
+    with pytest.raises(InvalidArgument):
+        EtcdGateway("http://127.0.0.1:2379")  # a str, not a sequence of URLs
+
+
+def test_retiring_listener_fails_exactly_the_retired_generations(
+    etcd: EtcdServer, prefix: str
+) -> None:
+    """The glue to the manager's fan-out: each retirement arrives once, with a typed error."""
+    from statemachine.errors import RankRetired
+
+    failed: list[tuple[list[Generation], BootstrapError]] = []
+
+    def fail_generations(generations: Sequence[Generation], error: BootstrapError) -> int:
+        failed.append((list(generations), error))
+        return len(generations)
+
+    pool = BootstrapPool()
+    source = EtcdBootstrapSource(
+        EtcdGateway([etcd.endpoint]),
+        prefix=prefix,
+        pool=pool,
+        on_change=retiring_listener(fail_generations),
+    ).start()
+    registrar = EtcdRegistrar(EtcdGateway([etcd.endpoint]), ADDR, prefix=prefix, ttl=5)
+    try:
+        assert source.wait_synced(BOUND)
+        revision = registrar.register(payload(5000))
+        assert wait_until(lambda: source.revision >= revision, BOUND)
+        assert failed == []  # a new registration retires nothing
+        generation = fetch(source, pool, ADDR, 1)
+        registrar.close()
+        assert wait_until(lambda: len(failed) == 1, BOUND)
+        ((generations, error),) = failed
+        assert generations == [generation] and isinstance(error, RankRetired)
+        assert ADDR in str(error) and "deregistered" in str(error) and "retry" in str(error)
+        assert still_current(object(), PoolKey(ADDR, 0, 0, 0), generation)  # other sources
+        assert revision_of(object()) is None
+        assert type(generation_for((), None, None)) is Generation
+    finally:
+        registrar.close()
+        source.close()

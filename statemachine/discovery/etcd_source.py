@@ -45,8 +45,15 @@ from statemachine.discovery.layout import (
     parse_key,
     parse_value,
 )
-from statemachine.errors import DiscoveryError, NotFound, NotReady, WatchCompacted
-from statemachine.pool import BootstrapPool, Generation, PoolKey
+from statemachine.errors import (
+    BootstrapError,
+    DiscoveryError,
+    NotFound,
+    NotReady,
+    RankRetired,
+    WatchCompacted,
+)
+from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import (
     InvalidArgument,
     RouteReply,
@@ -61,6 +68,11 @@ __all__ = [
     "EtcdSourceStats",
     "RankChange",
     "StampedGeneration",
+    "generation_for",
+    "rank_retired",
+    "retiring_listener",
+    "revision_of",
+    "still_current",
 ]
 
 _Ranks = tuple[int, int, int, int]  # (dp, cp, tp, pp)
@@ -95,6 +107,57 @@ class RankChange(NamedTuple):
 
 
 ChangeListener = Callable[[RankChange], None]
+
+
+# --- the glue a receiver or manager needs (the HTTP client has none of these) -----------------
+
+
+def revision_of(source: object) -> int | None:
+    """The stamp for a fetch about to start: the etcd store's revision, None for other sources.
+
+    Read it *before* the first ``get_rank`` of the fetch.
+    """
+    return source.revision if isinstance(source, EtcdBootstrapSource) else None
+
+
+def generation_for(
+    ranks: tuple[RankInfo, ...], instance_id: str | None, stamp: int | None
+) -> Generation:
+    """The generation of a fetch: stamped when it came from the etcd source."""
+    if stamp is None:
+        return Generation(ranks, instance_id)
+    return StampedGeneration(ranks, instance_id, stamp)
+
+
+def still_current(source: object, key: PoolKey, published: Generation) -> bool:
+    """After ``pool.publish``: False (and the entry invalidated) if an etcd change overtook the
+    fetch; always True for other sources. See :meth:`EtcdBootstrapSource.check_published`."""
+    if isinstance(source, EtcdBootstrapSource):
+        return source.check_published(key, published)
+    return True
+
+
+def rank_retired(change: RankChange) -> RankRetired:
+    """The typed error for the requests that used a generation ``change`` retired."""
+    what = "deregistered" if change.deleted else "re-registered"
+    return RankRetired(
+        f"{change.addr}: prefill rank dp={change.dp_rank} cp={change.cp_rank} "
+        f"tp={change.tp_rank} pp={change.pp_rank} {what} in etcd at revision {change.revision} "
+        "after this request fetched it: retry the request (it fetches the new registration)"
+    )
+
+
+def retiring_listener(
+    fail_generations: Callable[[Sequence[Generation], BootstrapError], object],
+) -> ChangeListener:
+    """An ``on_change`` that hands each change's retired generations to the manager's fan-out
+    (``DecodeManager.fail_generations``) with a :class:`RankRetired` error."""
+
+    def on_change(change: RankChange) -> None:
+        if change.retired:
+            fail_generations(list(change.retired.values()), rank_retired(change))
+
+    return on_change
 
 
 @dataclass(frozen=True, slots=True)
