@@ -334,3 +334,60 @@ def test_sources_and_registrars_release_their_threads_and_sockets(
         cycle()
     assert wait_until(lambda: threading.active_count() <= threads, BOUND)
     assert wait_until(lambda: fds() <= files, BOUND), (fds(), files)
+
+
+def test_a_quiet_watch_is_reopened_from_its_revision(etcd: EtcdServer, prefix: str) -> None:
+    """A watch silent past its idle timeout is re-opened from revision + 1 (how a half-open
+    connection is found): no re-list, and no change is missed across the re-opens."""
+    source = EtcdBootstrapSource(
+        EtcdGateway([etcd.endpoint]), prefix=prefix, watch_idle_timeout=0.2
+    ).start()
+    try:
+        assert source.wait_synced(BOUND)
+        assert wait_until(lambda: source.stats().idle_reopens >= 3, BOUND)
+        with EtcdRegistrar(EtcdGateway([etcd.endpoint]), ADDR, prefix=prefix) as registrar:
+            revision = registrar.register(payload(5000))
+            assert wait_until(lambda: source.revision >= revision, BOUND)
+            stats = source.stats()
+            assert stats.lists == 1 and stats.reconnects == 0 and stats.connected
+    finally:
+        source.close()
+
+
+def test_a_replaced_cluster_is_relisted(etcd: EtcdServer, prefix: str) -> None:
+    """etcd comes back *empty* (data lost, or another cluster behind the same address): its
+    revision is behind ours, so the source re-lists and deletes what the old cluster held."""
+    import shutil
+
+    pool = BootstrapPool()
+    changes: list[RankChange] = []
+    source = EtcdBootstrapSource(
+        EtcdGateway([etcd.endpoint], connect_timeout=0.5, timeout=1.0),
+        prefix=prefix,
+        pool=pool,
+        on_change=changes.append,
+        backoff_max=0.2,
+    ).start()
+    try:
+        assert source.wait_synced(BOUND)
+        registrar = register_instance(etcd.endpoint, prefix, 5000)
+        direct = EtcdGateway([etcd.endpoint])
+        for i in range(20):  # push the old cluster's revision well ahead of a fresh one's
+            direct.put(f"/unrelated/{i}".encode(), b"x")
+        assert wait_until(lambda: source.stats().changes == 2, BOUND)
+        old = fetch(source, pool, ADDR, 2)
+        registrar.close(revoke=False)
+        etcd.kill()
+        shutil.rmtree(os.path.join(etcd.data_dir, "member-data"))
+        etcd.start()
+        assert wait_until(lambda: source.stats().relists >= 1, BOUND)
+        assert wait_until(lambda: pool.get(KEY) is None, BOUND)
+        assert ports_or_none(source) is None
+        assert {(c.tp_rank, c.deleted) for c in changes[2:]} == {(0, True), (1, True)}
+        assert any(c.retired == {KEY: old} for c in changes[2:])
+        # And it follows the new cluster from there.
+        new_instance = register_instance(etcd.endpoint, prefix, 6000)
+        assert wait_until(lambda: ports_or_none(source) == [6000, 6001], BOUND)
+        new_instance.close()
+    finally:
+        source.close()

@@ -255,6 +255,8 @@ class EtcdBootstrapSource:
         self._records: dict[RankKey, RankRecord] = {}
         self._addrs: dict[str, _AddressView] = {}
         self._revision = 0
+        self._cluster_id = 0
+        self._replaced = False
         self._synced = threading.Event()
         self._stop = threading.Event()
         self._stream_lock = threading.Lock()
@@ -453,10 +455,14 @@ class EtcdBootstrapSource:
                         if message.created:
                             self._connected = True
                             backoff = self._backoff_initial
-                            if message.revision < self._revision:
-                                # The cluster's revision went backwards (restored or replaced
-                                # etcd): our history means nothing there. Start over.
-                                self._last_error = "etcd revision went backwards: re-listing"
+                            if (
+                                message.cluster_id != self._cluster_id
+                                or message.revision < self._revision
+                            ):
+                                # Another cluster (etcd replaced, or restored from a backup):
+                                # our revisions mean nothing there. Start over.
+                                self._last_error = "etcd cluster replaced: re-listing"
+                                self._replaced = True
                                 need_list = True
                                 break
                         self._apply(message)
@@ -496,8 +502,15 @@ class EtcdBootstrapSource:
             return None
 
     def _list_and_diff(self) -> None:
-        revision, kvs = self.gateway.get_prefix(self._prefix_bytes)
+        revision, cluster_id, kvs = self.gateway.get_prefix(self._prefix_bytes)
         self._lists += 1
+        replaced = self._synced.is_set() and (
+            self._replaced or cluster_id != self._cluster_id or revision < self._revision
+        )
+        self._cluster_id = cluster_id
+        self._replaced = False
+        if replaced:
+            self._clear()
         listed: dict[RankKey, RankRecord] = {}
         for kv in kvs:
             try:
@@ -523,9 +536,37 @@ class EtcdBootstrapSource:
         ]
         for key in changed:
             self._store(key, listed.get(key))
-        self._revision = max(self._revision, revision)
+        self._revision = revision if replaced else max(self._revision, revision)
         for key in changed:
             self._changed(key, revision, deleted=key not in listed)
+
+    def _clear(self) -> None:
+        """Another cluster: every stamped generation is from the old revision space, and so
+        is every record's ``since``. Drop them all, reporting each key as changed, then
+        start the new cluster's store from its list."""
+        old = dict(self._records)
+        pool = self.pool
+        stale: dict[PoolKey, Generation] = {}
+        if pool is not None:
+            stale = {
+                key: generation
+                for key, generation in pool.snapshot().items()
+                if key.addr in self._addrs and getattr(generation, "revision", None) is not None
+            }
+            self._retired += pool.invalidate(stale)
+        self._records.clear()
+        self._addrs.clear()
+        self._revision = 0
+        for key in old:
+            group = {
+                pool_key: generation
+                for pool_key, generation in stale.items()
+                if (pool_key.addr, pool_key.dp_rank, pool_key.cp_rank)
+                == (key.addr, key.dp_rank, key.cp_rank)
+            }
+            for pool_key in group:
+                del stale[pool_key]  # each retired generation is reported once
+            self._emit(key, 0, True, group)
 
     def _apply(self, message: WatchMessage) -> None:
         # The store's revision moves once per message, after all its events: etcd sends every
@@ -593,6 +634,11 @@ class EtcdBootstrapSource:
                     retired[pool_key] = generation
             if retired:
                 self._retired += pool.invalidate(retired)
+        self._emit(key, revision, deleted, retired)
+
+    def _emit(
+        self, key: RankKey, revision: int, deleted: bool, retired: Mapping[PoolKey, Generation]
+    ) -> None:
         listener = self.on_change
         if listener is None:
             return

@@ -76,9 +76,11 @@ class WatchEvent:
 
 @dataclass(frozen=True, slots=True)
 class WatchMessage:
-    """One message of a watch stream. ``revision`` is the response header's revision."""
+    """One message of a watch stream. ``revision`` is the response header's revision;
+    ``cluster_id`` names the etcd cluster that answered (it changes when etcd is replaced)."""
 
     revision: int
+    cluster_id: int
     created: bool
     events: tuple[WatchEvent, ...]
 
@@ -135,6 +137,11 @@ def _kv(obj: Mapping[str, Any]) -> KeyValue:
 def _header_revision(obj: Mapping[str, Any]) -> int:
     header = obj.get("header")
     return _int(header.get("revision")) if isinstance(header, Mapping) else 0
+
+
+def _header_cluster(obj: Mapping[str, Any]) -> int:
+    header = obj.get("header")
+    return _int(header.get("cluster_id")) if isinstance(header, Mapping) else 0
 
 
 class WatchStream:
@@ -230,6 +237,7 @@ class WatchStream:
             )
         return WatchMessage(
             revision=_header_revision(result),
+            cluster_id=_header_cluster(result),
             created=bool(result.get("created")),
             events=tuple(events),
         )
@@ -335,13 +343,15 @@ class EtcdGateway:
 
     # --- KV ------------------------------------------------------------------------------------
 
-    def get_prefix(self, prefix: bytes) -> tuple[int, list[KeyValue]]:
-        """Every key under ``prefix`` and the store revision the read was taken at."""
+    def get_prefix(self, prefix: bytes) -> tuple[int, int, list[KeyValue]]:
+        """``(revision, cluster id, every key under prefix)``: the store revision the read was
+        taken at and the cluster that answered."""
         obj = self._post(
             "kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_range_end(prefix))}
         )
         try:
-            return _header_revision(obj), [_kv(kv) for kv in obj.get("kvs") or ()]
+            kvs = [_kv(kv) for kv in obj.get("kvs") or ()]
+            return _header_revision(obj), _header_cluster(obj), kvs
         except (ValueError, AttributeError) as exc:
             raise EtcdUnavailable(f"malformed range reply: {exc}") from None
 
