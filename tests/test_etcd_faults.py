@@ -391,3 +391,45 @@ def test_a_replaced_cluster_is_relisted(etcd: EtcdServer, prefix: str) -> None:
         new_instance.close()
     finally:
         source.close()
+
+
+def test_a_cluster_with_authentication(etcd: EtcdServer, prefix: str) -> None:
+    """etcd users: the registrar and the source log in, renew an expired token by themselves,
+    and a client without credentials gets a typed refusal."""
+    from statemachine.errors import EtcdRequestFailed
+
+    admin = EtcdGateway([etcd.endpoint])
+    admin._post("auth/user/add", {"name": "root", "password": "root-pw"})
+    admin._post("auth/role/add", {"name": "root"})
+    admin._post("auth/user/grant", {"user": "root", "role": "root"})
+    admin._post("auth/enable", {})
+
+    def login() -> EtcdGateway:
+        return EtcdGateway([etcd.endpoint], username="root", password="root-pw")
+
+    with pytest.raises(EtcdRequestFailed, match="user name is empty"):
+        EtcdGateway([etcd.endpoint]).put(f"{prefix}/x".encode(), b"x")
+    with pytest.raises(EtcdRequestFailed):
+        EtcdGateway([etcd.endpoint], username="root", password="wrong").put(b"/x", b"x")
+    source_gateway = login()
+    with (
+        EtcdBootstrapSource(
+            source_gateway, prefix=prefix, backoff_max=0.2, watch_idle_timeout=0.3
+        ) as source,
+        EtcdRegistrar(login(), ADDR, prefix=prefix, ttl=5) as registrar,
+    ):
+        assert source.wait_synced(BOUND)
+        registrar.register(payload(5000, tp=0, tp_size=2))
+        revision = registrar.register(payload(5001, tp=1, tp_size=2))
+        assert wait_until(lambda: source.revision >= revision, BOUND)
+        assert ports(source) == [5000, 5001]
+        # Tokens expire (etcd's --auth-token-ttl): both sides renew theirs on refusal.
+        registrar.gateway._token = "expired"
+        source_gateway._token = "expired"
+        # The source's next idle re-open is refused (PermissionDenied), renews the token, and
+        # the one after succeeds.
+        assert wait_until(lambda: source.stats().reconnects >= 1, BOUND)
+        assert "PermissionDenied" in (source.stats().last_error or "")
+        revision = registrar.register(payload(5002, tp=1, tp_size=2))
+        assert wait_until(lambda: source.revision >= revision, BOUND)
+        assert ports(source) == [5000, 5002] and source.stats().connected

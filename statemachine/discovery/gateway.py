@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,11 +154,16 @@ class WatchStream:
     """
 
     def __init__(
-        self, response: requests.Response, session: requests.Session, endpoint: str
+        self,
+        response: requests.Response,
+        session: requests.Session,
+        endpoint: str,
+        on_denied: Callable[[], object] | None = None,
     ) -> None:
         self._response = response
         self._session = session
         self._endpoint = endpoint
+        self._on_denied = on_denied
         self._closed = False
 
     def close(self) -> None:
@@ -222,6 +228,10 @@ class WatchStream:
                     compact_revision=compact,
                 )
             reason = str(result.get("cancel_reason", ""))[:200]
+            if self._on_denied is not None and "PermissionDenied" in reason:
+                # etcd checks the token when the watch is created and answers an expired one
+                # this way: renew it, so the caller's next attempt can succeed.
+                self._on_denied()
             raise EtcdUnavailable(f"{self._endpoint}: watch canceled: {reason}")
         events = []
         for raw in result.get("events") or ():
@@ -253,7 +263,11 @@ class EtcdGateway:
         connect_timeout: float = 1.0,
         timeout: float = 2.0,
         tls: TLSConfig | None = None,
+        username: str | None = None,
+        password: str | None = None,
     ) -> None:
+        if (username is None) != (password is None):
+            raise InvalidArgument("give both username and password, or neither")
         if isinstance(endpoints, str) or not endpoints:
             raise InvalidArgument("endpoints must be a non-empty sequence of URLs")
         for url in endpoints:
@@ -265,6 +279,9 @@ class EtcdGateway:
         self.endpoints = tuple(url.rstrip("/") for url in endpoints)
         self.timeout = (float(connect_timeout), float(timeout))
         self._tls = tls
+        self._credentials = None if username is None else {"name": username, "password": password}
+        self._auth_lock = threading.Lock()
+        self._token: str | None = None
         self._local = threading.local()
         self._current = 0  # index of the endpoint that last answered
 
@@ -300,10 +317,61 @@ class EtcdGateway:
             session.close()
             self._local.session = None
 
+    # --- authentication (etcd users; client certificates need none of this) -----------------
+
+    def _auth_headers(self) -> dict[str, str] | None:
+        if self._credentials is None:
+            return None
+        with self._auth_lock:
+            token = self._token
+        if token is None:
+            token = self._authenticate(None)
+        return {"Authorization": token}
+
+    def _authenticate(self, stale: str | None) -> str:
+        """A fresh token, unless another thread already replaced ``stale``."""
+        assert self._credentials is not None
+        with self._auth_lock:
+            if self._token is not None and self._token != stale:
+                return self._token
+            obj = self._post_once("auth/authenticate", self._credentials, None, None)
+            token = obj.get("token")
+            if not isinstance(token, str) or not token:
+                raise EtcdRequestFailed("etcd authenticate: no token in the reply", status=200)
+            self._token = token
+            return token
+
+    @staticmethod
+    def _is_auth_error(exc: EtcdRequestFailed) -> bool:
+        # An expired or unknown token is Unauthenticated (gRPC 16, HTTP 401); a request with no
+        # token at all says the user name is empty.
+        text = str(exc)
+        return exc.status == 401 or exc.code == 16 or "token" in text or "user name" in text
+
     def _post(
         self, path: str, body: Mapping[str, Any], *, timeout: tuple[float, float] | None = None
     ) -> dict[str, Any]:
-        """POST to the first endpoint that answers; return the reply object."""
+        """POST to the first endpoint that answers; return the reply object.
+
+        With credentials, a rejected token (simple tokens expire after etcd's
+        ``--auth-token-ttl``, 5 minutes by default) is renewed once and the call retried.
+        """
+        headers = self._auth_headers()
+        try:
+            return self._post_once(path, body, headers, timeout)
+        except EtcdRequestFailed as exc:
+            if headers is None or not self._is_auth_error(exc):
+                raise
+        headers = {"Authorization": self._authenticate(headers["Authorization"])}
+        return self._post_once(path, body, headers, timeout)
+
+    def _post_once(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str] | None,
+        timeout: tuple[float, float] | None,
+    ) -> dict[str, Any]:
         session = self._session()
         errors: list[str] = []
         count = len(self.endpoints)
@@ -313,7 +381,11 @@ class EtcdGateway:
             url = f"{self.endpoints[index]}/v3/{path}"
             try:
                 response = session.post(
-                    url, json=body, timeout=timeout or self.timeout, allow_redirects=False
+                    url,
+                    json=body,
+                    headers=headers,
+                    timeout=timeout or self.timeout,
+                    allow_redirects=False,
                 )
                 payload = response.content
             except (requests.RequestException, OSError) as exc:
@@ -426,6 +498,7 @@ class EtcdGateway:
                 "prev_kv": True,
             }
         }
+        headers = self._auth_headers()
         errors: list[str] = []
         count = len(self.endpoints)
         for step in range(count):
@@ -437,6 +510,7 @@ class EtcdGateway:
                 response = session.post(
                     f"{endpoint}/v3/watch",
                     json=body,
+                    headers=headers,
                     stream=True,
                     timeout=(self.timeout[0], read_timeout),
                     allow_redirects=False,
@@ -446,10 +520,17 @@ class EtcdGateway:
                 errors.append(f"{endpoint}: {exc}")
                 continue
             if response.status_code != 200:
+                status = response.status_code
                 response.close()
                 session.close()
-                errors.append(f"{endpoint}: watch answered HTTP {response.status_code}")
+                if status == 401 and headers is not None:
+                    # The token expired: renew it; the caller's next attempt uses it.
+                    self._authenticate(headers["Authorization"])
+                errors.append(f"{endpoint}: watch answered HTTP {status}")
                 continue
             self._current = index
-            return WatchStream(response, session, endpoint)
+            denied = None
+            if headers is not None:
+                denied = functools.partial(self._authenticate, headers["Authorization"])
+            return WatchStream(response, session, endpoint, denied)
         raise EtcdUnavailable("no etcd endpoint accepted the watch: " + "; ".join(errors))
