@@ -31,7 +31,8 @@ import uuid
 from collections.abc import Callable
 
 from statemachine.decode.client import BootstrapClient, register_rank, route_payload
-from statemachine.discovery.etcd_source import EtcdBootstrapSource, RankChange, StampedGeneration
+from statemachine.discovery.changes import RankChange, StampedGeneration
+from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.local_server import EtcdServer, find_etcd_binary
 from statemachine.discovery.registrar import EtcdRegistrar

@@ -14,8 +14,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from statemachine.decode.client import route_payload
-from statemachine.discovery.etcd_source import (
-    EtcdBootstrapSource,
+from statemachine.discovery.changes import (
     RankChange,
     StampedGeneration,
     generation_for,
@@ -23,6 +22,7 @@ from statemachine.discovery.etcd_source import (
     revision_of,
     still_current,
 )
+from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway, prefix_range_end
 from statemachine.discovery.layout import (
     MalformedValue,

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from statemachine.discovery.etcd_source import EtcdBootstrapSource, RankChange
+from statemachine.discovery.changes import RankChange
+from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.registrar import EtcdRegistrar
 from statemachine.pool import BootstrapPool, PoolKey

@@ -9,21 +9,22 @@ first list completes every call raises :class:`~statemachine.errors.NotReady` at
 
 **Retirement rule.** A generation (one pool entry) is *current* while every rank it holds is
 still registered with the same endpoint *and* has held that exact value since a revision no
-newer than the generation's own ``revision`` (the store revision read before its fetch; see
-:class:`StampedGeneration`; an unstamped generation is current while its endpoints are). On
-every put or delete of a rank key at revision ``R`` the source drops, by identity
-(``BootstrapPool.invalidate``), each entry of that key's ``(addr, dp, cp)`` that is no longer
-current, and reports them to ``on_change``: exactly the generations fetched before ``R`` that
-used the changed rank. A generation fetched at or after ``R`` survives, even when a restarted
-rank re-bound the same port with the same instance id - the revision is the order that
-instance ids lack. A re-put of identical bytes (a registrar that re-granted its lease) changes
-nothing.
+newer than the generation's own ``revision``: the store revision read before its fetch
+(:class:`~statemachine.discovery.changes.StampedGeneration`; an unstamped generation is
+current while its endpoints are registered). On every put or delete of a rank key at revision
+``R`` the source drops, by identity (``BootstrapPool.invalidate``), each entry of that key's
+``(addr, dp, cp)`` that is no longer current, and reports them to ``on_change``: exactly the
+generations fetched before ``R`` that used the changed rank. A generation fetched at or after
+``R`` survives, even when a restarted rank re-bound the same port with the same instance id -
+the revision is the order that instance ids lack. A re-put of identical bytes (a registrar
+that re-granted its lease) changes nothing.
 
 **Failures.** A broken stream or an unreachable etcd keeps the store serving (the receiver's
 failure-driven invalidation still works) and retries with jittered back-off; on reconnect the
 watch resumes from revision + 1, so no change is missed and no list is needed. A resume whose
 revision was compacted meanwhile re-lists and diffs the store against the list, emitting a
-change for each key that differs (as does a cluster whose revision went backwards).
+change for each key that differs. Another cluster answering (etcd replaced or restored) drops
+the store and every stamped generation, then lists the new cluster.
 ``stats()`` says ``connected=False`` while etcd is unreachable.
 """
 
@@ -31,10 +32,10 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
+from statemachine.discovery.changes import ChangeListener, RankChange
 from statemachine.discovery.gateway import EtcdGateway, WatchIdle, WatchMessage, WatchStream
 from statemachine.discovery.layout import (
     DEFAULT_PREFIX,
@@ -45,15 +46,8 @@ from statemachine.discovery.layout import (
     parse_key,
     parse_value,
 )
-from statemachine.errors import (
-    BootstrapError,
-    DiscoveryError,
-    NotFound,
-    NotReady,
-    RankRetired,
-    WatchCompacted,
-)
-from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.errors import DiscoveryError, NotFound, NotReady, WatchCompacted
+from statemachine.pool import BootstrapPool, Generation, PoolKey
 from statemachine.validation import (
     InvalidArgument,
     RouteReply,
@@ -62,102 +56,9 @@ from statemachine.validation import (
     require_index,
 )
 
-__all__ = [
-    "ChangeListener",
-    "EtcdBootstrapSource",
-    "EtcdSourceStats",
-    "RankChange",
-    "StampedGeneration",
-    "generation_for",
-    "rank_retired",
-    "retiring_listener",
-    "revision_of",
-    "still_current",
-]
+__all__ = ["EtcdBootstrapSource", "EtcdSourceStats"]
 
 _Ranks = tuple[int, int, int, int]  # (dp, cp, tp, pp)
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class StampedGeneration(Generation):
-    """A generation fetched through the etcd source, stamped with the store's ``revision``
-    read *before* its ranks were fetched (``EtcdBootstrapSource.revision``).
-
-    A subclass rather than a field of :class:`Generation`: the pool's algorithms never look at
-    it, and keeping ``Generation`` as it is keeps its symbolic checks (CrossHair on pool.py)
-    as strong as they are. Compared by identity, like every generation.
-    """
-
-    revision: int | None = None
-
-
-class RankChange(NamedTuple):
-    """One put or delete of a rank key, as applied to the store (in revision order)."""
-
-    addr: str
-    dp_rank: int
-    cp_rank: int
-    tp_rank: int
-    pp_rank: int
-    revision: int
-    deleted: bool
-    #: the pool entries this change retired (already invalidated by identity); the manager
-    #: fails the in-flight receivers that use them (``DecodeManager.fail_generations``)
-    retired: Mapping[PoolKey, Generation]
-
-
-ChangeListener = Callable[[RankChange], None]
-
-
-# --- the glue a receiver or manager needs (the HTTP client has none of these) -----------------
-
-
-def revision_of(source: object) -> int | None:
-    """The stamp for a fetch about to start: the etcd store's revision, None for other sources.
-
-    Read it *before* the first ``get_rank`` of the fetch.
-    """
-    return source.revision if isinstance(source, EtcdBootstrapSource) else None
-
-
-def generation_for(
-    ranks: tuple[RankInfo, ...], instance_id: str | None, stamp: int | None
-) -> Generation:
-    """The generation of a fetch: stamped when it came from the etcd source."""
-    if stamp is None:
-        return Generation(ranks, instance_id)
-    return StampedGeneration(ranks, instance_id, stamp)
-
-
-def still_current(source: object, key: PoolKey, published: Generation) -> bool:
-    """After ``pool.publish``: False (and the entry invalidated) if an etcd change overtook the
-    fetch; always True for other sources. See :meth:`EtcdBootstrapSource.check_published`."""
-    if isinstance(source, EtcdBootstrapSource):
-        return source.check_published(key, published)
-    return True
-
-
-def rank_retired(change: RankChange) -> RankRetired:
-    """The typed error for the requests that used a generation ``change`` retired."""
-    what = "deregistered" if change.deleted else "re-registered"
-    return RankRetired(
-        f"{change.addr}: prefill rank dp={change.dp_rank} cp={change.cp_rank} "
-        f"tp={change.tp_rank} pp={change.pp_rank} {what} in etcd at revision {change.revision} "
-        "after this request fetched it: retry the request (it fetches the new registration)"
-    )
-
-
-def retiring_listener(
-    fail_generations: Callable[[Sequence[Generation], BootstrapError], object],
-) -> ChangeListener:
-    """An ``on_change`` that hands each change's retired generations to the manager's fan-out
-    (``DecodeManager.fail_generations``) with a :class:`RankRetired` error."""
-
-    def on_change(change: RankChange) -> None:
-        if change.retired:
-            fail_generations(list(change.retired.values()), rank_retired(change))
-
-    return on_change
 
 
 @dataclass(frozen=True, slots=True)
