@@ -432,3 +432,36 @@ def test_retiring_listener_fails_exactly_the_retired_generations(
     finally:
         registrar.close()
         source.close()
+
+
+def test_a_registration_after_the_lease_expired_replaces_the_lease(
+    etcd: EtcdServer, prefix: str
+) -> None:
+    """The lease vanished and the keep-alive thread has not noticed yet: the next register
+    replaces it, and the ranks registered before come back under the new lease."""
+    gateway = EtcdGateway([etcd.endpoint])
+    with (
+        EtcdBootstrapSource(EtcdGateway([etcd.endpoint]), prefix=prefix) as source,
+        EtcdRegistrar(
+            EtcdGateway([etcd.endpoint]), ADDR, prefix=prefix, ttl=5, keepalive_interval=2.0
+        ) as registrar,
+    ):
+        assert source.wait_synced(BOUND)
+        registrar.register(payload(5000, tp=0, tp_size=2))
+        lease = registrar.stats().lease_id
+        assert lease is not None
+        gateway.lease_revoke(lease)
+        registrar.register(payload(5001, tp=1, tp_size=2))
+        assert registrar.stats().lease_id != lease and registrar.stats().lease_regrants == 1
+        # The keep-alive thread's next round re-puts rank 0 under the new lease.
+        assert wait_until(lambda: ports_or_none(source) == [5000, 5001], BOUND)
+
+
+def ports_or_none(source: EtcdBootstrapSource) -> list[int] | None:
+    try:
+        return [
+            source.get_rank(ADDR, dp_rank=0, cp_rank=0, tp_rank=tp, pp_rank=0).rank_port
+            for tp in range(2)
+        ]
+    except NotReady:
+        return None

@@ -43,7 +43,12 @@ from statemachine.discovery.layout import (
     rank_key,
     registration_key,
 )
-from statemachine.errors import BootstrapError, DiscoveryError, EtcdUnavailable
+from statemachine.errors import (
+    BootstrapError,
+    DiscoveryError,
+    EtcdRequestFailed,
+    EtcdUnavailable,
+)
 from statemachine.validation import InvalidArgument, parse_addr
 
 DEFAULT_TTL = 10
@@ -151,7 +156,20 @@ class EtcdRegistrar:
 
     def _put(self, key: bytes, value: bytes) -> int:
         lease = self._ensure_lease()
-        revision = self.gateway.put(key, value, lease=lease)
+        try:
+            revision = self.gateway.put(key, value, lease=lease)
+        except EtcdRequestFailed as exc:
+            if "lease not found" not in str(exc):
+                raise
+            # The lease expired before the keep-alive thread noticed (etcd was unreachable
+            # for longer than the TTL): replace it, and have the others re-put under the new one.
+            with self._lock:
+                if self._lease == lease:
+                    self._lease = None
+                    self._regrants += 1
+                    self._reput_pending = bool(self._values)
+            lease = self._ensure_lease()
+            revision = self.gateway.put(key, value, lease=lease)
         with self._lock:
             self._puts += 1
         return revision
