@@ -104,7 +104,7 @@ def test_key_layout_round_trips_and_rejects_foreign_keys() -> None:
 def test_values_that_do_not_fit_their_key_are_never_served() -> None:
     key = RankKey(ADDR, 0, 0, 1, 0)
     good = encode_value(payload(5000, tp=1, tp_size=2), "inst", "reg")
-    record = parse_value(key, good, mod_revision=7, since=7)
+    record = parse_value(key, good, mod_revision=7)
     assert (record.rank_ip, record.rank_port, record.instance_id) == ("127.0.0.1", 5000, "inst")
     assert (record.attn_tp_size, record.dp_size, record.world) == (2, 1, 2)
     bad_values = [
@@ -119,7 +119,7 @@ def test_values_that_do_not_fit_their_key_are_never_served() -> None:
     ]
     for raw in bad_values:
         with pytest.raises(MalformedValue):
-            parse_value(key, raw, mod_revision=1, since=1)
+            parse_value(key, raw, mod_revision=1)
 
 
 def test_prefix_range_end_covers_exactly_the_prefix() -> None:

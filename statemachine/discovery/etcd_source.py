@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,13 @@ from statemachine.validation import (
 __all__ = ["EtcdBootstrapSource", "EtcdSourceStats"]
 
 _Ranks = tuple[int, int, int, int]  # (dp, cp, tp, pp)
+_Endpoint = tuple[str, int, int]  # (ip, port, pp)
+
+#: Changes remembered per (addr, dp, cp) for the currency check: far more than one prefill
+#: restart makes (two per rank); a generation older than what is kept counts as stale.
+HISTORY_PER_GROUP = 256
+#: Floors kept for the groups of prefills that vanished, before they fold into one.
+MAX_FORGOTTEN = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +96,8 @@ class _AddressView:
     """One prefill's registrations, rebuilt (copy-on-write) on each change of its keys."""
 
     records: Mapping[_Ranks, RankRecord]
-    #: (ip, port, dp, cp, pp) -> record, for the currency check of a generation's ranks
-    endpoints: Mapping[tuple[str, int, int, int, int], RankRecord]
+    #: (ip, port, dp, cp, pp) -> how many ranks registered it, for unstamped generations
+    endpoints: Mapping[tuple[str, int, int, int, int], int]
     reference: RankRecord | None
     ready: bool
 
@@ -113,10 +121,10 @@ class _AddressView:
                 and pp < reference.pp_size
             )
             ready = complete == reference.world
-        endpoints = {
-            (record.rank_ip, record.rank_port, dp, cp, pp): record
+        endpoints = Counter(
+            (record.rank_ip, record.rank_port, dp, cp, pp)
             for (dp, cp, _tp, pp), record in records.items()
-        }
+        )
         return _AddressView(dict(records), endpoints, reference, ready)
 
 
@@ -156,6 +164,12 @@ class EtcdBootstrapSource:
         self._records: dict[RankKey, RankRecord] = {}
         self._addrs: dict[str, _AddressView] = {}
         self._revision = 0
+        #: per (addr, dp, cp): (revision, replaced or removed endpoint) of the latest changes
+        self._history: dict[tuple[str, int, int], deque[tuple[int, _Endpoint]]] = {}
+        #: per group: the newest revision dropped from its history; and the revision before
+        #: which this source knows nothing (its first list, or a replaced cluster's)
+        self._history_floor: dict[tuple[str, int, int], int] = {}
+        self._floor = 0
         self._cluster_id = 0
         self._replaced = False
         self._synced = threading.Event()
@@ -260,16 +274,35 @@ class EtcdBootstrapSource:
     # --- currency of a generation -------------------------------------------------------------
 
     def is_current(self, key: PoolKey, generation: Generation) -> bool:
-        """Every rank of ``generation`` is registered now, unchanged since it was fetched."""
+        """No rank ``generation`` used has changed or gone since it was fetched.
+
+        Stamped (:class:`~statemachine.discovery.changes.StampedGeneration`): no change of its
+        ``(addr, dp, cp)`` after its revision replaced or removed an endpoint it holds (the
+        per-group change history; a stamp older than the history reaches is not current).
+        Unstamped: every endpoint it holds is registered now.
+        """
         view = self._addrs.get(key.addr)
         if view is None:
             return False
         stamp: int | None = getattr(generation, "revision", None)
-        endpoints = view.endpoints
-        for rank in generation.ranks:
-            record = endpoints.get((rank.ip, rank.port, key.dp_rank, key.cp_rank, rank.pp_rank))
-            if record is None or (stamp is not None and record.since > stamp):
-                return False
+        if stamp is None:
+            needed = Counter((rank.ip, rank.port, rank.pp_rank) for rank in generation.ranks)
+            registered = view.endpoints
+            return all(
+                registered.get((ip, port, key.dp_rank, key.cp_rank, pp), 0) >= count
+                for (ip, port, pp), count in needed.items()
+            )
+        group = (key.addr, key.dp_rank, key.cp_rank)
+        if not max(self._floor, self._history_floor.get(group, 0)) <= stamp <= self._revision:
+            return False  # from another cluster, or older than the history we keep
+        history = self._history.get(group)
+        if history:
+            used = {(rank.ip, rank.port, rank.pp_rank) for rank in generation.ranks}
+            for revision, endpoint in reversed(history):
+                if revision <= stamp:
+                    break
+                if endpoint in used:
+                    return False
         return True
 
     def check_published(self, key: PoolKey, generation: Generation) -> bool:
@@ -394,10 +427,8 @@ class EtcdBootstrapSource:
     # --- applying changes (watch thread only) -------------------------------------------------
 
     def _record(self, key: RankKey, raw: bytes, mod_revision: int) -> RankRecord | None:
-        old = self._records.get(key)
-        since = old.since if old is not None and old.raw == raw else mod_revision
         try:
-            return parse_value(key, raw, mod_revision=mod_revision, since=since)
+            return parse_value(key, raw, mod_revision=mod_revision)
         except MalformedValue:
             self._malformed += 1
             return None
@@ -422,10 +453,13 @@ class EtcdBootstrapSource:
             record = self._record(key, kv.value, kv.mod_revision)
             if record is not None:
                 listed[key] = record
-        if not self._synced.is_set():
+        if not self._synced.is_set() or replaced:
             for key, record in listed.items():
                 self._store(key, record)
-            self._revision = revision
+            self._revision = self._floor = revision
+            if self._synced.is_set():
+                for key in listed:
+                    self._emit(key, revision, False, {})
             self._synced.set()
             return
         # Re-list: a change for every key whose value differs, as the watch would have sent.
@@ -435,16 +469,17 @@ class EtcdBootstrapSource:
             if (self._records.get(key) is None) != (listed.get(key) is None)
             or (key in listed and self._records[key].raw != listed[key].raw)
         ]
+        before = {key: self._records.get(key) for key in changed}
         for key in changed:
             self._store(key, listed.get(key))
-        self._revision = revision if replaced else max(self._revision, revision)
+        self._revision = max(self._revision, revision)
         for key in changed:
-            self._changed(key, revision, deleted=key not in listed)
+            self._changed(key, revision, before[key], deleted=key not in listed)
 
     def _clear(self) -> None:
-        """Another cluster: every stamped generation is from the old revision space, and so
-        is every record's ``since``. Drop them all, reporting each key as changed, then
-        start the new cluster's store from its list."""
+        """Another cluster: every stamped generation and the change history belong to the old
+        revision space. Drop them all, reporting each old key as deleted; the caller then
+        loads the new cluster's list."""
         old = dict(self._records)
         pool = self.pool
         stale: dict[PoolKey, Generation] = {}
@@ -457,6 +492,8 @@ class EtcdBootstrapSource:
             self._retired += pool.invalidate(stale)
         self._records.clear()
         self._addrs.clear()
+        self._history.clear()
+        self._history_floor.clear()
         self._revision = 0
         for key in old:
             group = {
@@ -490,12 +527,7 @@ class EtcdBootstrapSource:
             if old is None and record is None:
                 continue
             self._store(key, record)
-            self._changed(
-                key,
-                revision,
-                deleted=record is None,
-                content_changed=(old is None or record is None or old.raw != record.raw),
-            )
+            self._changed(key, revision, old, deleted=record is None)
         # Data first, then the revision: a reader that sees revision R sees the data of R.
         self._revision = newest
 
@@ -517,12 +549,27 @@ class EtcdBootstrapSource:
             self._addrs.pop(key.addr, None)
 
     def _changed(
-        self, key: RankKey, revision: int, *, deleted: bool, content_changed: bool = True
+        self, key: RankKey, revision: int, old: RankRecord | None, *, deleted: bool
     ) -> None:
+        """Record what the change replaced or removed, then retire what it made stale."""
         self._changes += 1
         retired: dict[PoolKey, Generation] = {}
+        new = self._records.get(key)
+        if old is None or (new is not None and new.raw == old.raw):
+            # A new rank, or identical bytes put again: nothing fetched before used it.
+            self._emit(key, revision, deleted, retired)
+            return
+        group = (key.addr, key.dp_rank, key.cp_rank)
+        history = self._history.get(group)
+        if history is None:
+            history = self._history[group] = deque()
+        if len(history) == HISTORY_PER_GROUP:
+            self._history_floor[group] = history.popleft()[0]
+        history.append((revision, (old.rank_ip, old.rank_port, key.pp_rank)))
+        if key.addr not in self._addrs:
+            self._forget(key.addr, revision)
         pool = self.pool
-        if pool is not None and content_changed:
+        if pool is not None:
             for pool_key, generation in pool.snapshot().items():
                 if (
                     pool_key.addr != key.addr
@@ -536,6 +583,19 @@ class EtcdBootstrapSource:
             if retired:
                 self._retired += pool.invalidate(retired)
         self._emit(key, revision, deleted, retired)
+
+    def _forget(self, addr: str, revision: int) -> None:
+        """``addr`` has no key left: drop its history (prefills come and go), keeping only a
+        floor per group - a generation stamped before ``revision`` is stale - so memory stays
+        bounded by the live prefills plus one integer per vanished group. Past
+        ``MAX_FORGOTTEN`` floors they fold into the source-wide floor (a generation stamped
+        before it then counts as stale: one spurious retirement, never a missed one)."""
+        for group in [group for group in self._history if group[0] == addr]:
+            del self._history[group]
+            self._history_floor[group] = revision
+        if len(self._history_floor) > MAX_FORGOTTEN:
+            self._floor = max(self._floor, *self._history_floor.values())
+            self._history_floor.clear()
 
     def _emit(
         self, key: RankKey, revision: int, deleted: bool, retired: Mapping[PoolKey, Generation]

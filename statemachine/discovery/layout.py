@@ -56,9 +56,6 @@ class RankRecord(NamedTuple):
     follow_bootstrap_room: bool | None
     #: etcd ``mod_revision`` of the put that wrote this value
     mod_revision: int
-    #: revision since which the key has held exactly this value (a re-put of identical bytes
-    #: keeps it): generations fetched at or after it are current for this rank
-    since: int
     raw: bytes
 
     @property
@@ -171,7 +168,7 @@ def _optional(obj: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
-def parse_value(key: RankKey, raw: bytes, *, mod_revision: int, since: int) -> RankRecord:
+def parse_value(key: RankKey, raw: bytes, *, mod_revision: int) -> RankRecord:
     """Validate a rank's value against its key; :class:`MalformedValue` if it does not fit."""
     if len(raw) > MAX_VALUE_BYTES:
         raise MalformedValue("value too large")
@@ -211,6 +208,5 @@ def parse_value(key: RankKey, raw: bytes, *, mod_revision: int, since: int) -> R
         kv_cache_dtype=_optional(obj, "kv_cache_dtype", str),
         follow_bootstrap_room=follow,
         mod_revision=mod_revision,
-        since=since,
         raw=raw,
     )

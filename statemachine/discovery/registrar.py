@@ -143,9 +143,7 @@ class EtcdRegistrar:
             key = rank_key(self.prefix, RankKey(self.bootstrap_addr, dp, cp, tp, pp))
             value = encode_value(payload, self.instance_id, self.registration_id)
             # The decode side's check, run here, so a bad registration fails at its source.
-            parse_value(
-                RankKey(self.bootstrap_addr, dp, cp, tp, pp), value, mod_revision=0, since=0
-            )
+            parse_value(RankKey(self.bootstrap_addr, dp, cp, tp, pp), value, mod_revision=0)
         except (MalformedValue, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad rank registration: {exc}") from None
         revision = self._retry("put", lambda: self._put(key, value))
