@@ -2,7 +2,8 @@
 
 A Hypothesis state machine plays registrations (puts, deletes, lease revokes, identical re-puts,
 re-registrations on the *same* port) against the source's store, interleaved with fetches whose
-publish may come late (after changes the fetch did not see). The watch messages are built here
+publish may come late (after changes the fetch did not see), and with changes the watch misses
+altogether, caught up by a re-list and diff (a compacted resume). The watch messages are built here
 and handed to the source's apply step, so thousands of histories run in seconds; the same code
 path runs against a real etcd in test_etcd_faults.py.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 
+from hypothesis import event as note_event
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -40,6 +42,17 @@ PORTS = st.sampled_from((5000, 5001, 5002))  # few ports: same-port re-registrat
 Registration = tuple[int, str]
 
 
+class _Listing:
+    """What a re-list reads: the prefix as etcd holds it now (the only etcd call re-listing
+    makes; everything after it is the source's own code)."""
+
+    def __init__(self, revision: int, kvs: list[KeyValue]) -> None:
+        self.reply = (revision, 7, kvs)  # one cluster id throughout
+
+    def get_prefix(self, prefix: bytes) -> tuple[int, int, list[KeyValue]]:
+        return self.reply
+
+
 class RetirementMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
@@ -47,6 +60,7 @@ class RetirementMachine(RuleBasedStateMachine):
         self.pool = BootstrapPool()
         self.source = EtcdBootstrapSource(EtcdGateway(["http://127.0.0.1:9"]), pool=self.pool)
         self.source._synced.set()
+        self.source._cluster_id = 7
         self.revision = 1
         self.registrations: dict[int, Registration] = {}
         self.ids = (f"reg-{i}" for i in itertools.count())
@@ -54,6 +68,9 @@ class RetirementMachine(RuleBasedStateMachine):
         self.built_from: dict[int, dict[int, Registration]] = {}
         self.pending: list[tuple[Generation, dict[int, Registration]]] = []
         self.kept: Generation | None = None  # published, found current, must stay while so
+        self.listed: dict[int, object] = {}  # tp -> (revision, registration) etcd would list
+        self.behind = False  # changes were missed: the store is stale until a re-list
+        self.missed = 0
 
     # --- the prefill side: changes, delivered in revision order ---------------------------
 
@@ -70,14 +87,47 @@ class RetirementMachine(RuleBasedStateMachine):
         kv = KeyValue(key, value, 1, self.revision, 1, 0)
         return WatchEvent(registration is None, kv, None)
 
+    @precondition(lambda self: not self.behind)
     @rule(tp=st.integers(0, TP - 1), port=PORTS)
     def register(self, tp: int, port: int) -> None:
         """A new registration (a rank start or restart), maybe on the port it had before."""
         self.revision += 1
         self.registrations[tp] = (port, next(self.ids))
+        self.listed[tp] = (self.revision, self.registrations[tp])
         self._message([self._event(tp, self.registrations[tp])])
 
-    @precondition(lambda self: bool(self.registrations))
+    @precondition(lambda self: self.missed < 3)
+    @rule(tp=st.integers(0, TP - 1), port=st.one_of(st.none(), PORTS))
+    def missed_change(self, tp: int, port: int | None) -> None:
+        """A change the watch never delivers (the source was cut off, then the history was
+        compacted): the store is behind until the re-list below."""
+        self.revision += 1
+        if port is None:
+            self.registrations.pop(tp, None)
+        else:
+            self.registrations[tp] = (port, next(self.ids))
+        self.listed[tp] = self.registrations.get(tp) and (self.revision, self.registrations[tp])
+        self.behind = True
+        self.missed += 1
+
+    @precondition(lambda self: self.behind)
+    @rule()
+    def relist(self) -> None:
+        """The compacted resume: list the prefix and diff the store against it."""
+        kvs = []
+        for tp in sorted(self.registrations):
+            event = self._event(tp, self.registrations[tp])
+            entry = self.listed.get(tp)
+            revision = entry[0] if entry else event.kv.mod_revision
+            kvs.append(KeyValue(event.kv.key, event.kv.value, 1, revision, 1, 0))
+        self.source.gateway = _Listing(self.revision, kvs)  # type: ignore[assignment]
+        held = self.pool.get(KEY)
+        self.source._list_and_diff()
+        self.behind = False
+        self.missed = 0
+        note_event("re-list retired a generation" if held and not self.pool.get(KEY) else "re-list")
+
+    @precondition(lambda self: bool(self.registrations) and not self.behind)
     @rule(data=st.data())
     def re_put_identical(self, data: st.DataObject) -> None:
         """A registrar putting its own bytes again (after a lease regrant): no change."""
@@ -85,7 +135,7 @@ class RetirementMachine(RuleBasedStateMachine):
         self.revision += 1
         self._message([self._event(tp, self.registrations[tp])])
 
-    @precondition(lambda self: bool(self.registrations))
+    @precondition(lambda self: bool(self.registrations) and not self.behind)
     @rule(data=st.data())
     def deregister(self, data: st.DataObject) -> None:
         tp = data.draw(st.sampled_from(sorted(self.registrations)))
@@ -93,7 +143,7 @@ class RetirementMachine(RuleBasedStateMachine):
         del self.registrations[tp]
         self._message([self._event(tp, None)])
 
-    @precondition(lambda self: bool(self.registrations))
+    @precondition(lambda self: bool(self.registrations) and not self.behind)
     @rule()
     def revoke(self) -> None:
         """A lease revoke: every key deleted at one revision, in one message."""
@@ -104,6 +154,7 @@ class RetirementMachine(RuleBasedStateMachine):
 
     # --- the decode side: fetch (stamp, read), publish later ------------------------------
 
+    @precondition(lambda self: not self.behind)
     @rule()
     def fetch(self) -> None:
         stamp = revision_of(self.source)
@@ -120,7 +171,7 @@ class RetirementMachine(RuleBasedStateMachine):
         generation = generation_for(ranks, replies[0].instance_id, stamp)
         self.pending.append((generation, dict(self.registrations)))
 
-    @precondition(lambda self: bool(self.pending))
+    @precondition(lambda self: bool(self.pending) and not self.behind)
     @rule(data=st.data())
     def publish(self, data: st.DataObject) -> None:
         index = data.draw(st.integers(0, len(self.pending) - 1))
@@ -132,21 +183,27 @@ class RetirementMachine(RuleBasedStateMachine):
             assert current == (built_from == self.registrations), "check_published is wrong"
         if current:
             self.kept = held
+        elif held is generation:
+            note_event("late publish caught by check_published")
 
     # --- invariants ------------------------------------------------------------------------
 
     @invariant()
     def no_stale_entry(self) -> None:
+        if self.behind:
+            return  # by design: the store cannot know what it missed until it re-lists
         held = self.pool.get(KEY)
         if held is not None:
             assert self.built_from[id(held)] == self.registrations, "stale generation in pool"
 
     @invariant()
     def no_needless_retirement(self) -> None:
+        if self.behind:
+            return
         kept = self.kept
         if kept is not None and self.built_from[id(kept)] == self.registrations:
             assert self.pool.get(KEY) is kept, "a current generation was retired"
 
 
 TestRetirement = RetirementMachine.TestCase
-TestRetirement.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestRetirement.settings = settings(max_examples=600, stateful_step_count=50, deadline=None)
