@@ -4,36 +4,39 @@ The receiver fetches through whatever object it is given as its bootstrap source
 :class:`EtcdBootstrapSource`, and the whole request (init, register, metadata, acks) runs as
 with the HTTP client. A prefill restart on new ports is retired from the pool by the watch,
 before any request is started on the stale generation.
+
+The prefill rank processes still register with an HTTP bootstrap server (that is how they
+start today); the test registers their ports in etcd as ``--discovery etcd`` would, and the
+decode side never talks to the HTTP server.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from statemachine import lifecycle as life
-from statemachine.decode.receiver import BootstrapReceiver, Decode
+from statemachine.backend import MetadataRequest, SimpleBackend
+from statemachine.decode.acks import AckListener
+from statemachine.decode.receiver import BootstrapReceiver, Decode, RankPlan
+from statemachine.decode.transport import ZmqTransport
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.registrar import EtcdRegistrar
 from statemachine.errors import NotReady
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, PoolKey
+from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import RouteReply
 from tests.etcd_support import EtcdServer, running_etcd, wait_until
 from tests.test_etcd_discovery import BOUND, payload
-from tests.test_receiver import (
-    PLAN,
-    TP,
-    DecodeSide,
-    Prefill,
-    make_decode,
-    start_prefill,
-    stop_prefill,
-)
+
+TOKEN = "etcd-receiver-test"
+TP = 2
+PLAN = RankPlan(tp_ranks=tuple(range(TP)))
 
 
 @pytest.fixture
@@ -43,21 +46,25 @@ def etcd() -> Iterator[EtcdServer]:
 
 
 @pytest.fixture
-def http_side() -> Iterator[DecodeSide]:
-    yield from make_decode()
+def prefill() -> Iterator[tuple[BootstrapServer, list[PrefillRankProcess]]]:
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    ranks = [PrefillRankProcess(server.address, TOKEN, tp_rank=tp, tp_size=TP) for tp in range(TP)]
+    try:
+        for rank in ranks:
+            rank.start()
+        yield server, ranks
+    finally:
+        for rank in ranks:
+            rank.kill()
+        server.stop()
 
 
-@pytest.fixture
-def prefill() -> Iterator[Prefill]:
-    instance = start_prefill()
-    yield instance
-    stop_prefill(instance)
-
-
-def register(etcd: EtcdServer, prefix: str, prefill: Prefill) -> EtcdRegistrar:
+def register(
+    etcd: EtcdServer, prefix: str, addr: str, ranks: list[PrefillRankProcess]
+) -> EtcdRegistrar:
     """What ``prefill.rank --discovery etcd`` does, for every rank of the instance at once."""
-    registrar = EtcdRegistrar(EtcdGateway([etcd.endpoint]), prefill.addr, prefix=prefix, ttl=10)
-    for rank in prefill.ranks:
+    registrar = EtcdRegistrar(EtcdGateway([etcd.endpoint]), addr, prefix=prefix, ttl=10)
+    for rank in ranks:
         registrar.register(payload(rank.port, tp=rank.tp_rank, tp_size=TP))
     return registrar
 
@@ -72,53 +79,64 @@ def visible(source: EtcdBootstrapSource, addr: str) -> set[RouteReply] | None:
         return None
 
 
-def run(side: DecodeSide, addr: str, room: int) -> BootstrapReceiver:
-    receiver = BootstrapReceiver(side.decode, addr, room, PLAN)
+def run(decode: Decode, acks: AckListener, addr: str, room: int) -> BootstrapReceiver:
+    """A whole request: init, send metadata, poll to the end."""
+    receiver = BootstrapReceiver(decode, addr, room, PLAN)
     if receiver.init(0) == KVPoll.WaitingForInput:
-        side.send(receiver)
+        acks.expect(receiver.room, receiver.expected_acks(), receiver.mark_transferred)
+        receiver.send_metadata(MetadataRequest(room=room, kv_indices=(1, 2, 3), aux_index=0))
         wait_until(lambda: receiver.poll() != KVPoll.Transferring, BOUND)
     return receiver
 
 
 def test_receiver_bootstraps_through_etcd_and_a_restart_is_retired_by_the_watch(
-    etcd: EtcdServer, prefill: Prefill, http_side: DecodeSide
+    etcd: EtcdServer, prefill: tuple[BootstrapServer, list[PrefillRankProcess]]
 ) -> None:
+    server, ranks = prefill
+    addr = server.address
     prefix = f"/test-{uuid.uuid4().hex[:12]}/ranks"
-    pool: BootstrapPool = http_side.decode.pool
+    pool = BootstrapPool()
     source = EtcdBootstrapSource(EtcdGateway([etcd.endpoint]), prefix=prefix, pool=pool)
-    fields: dict[str, Any] = {
-        name: getattr(http_side.decode, name) for name in http_side.decode.__dataclass_fields__
-    }
-    fields["client"] = source  # the receiver does not know which source it talks to
-    side = DecodeSide(Decode(**fields), http_side.acks)
-    registrar = register(etcd, prefix, prefill)
+    acks = AckListener("127.0.0.1")
+    transport = ZmqTransport(mode="immediate", send_timeout_ms=500)
+    decode = Decode(
+        pool=pool,
+        client=source,  # type: ignore[arg-type]  # the BootstrapSource protocol, not the HTTP client
+        transport=transport,
+        backend=SimpleBackend("127.0.0.1", acks.port, "etcd-decode"),
+        waiting_timeout_s=5.0,
+    )
+    registrar = register(etcd, prefix, addr, ranks)
     try:
         source.start()
-        key = PoolKey(prefill.addr, 0, 0, 0)
+        key = PoolKey(addr, 0, 0, 0)
         assert source.wait_synced(BOUND)
-        first = run(side, prefill.addr, room=1)
+        first = run(decode, acks, addr, room=1)
         assert first.state == life.DONE, first.failure_exception
         generation = pool.get(key)
         assert generation is not None
-        assert {rank.port for rank in generation.ranks} == prefill.ports()
-        assert run(side, prefill.addr, room=2).entries[key] is generation  # a hit
+        assert {rank.port for rank in generation.ranks} == {rank.port for rank in ranks}
+        assert run(decode, acks, addr, room=2).entries[key] is generation  # a hit
 
         # The prefill's ranks crash and come back on new ports; the new instance registers.
         registrar.close(revoke=False)  # a crash: the old lease is left to expire
-        prefill.restart_ranks()
-        registrar = register(etcd, prefix, prefill)
+        for rank in ranks:
+            rank.kill()
+        for rank in ranks:
+            rank.start(avoid_port=rank.port)
+        registrar = register(etcd, prefix, addr, ranks)
         assert wait_until(lambda: pool.get(key) is not generation, BOUND)
-        expected = {
-            RouteReply("127.0.0.1", rank.port, registrar.instance_id) for rank in prefill.ranks
-        }
-        assert wait_until(lambda: visible(source, prefill.addr) == expected, BOUND)
+        expected = {RouteReply("127.0.0.1", rank.port, registrar.instance_id) for rank in ranks}
+        assert wait_until(lambda: visible(source, addr) == expected, BOUND)
         # Requests started now fetch the new registration: none fails.
         for room in range(3, 8):
-            receiver = run(side, prefill.addr, room)
+            receiver = run(decode, acks, addr, room)
             assert receiver.state == life.DONE, receiver.failure_exception
         fresh = pool.get(key)
-        assert fresh is not None and {r.port for r in fresh.ranks} == prefill.ports()
+        assert fresh is not None and {r.port for r in fresh.ranks} == {r.port for r in ranks}
         assert source.stats().retired >= 1
     finally:
         registrar.close()
         source.close()
+        transport.close()
+        acks.close()
