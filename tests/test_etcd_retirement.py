@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import event as note_event
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -207,3 +208,43 @@ class RetirementMachine(RuleBasedStateMachine):
 
 TestRetirement = RetirementMachine.TestCase
 TestRetirement.settings = settings(max_examples=600, stateful_step_count=50, deadline=None)
+
+
+def test_change_history_stays_bounded_as_prefills_come_and_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefills that vanish leave one floor per group, folded into the source-wide floor past
+    MAX_FORGOTTEN; a generation stamped before a fold then counts as stale (never missed)."""
+    from statemachine.discovery import etcd_source
+
+    monkeypatch.setattr(etcd_source, "MAX_FORGOTTEN", 50)
+    pool = BootstrapPool()
+    source = EtcdBootstrapSource(EtcdGateway(["http://127.0.0.1:9"]), pool=pool)
+    source._synced.set()
+    revision = 1
+
+    def apply(addr: str, port: int | None) -> None:
+        nonlocal revision
+        revision += 1
+        key = rank_key(source.prefix, RankKey(addr, 0, 0, 0, 0))
+        value = b""
+        if port is not None:
+            value = encode_value(route_payload(rank_ip="127.0.0.1", rank_port=port), "i", "r")
+        event = WatchEvent(port is None, KeyValue(key, value, 1, revision, 1, 0), None)
+        source._apply(WatchMessage(revision, 0, False, (event,)))
+
+    apply("127.0.0.1:7000", 5000)
+    stamp = revision_of(source)
+    survivor = generation_for((RankInfo("127.0.0.1", 5000, 0),), "i", stamp)
+    pool.publish(PoolKey("127.0.0.1:7000", 0, 0, 0), survivor)
+    for i in range(120):  # prefills that start, restart once, and go away
+        addr = f"127.0.0.1:{8000 + i}"
+        apply(addr, 5000)
+        apply(addr, 5001)
+        apply(addr, None)
+    assert source._history.keys() <= {("127.0.0.1:7000", 0, 0)}
+    assert len(source._history_floor) <= etcd_source.MAX_FORGOTTEN
+    # The long-lived prefill's generation predates a fold: conservatively stale now.
+    assert not source.is_current(PoolKey("127.0.0.1:7000", 0, 0, 0), survivor)
+    fresh = generation_for((RankInfo("127.0.0.1", 5000, 0),), "i", revision_of(source))
+    assert source.is_current(PoolKey("127.0.0.1:7000", 0, 0, 0), fresh)
