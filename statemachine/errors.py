@@ -179,7 +179,7 @@ class TransferFailed(PeerLost):
     """The request was aborted by its owner."""
 
 
-# --- packaging (newcomer) ----------------------------------------------------------------------
+# --- packaging ------------------------------------------------------------------------------------
 
 
 class MissingExtra(BootstrapError, ImportError):
@@ -198,7 +198,7 @@ class MissingExtra(BootstrapError, ImportError):
         self.module = module
 
 
-# --- hostile peers: bootstrap HTTP (hostile branch) -------------------------------------------
+# --- bootstrap HTTP: rooms ------------------------------------------------------------------------
 
 
 class UnknownRoom(NotFound):
@@ -209,3 +209,39 @@ class UnknownRoom(NotFound):
     def __init__(self, message: str, *, addr: str, room: int) -> None:
         super().__init__(message, addr=addr, status=200)
         self.room = room
+
+
+# --- etcd discovery --------------------------------------------------------------------------
+
+
+class DiscoveryError(BootstrapError):
+    """An etcd discovery call could not be completed."""
+
+
+class EtcdUnavailable(DiscoveryError):
+    """No etcd endpoint answered within the call's timeout (refused, reset, timed out, 5xx).
+
+    Retry with back-off; the decode side keeps serving its local store meanwhile.
+    """
+
+
+class EtcdRequestFailed(DiscoveryError):
+    """etcd answered, but refused the request (lease not found, bad argument, auth)."""
+
+    def __init__(self, message: str, *, status: int, code: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class WatchCompacted(DiscoveryError):
+    """The watch's start revision was compacted away: the watcher must re-list."""
+
+    def __init__(self, message: str, *, compact_revision: int) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+class RankRetired(DiscoveryError):
+    """A prefill rank's registration changed or vanished in etcd after this request's
+    generation was fetched: the request fails; a retry fetches the new registration."""

@@ -1,0 +1,620 @@
+"""Decode side: a bootstrap source fed by an etcd watch, informer-style (docs/etcd.md).
+
+:class:`EtcdBootstrapSource` answers ``get_rank`` / ``get_topology`` / ``query_dp_ranks``
+(the ``BootstrapSource`` protocol the receiver fetches through) from a *local store* only: a
+background thread lists ``<prefix>/`` once, then watches it from the list's revision + 1 and
+applies every put and delete to the store, in revision order, as Kubernetes' reflector does.
+A caller never waits on etcd: a miss in the pool costs a dictionary lookup here, and before the
+first list completes every call raises :class:`~statemachine.errors.NotReady` at once.
+
+**Retirement rule.** A generation (one pool entry) is *current* while every rank it holds is
+still registered with the same endpoint *and* has held that exact value since a revision no
+newer than the generation's own ``revision``: the store revision read before its fetch
+(:class:`~statemachine.discovery.changes.StampedGeneration`; an unstamped generation is
+current while its endpoints are registered). On every put or delete of a rank key at revision
+``R`` the source drops, by identity (``BootstrapPool.invalidate``), each entry of that key's
+``(addr, dp, cp)`` that is no longer current, and reports them to ``on_change``: exactly the
+generations fetched before ``R`` that used the changed rank. A generation fetched at or after
+``R`` survives, even when a restarted rank re-bound the same port with the same instance id -
+the revision is the order that instance ids lack. A re-put of identical bytes (a registrar
+that re-granted its lease) changes nothing.
+
+**Failures.** A broken stream or an unreachable etcd keeps the store serving (the receiver's
+failure-driven invalidation still works) and retries with jittered back-off; on reconnect the
+watch resumes from revision + 1, so no change is missed and no list is needed. A resume whose
+revision was compacted meanwhile re-lists and diffs the store against the list, emitting a
+change for each key that differs. Another cluster answering (etcd replaced or restored) drops
+the store and every stamped generation, then lists the new cluster.
+``stats()`` says ``connected=False`` while etcd is unreachable.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from statemachine.discovery.changes import ChangeListener, RankChange
+from statemachine.discovery.gateway import EtcdGateway, WatchIdle, WatchMessage, WatchStream
+from statemachine.discovery.layout import (
+    DEFAULT_PREFIX,
+    MalformedValue,
+    RankKey,
+    RankRecord,
+    normalise_prefix,
+    parse_key,
+    parse_value,
+)
+from statemachine.errors import DiscoveryError, NotFound, NotReady, WatchCompacted
+from statemachine.pool import BootstrapPool, Generation, PoolKey
+from statemachine.validation import (
+    InvalidArgument,
+    RouteReply,
+    Topology,
+    parse_addr,
+    require_index,
+)
+
+__all__ = ["EtcdBootstrapSource", "EtcdSourceStats"]
+
+_Ranks = tuple[int, int, int, int]  # (dp, cp, tp, pp)
+_Endpoint = tuple[str, int, int]  # (ip, port, pp)
+
+#: Changes remembered per (addr, dp, cp) for the currency check: far more than one prefill
+#: restart makes (two per rank); a generation older than what is kept counts as stale.
+HISTORY_PER_GROUP = 256
+#: Floors kept for the groups of prefills that vanished, before they fold into one.
+MAX_FORGOTTEN = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdSourceStats:
+    #: a watch stream is open (False while etcd is unreachable: the store still serves)
+    connected: bool
+    #: the first list completed; before it every call raises NotReady
+    synced: bool
+    revision: int
+    last_error: str | None
+    lists: int
+    relists: int
+    compactions: int
+    reconnects: int
+    idle_reopens: int
+    events_handled: int
+    malformed: int
+    changes: int
+    retired: int
+    #: pool entries compared against the store (only the changed key's (addr, dp, cp))
+    entries_examined: int
+    hook_errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class _AddressView:
+    """One prefill's registrations, rebuilt (copy-on-write) on each change of its keys."""
+
+    records: Mapping[_Ranks, RankRecord]
+    #: (ip, port, dp, cp, pp) -> how many ranks registered it, for unstamped generations
+    endpoints: Mapping[tuple[str, int, int, int, int], int]
+    reference: RankRecord | None
+    ready: bool
+
+    @staticmethod
+    def build(records: Mapping[_Ranks, RankRecord]) -> _AddressView:
+        reference = max(records.values(), key=lambda r: r.mod_revision, default=None)
+        ready = False
+        if reference is not None:
+            layout, instance = reference.layout, reference.instance_id
+            # Ready when every rank of the newest registration's topology is registered by the
+            # same instance: while a restart is half re-registered the prefill is NotReady
+            # (retryable), never a mix of two instances' ranks.
+            complete = sum(
+                1
+                for (dp, cp, tp, pp), record in records.items()
+                if record.layout == layout
+                and record.instance_id == instance
+                and dp < reference.dp_size
+                and cp < reference.attn_cp_size
+                and tp < reference.attn_tp_size
+                and pp < reference.pp_size
+            )
+            ready = complete == reference.world
+        endpoints = Counter(
+            (record.rank_ip, record.rank_port, dp, cp, pp)
+            for (dp, cp, _tp, pp), record in records.items()
+        )
+        return _AddressView(dict(records), endpoints, reference, ready)
+
+
+class EtcdBootstrapSource:
+    """Rank infos from etcd, served from a watch-fed local store (see the module doc).
+
+    ``pool``: the decode's pool, whose stale entries the source retires on each change.
+    ``on_change``: called on the watch thread after each applied change (exceptions are
+    counted, never propagated). ``start()`` returns at once; ``wait_synced()`` waits for the
+    first list.
+    """
+
+    def __init__(
+        self,
+        gateway: EtcdGateway,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        pool: BootstrapPool | None = None,
+        on_change: ChangeListener | None = None,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+        watch_idle_timeout: float = 10.0,
+    ) -> None:
+        if not 0 < backoff_initial <= backoff_max:
+            raise InvalidArgument("need 0 < backoff_initial <= backoff_max")
+        if not watch_idle_timeout > 0:
+            raise InvalidArgument("watch_idle_timeout must be > 0")
+        self.gateway = gateway
+        self.prefix = normalise_prefix(prefix)
+        self._prefix_bytes = (self.prefix + "/").encode()
+        self.pool = pool
+        self.on_change = on_change
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._idle_timeout = watch_idle_timeout
+        # Written by the watch thread only; read lock-free (single dict/attribute loads).
+        self._records: dict[RankKey, RankRecord] = {}
+        self._addrs: dict[str, _AddressView] = {}
+        self._revision = 0
+        #: per (addr, dp, cp): (revision, replaced or removed endpoint) of the latest changes
+        self._history: dict[tuple[str, int, int], deque[tuple[int, _Endpoint]]] = {}
+        #: per group: the newest revision dropped from its history; and the revision before
+        #: which this source knows nothing (its first list, or a replaced cluster's)
+        self._history_floor: dict[tuple[str, int, int], int] = {}
+        self._floor = 0
+        self._cluster_id = 0
+        self._replaced = False
+        self._synced = threading.Event()
+        self._stop = threading.Event()
+        self._stream_lock = threading.Lock()
+        self._stream: WatchStream | None = None
+        self._thread: threading.Thread | None = None
+        self._connected = False
+        self._last_error: str | None = None
+        self._lists = 0
+        self._compactions = 0
+        self._reconnects = 0
+        self._idle_reopens = 0
+        self._events = 0
+        self._malformed = 0
+        self._changes = 0
+        self._retired = 0
+        self._examined = 0
+        self._hook_errors = 0
+
+    # --- the BootstrapSource protocol (local store only) -------------------------------------
+
+    @property
+    def revision(self) -> int:
+        """The store's revision: every change up to it is applied. Read it *before* fetching
+        and stamp the generation with it (``StampedGeneration(ranks, instance_id, revision)``)."""
+        return self._revision
+
+    def _view(self, addr: str) -> _AddressView:
+        if not self._synced.is_set():
+            raise NotReady(
+                f"{addr}: etcd source not synced yet (first list of {self.prefix!r} pending: "
+                "retry shortly, or check the etcd endpoints)",
+                addr=addr,
+            )
+        view = self._addrs.get(addr)
+        if view is None:
+            parse_addr(addr)
+            raise NotReady(
+                f"{addr}: no prefill registered under {self.prefix!r} (not started yet, or its "
+                "lease expired): retry, or route the request elsewhere",
+                addr=addr,
+            )
+        if not view.ready:
+            raise NotReady(
+                f"{addr}: not every prefill rank registered in etcd by one instance yet "
+                "(starting or restarting): retry shortly",
+                addr=addr,
+            )
+        return view
+
+    def get_rank(
+        self, addr: str, *, dp_rank: int, cp_rank: int, tp_rank: int, pp_rank: int
+    ) -> RouteReply:
+        require_index("dp_rank", dp_rank)
+        require_index("cp_rank", cp_rank)
+        require_index("tp_rank", tp_rank)
+        require_index("pp_rank", pp_rank)
+        view = self._view(addr)
+        record = view.records.get((dp_rank, cp_rank, tp_rank, pp_rank))
+        reference = view.reference
+        if record is None or reference is None or record.layout != reference.layout:
+            raise NotFound(
+                f"{addr}: no rank dp={dp_rank} cp={cp_rank} tp={tp_rank} pp={pp_rank} in the "
+                "registered topology",
+                addr=addr,
+            )
+        return RouteReply(record.rank_ip, record.rank_port, record.instance_id)
+
+    def get_topology(self, addr: str) -> Topology:
+        reference = self._view(addr).reference
+        assert reference is not None  # a ready view has one
+        return Topology(
+            attn_tp_size=reference.attn_tp_size,
+            attn_cp_size=reference.attn_cp_size,
+            dp_size=reference.dp_size,
+            pp_size=reference.pp_size,
+            page_size=reference.page_size,
+            kv_cache_dtype=reference.kv_cache_dtype,
+            follow_bootstrap_room=reference.follow_bootstrap_room,
+            instance_id=reference.instance_id,
+        )
+
+    def query_dp_ranks(self, addr: str, rooms: Sequence[int]) -> dict[int, int]:
+        """dp rank per room, by the prefill's registered rule (docs/etcd.md, "dp ranks").
+
+        One dp group: 0. ``follow_bootstrap_room`` (or unset, as in SGLang): ``room %
+        dp_size``. Otherwise per-room dp ranks are not published in etcd (yet), so no room
+        is known and the answer is empty, as a bootstrap server answers for unknown rooms.
+        """
+        if isinstance(rooms, (str, bytes)) or not isinstance(rooms, Sequence):
+            raise InvalidArgument(f"rooms must be a sequence of ints, got {type(rooms).__name__}")
+        checked = [require_index("room", room) for room in rooms]
+        reference = self._view(addr).reference
+        assert reference is not None
+        if reference.dp_size == 1:
+            return dict.fromkeys(checked, 0)
+        if reference.follow_bootstrap_room is not False:
+            return {room: room % reference.dp_size for room in checked}
+        return {}
+
+    # --- currency of a generation -------------------------------------------------------------
+
+    def is_current(self, key: PoolKey, generation: Generation) -> bool:
+        """No rank ``generation`` used has changed or gone since it was fetched.
+
+        Stamped (:class:`~statemachine.discovery.changes.StampedGeneration`): no change of its
+        ``(addr, dp, cp)`` after its revision replaced or removed an endpoint it holds (the
+        per-group change history; a stamp older than the history reaches is not current).
+        Unstamped: every endpoint it holds is registered now.
+        """
+        view = self._addrs.get(key.addr)
+        if view is None:
+            return False
+        stamp: int | None = getattr(generation, "revision", None)
+        if stamp is None:
+            needed = Counter((rank.ip, rank.port, rank.pp_rank) for rank in generation.ranks)
+            registered = view.endpoints
+            return all(
+                registered.get((ip, port, key.dp_rank, key.cp_rank, pp), 0) >= count
+                for (ip, port, pp), count in needed.items()
+            )
+        group = (key.addr, key.dp_rank, key.cp_rank)
+        if not max(self._floor, self._history_floor.get(group, 0)) <= stamp <= self._revision:
+            return False  # from another cluster, or older than the history we keep
+        history = self._history.get(group)
+        if history:
+            used = {(rank.ip, rank.port, rank.pp_rank) for rank in generation.ranks}
+            for revision, endpoint in reversed(history):
+                if revision <= stamp:
+                    break
+                if endpoint in used:
+                    return False
+        return True
+
+    def check_published(self, key: PoolKey, generation: Generation) -> bool:
+        """Call after publishing a fetched generation: retire it if a change overtook it.
+
+        Closes the one race the watch cannot: a fetch that read a rank before a change and
+        published after the watch thread had already scanned the pool. Returns ``True`` when
+        the generation is current (and stays), ``False`` when it was invalidated (the caller
+        fetches again).
+        """
+        if self.is_current(key, generation):
+            return True
+        if self.pool is not None:
+            self.pool.invalidate({key: generation})
+        return False
+
+    # --- running ------------------------------------------------------------------------------
+
+    def start(self) -> EtcdBootstrapSource:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="etcd-source", daemon=True)
+            self._thread.start()
+        return self
+
+    def wait_synced(self, timeout: float) -> bool:
+        return self._synced.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._stream_lock:
+            stream = self._stream
+        if stream is not None:
+            stream.close()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=sum(self.gateway.timeout) + 2.0)
+        self.gateway.close()
+
+    def __enter__(self) -> EtcdBootstrapSource:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> EtcdSourceStats:
+        return EtcdSourceStats(
+            connected=self._connected,
+            synced=self._synced.is_set(),
+            revision=self._revision,
+            last_error=self._last_error,
+            lists=self._lists,
+            relists=max(0, self._lists - 1),
+            compactions=self._compactions,
+            reconnects=self._reconnects,
+            idle_reopens=self._idle_reopens,
+            events_handled=self._events,
+            malformed=self._malformed,
+            changes=self._changes,
+            retired=self._retired,
+            entries_examined=self._examined,
+            hook_errors=self._hook_errors,
+        )
+
+    def _run(self) -> None:
+        backoff = self._backoff_initial
+        need_list = True
+        while not self._stop.is_set():
+            try:
+                if need_list:
+                    self._list_and_diff()
+                    need_list = False
+                stream = self.gateway.watch_prefix(
+                    self._prefix_bytes,
+                    start_revision=self._revision + 1,
+                    read_timeout=self._idle_timeout,
+                )
+                with self._stream_lock:
+                    self._stream = stream
+                if self._stop.is_set():  # close() ran before the stream was visible to it
+                    stream.close()
+                    break
+                with stream:
+                    for message in stream:
+                        if message.created:
+                            self._connected = True
+                            backoff = self._backoff_initial
+                            if (
+                                message.cluster_id != self._cluster_id
+                                or message.revision < self._revision
+                            ):
+                                # Another cluster (etcd replaced, or restored from a backup):
+                                # our revisions mean nothing there. Start over.
+                                self._last_error = "etcd cluster replaced: re-listing"
+                                self._replaced = True
+                                need_list = True
+                                break
+                        self._apply(message)
+            except WatchIdle:
+                self._idle_reopens += 1  # quiet prefix: re-open from revision + 1, no re-list
+            except WatchCompacted as exc:
+                self._compactions += 1
+                self._last_error = str(exc)
+                need_list = True
+            except Exception as exc:  # DiscoveryError, or a bug: the store must keep serving
+                if self._stop.is_set():
+                    break
+                self._connected = False
+                self._reconnects += 1
+                self._last_error = (
+                    str(exc) if isinstance(exc, DiscoveryError) else f"{type(exc).__name__}: {exc}"
+                )
+                # Resume from revision + 1 (etcd keeps the history until compaction, so no
+                # change is missed); only a compacted resume costs a re-list.
+                need_list = need_list or not isinstance(exc, DiscoveryError)
+                self._stop.wait(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2.0, self._backoff_max)
+            finally:
+                with self._stream_lock:
+                    self._stream = None
+        self._connected = False
+
+    # --- applying changes (watch thread only) -------------------------------------------------
+
+    def _record(self, key: RankKey, raw: bytes, mod_revision: int) -> RankRecord | None:
+        try:
+            return parse_value(key, raw, mod_revision=mod_revision)
+        except MalformedValue:
+            self._malformed += 1
+            return None
+
+    def _list_and_diff(self) -> None:
+        revision, cluster_id, kvs = self.gateway.get_prefix(self._prefix_bytes)
+        self._lists += 1
+        replaced = self._synced.is_set() and (
+            self._replaced or cluster_id != self._cluster_id or revision < self._revision
+        )
+        self._cluster_id = cluster_id
+        self._replaced = False
+        if replaced:
+            self._clear()
+        listed: dict[RankKey, RankRecord] = {}
+        for kv in kvs:
+            try:
+                key = parse_key(self.prefix, kv.key)
+            except MalformedValue:
+                self._malformed += 1
+                continue
+            record = self._record(key, kv.value, kv.mod_revision)
+            if record is not None:
+                listed[key] = record
+        if not self._synced.is_set() or replaced:
+            for key, record in listed.items():
+                self._store(key, record)
+            self._revision = self._floor = revision
+            if self._synced.is_set():
+                for key in listed:
+                    self._emit(key, revision, False, {})
+            self._synced.set()
+            return
+        # Re-list: a change for every key whose value differs, as the watch would have sent.
+        changed = [
+            key
+            for key in self._records.keys() | listed.keys()
+            if (self._records.get(key) is None) != (listed.get(key) is None)
+            or (key in listed and self._records[key].raw != listed[key].raw)
+        ]
+        before = {key: self._records.get(key) for key in changed}
+        for key in changed:
+            self._store(key, listed.get(key))
+        self._revision = max(self._revision, revision)
+        for key in changed:
+            self._changed(key, revision, before[key], deleted=key not in listed)
+
+    def _clear(self) -> None:
+        """Another cluster: every stamped generation and the change history belong to the old
+        revision space. Drop them all, reporting each old key as deleted; the caller then
+        loads the new cluster's list."""
+        old = dict(self._records)
+        pool = self.pool
+        stale: dict[PoolKey, Generation] = {}
+        if pool is not None:
+            stale = {
+                key: generation
+                for key, generation in pool.snapshot().items()
+                if key.addr in self._addrs and getattr(generation, "revision", None) is not None
+            }
+            self._retired += pool.invalidate(stale)
+        self._records.clear()
+        self._addrs.clear()
+        self._history.clear()
+        self._history_floor.clear()
+        self._revision = 0
+        for key in old:
+            group = {
+                pool_key: generation
+                for pool_key, generation in stale.items()
+                if (pool_key.addr, pool_key.dp_rank, pool_key.cp_rank)
+                == (key.addr, key.dp_rank, key.cp_rank)
+            }
+            for pool_key in group:
+                del stale[pool_key]  # each retired generation is reported once
+            self._emit(key, 0, True, group)
+
+    def _apply(self, message: WatchMessage) -> None:
+        # The store's revision moves once per message, after all its events: etcd sends every
+        # event of one revision (a transaction, a lease revoke) in one message, so a reader
+        # that sees revision R never sees R half applied.
+        newest = self._revision
+        for event in message.events:
+            self._events += 1
+            try:
+                key = parse_key(self.prefix, event.kv.key)
+            except MalformedValue:
+                self._malformed += 1
+                continue
+            old = self._records.get(key)
+            record = (
+                None if event.deleted else self._record(key, event.kv.value, event.kv.mod_revision)
+            )
+            revision = event.kv.mod_revision
+            newest = max(newest, revision)
+            if old is None and record is None:
+                continue
+            self._store(key, record)
+            self._changed(key, revision, old, deleted=record is None)
+        # Data first, then the revision: a reader that sees revision R sees the data of R.
+        self._revision = newest
+
+    def _store(self, key: RankKey, record: RankRecord | None) -> None:
+        if record is None:
+            self._records.pop(key, None)
+        else:
+            self._records[key] = record
+        view = self._addrs.get(key.addr)
+        records = dict(view.records) if view is not None else {}
+        ranks = (key.dp_rank, key.cp_rank, key.tp_rank, key.pp_rank)
+        if record is None:
+            records.pop(ranks, None)
+        else:
+            records[ranks] = record
+        if records:
+            self._addrs[key.addr] = _AddressView.build(records)
+        else:
+            self._addrs.pop(key.addr, None)
+
+    def _changed(
+        self, key: RankKey, revision: int, old: RankRecord | None, *, deleted: bool
+    ) -> None:
+        """Record what the change replaced or removed, then retire what it made stale."""
+        self._changes += 1
+        retired: dict[PoolKey, Generation] = {}
+        new = self._records.get(key)
+        if old is None or (new is not None and new.raw == old.raw):
+            # A new rank, or identical bytes put again: nothing fetched before used it.
+            self._emit(key, revision, deleted, retired)
+            return
+        group = (key.addr, key.dp_rank, key.cp_rank)
+        history = self._history.get(group)
+        if history is None:
+            history = self._history[group] = deque()
+        if len(history) == HISTORY_PER_GROUP:
+            self._history_floor[group] = history.popleft()[0]
+        history.append((revision, (old.rank_ip, old.rank_port, key.pp_rank)))
+        if key.addr not in self._addrs:
+            self._forget(key.addr, revision)
+        pool = self.pool
+        if pool is not None:
+            for pool_key, generation in pool.snapshot().items():
+                if (
+                    pool_key.addr != key.addr
+                    or pool_key.dp_rank != key.dp_rank
+                    or pool_key.cp_rank != key.cp_rank
+                ):
+                    continue
+                self._examined += 1
+                if not self.is_current(pool_key, generation):
+                    retired[pool_key] = generation
+            if retired:
+                self._retired += pool.invalidate(retired)
+        self._emit(key, revision, deleted, retired)
+
+    def _forget(self, addr: str, revision: int) -> None:
+        """``addr`` has no key left: drop its history (prefills come and go), keeping only a
+        floor per group - a generation stamped before ``revision`` is stale - so memory stays
+        bounded by the live prefills plus one integer per vanished group. Past
+        ``MAX_FORGOTTEN`` floors they fold into the source-wide floor (a generation stamped
+        before it then counts as stale: one spurious retirement, never a missed one)."""
+        for group in [group for group in self._history if group[0] == addr]:
+            del self._history[group]
+            self._history_floor[group] = revision
+        if len(self._history_floor) > MAX_FORGOTTEN:
+            self._floor = max(self._floor, *self._history_floor.values())
+            self._history_floor.clear()
+
+    def _emit(
+        self, key: RankKey, revision: int, deleted: bool, retired: Mapping[PoolKey, Generation]
+    ) -> None:
+        listener = self.on_change
+        if listener is None:
+            return
+        change = RankChange(
+            key.addr,
+            key.dp_rank,
+            key.cp_rank,
+            key.tp_rank,
+            key.pp_rank,
+            revision,
+            deleted,
+            retired,
+        )
+        try:
+            listener(change)
+        except Exception as exc:  # a listener bug must not stop the watch
+            self._hook_errors += 1
+            self._last_error = f"on_change: {type(exc).__name__}: {exc}"
