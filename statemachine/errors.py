@@ -242,6 +242,9 @@ class WatchCompacted(DiscoveryError):
         self.compact_revision = compact_revision
 
 
-class RankRetired(DiscoveryError):
+class RankRetired(PeerLost, DiscoveryError):
     """A prefill rank's registration changed or vanished in etcd after this request's
-    generation was fetched: the request fails; a retry fetches the new registration."""
+    generation was fetched: the request fails; a retry fetches the new registration.
+
+    A :class:`PeerLost` (the manager's fan-out reason, counted with the others) learnt from
+    etcd's watch."""

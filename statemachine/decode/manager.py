@@ -23,6 +23,13 @@ and knows every receiver in flight by room. From that it does what no single rec
   endpoints' sockets in the transport; when it leaves the pool and no receiver in flight uses
   it, they are released (closed at refcount zero).
 
+**etcd as the source** (``DecodeManager.with_etcd`` or ``source=EtcdBootstrapSource(...)``,
+docs/etcd.md): generations are stamped with the watch's revision; a watch event marks and
+retires exactly the generations fetched at an older revision and fails the receivers in flight
+that hold them (:class:`~statemachine.errors.RankRetired`); a fetch the watch overtook is not
+published (the watermark); a receiver holding a marked generation fails instead of starting its
+transfer; the HTTP health monitor is off (the watch and the leases replace it).
+
 Why no index by generation or endpoint: keeping one would cost every cache hit a few dict
 updates, and fan-out is rare. The receivers in flight (one dict by room, updated with one store
 at creation and one pop at the end) are scanned when evidence arrives instead: a few
@@ -53,6 +60,17 @@ from statemachine.decode.receiver import (
 )
 from statemachine.decode.source import BootstrapSource
 from statemachine.decode.transport import Endpoint, Mode, ZmqTransport, endpoint_url
+from statemachine.discovery.changes import (
+    generation_for,
+    refused_publish,
+    retired_at,
+    retiring_listener,
+    revision_of,
+    stale_start,
+)
+from statemachine.discovery.etcd_source import EtcdBootstrapSource
+from statemachine.discovery.gateway import EtcdGateway, TLSConfig
+from statemachine.discovery.layout import DEFAULT_PREFIX
 from statemachine.errors import (
     BootstrapError,
     ConfigurationError,
@@ -64,7 +82,7 @@ from statemachine.errors import (
     SendFailed,
     TransferFailed,
 )
-from statemachine.pool import BootstrapPool, Generation, PoolKey
+from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import Topology
 
 #: SGLang's default bootstrap timeout (a room whose dp rank stays unknown fails after it).
@@ -202,7 +220,110 @@ class DecodeManager:
         self._detection_max = 0.0
         self._dp_queries = 0
         self._closed = False
+        #: The etcd source this manager is wired to (None: another source, e.g. HTTP).
+        self.etcd: EtcdBootstrapSource | None = None
+        #: True with etcd: a receiver checks its generations' fan-out marks before it starts
+        #: a transfer (one branch on the hit path otherwise).
+        self.watermarked = False
+        if isinstance(self.source, EtcdBootstrapSource):
+            self._wire_etcd(self.source)
         self.transport.subscribe(self._on_endpoint)
+
+    # --- etcd as the source --------------------------------------------------------------------
+
+    @classmethod
+    def with_etcd(
+        cls,
+        endpoints: str | Iterable[str],
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        tls: TLSConfig | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        sync_timeout_s: float = 5.0,
+        watch_idle_timeout_s: float = 10.0,
+        **kwargs: object,
+    ) -> DecodeManager:
+        """A manager whose bootstrap source is an etcd watch (docs/etcd.md).
+
+        ``endpoints``: etcd client URLs (a list, or comma-separated). Makes, starts and (at
+        :meth:`close`) closes the :class:`EtcdBootstrapSource`; waits up to
+        ``sync_timeout_s`` for its first list (not synced by then: requests get ``NotReady``
+        until it is, and the source keeps retrying). ``kwargs`` go to the constructor.
+        """
+        urls = (
+            [url.strip() for url in endpoints.split(",") if url.strip()]
+            if isinstance(endpoints, str)
+            else list(endpoints)
+        )
+        gateway = EtcdGateway(urls, tls=tls, username=username, password=password)
+        source = EtcdBootstrapSource(
+            gateway, prefix=prefix, watch_idle_timeout=watch_idle_timeout_s
+        )
+        try:
+            manager = cls(source=source, **kwargs)  # type: ignore[arg-type]
+        except BaseException:
+            source.close()
+            raise
+        manager._owned.insert(0, source.close)  # closed last: after the health and transport
+        source.start()
+        source.wait_synced(sync_timeout_s)
+        return manager
+
+    def _wire_etcd(self, source: EtcdBootstrapSource) -> None:
+        """Stamp, watermark, mark and fan out through ``source`` (docs/etcd.md)."""
+        try:
+            source.bind(
+                self.pool,
+                held=self._held,
+                on_change=retiring_listener(self.fail_generations),
+            )
+        except BootstrapError as exc:
+            self._close_owned()
+            raise ConfigurationError(str(exc)) from exc
+        self.etcd = source
+        self.watermarked = True
+
+    def _held(self, addr: str) -> list[tuple[PoolKey, Generation]]:
+        """(key, generation) of every receiver in flight for ``addr`` (the watch thread's
+        question, answered from a snapshot)."""
+        held: list[tuple[PoolKey, Generation]] = []
+        for receiver in self.in_flight():
+            if receiver.addr == addr:
+                held.extend(_items_of(receiver))
+        return held
+
+    def _stamp(self) -> int | None:
+        """The revision to stamp a fetch with (read before its first ``get_rank``)."""
+        return None if self.etcd is None else revision_of(self.etcd)
+
+    @staticmethod
+    def _generation(
+        ranks: tuple[RankInfo, ...], instance_id: str | None, stamp: int | None
+    ) -> Generation:
+        return generation_for(ranks, instance_id, stamp)
+
+    def _publish(self, key: PoolKey, generation: Generation) -> Generation | None:
+        """``pool.publish``; with etcd, through the watermark (None: refused)."""
+        etcd = self.etcd
+        if etcd is None:
+            return self.pool.publish(key, generation)
+        return etcd.publish(self.pool, key, generation)
+
+    def _refused(self, addr: str, generation: Generation) -> BootstrapError:
+        etcd = self.etcd
+        revision = 0 if etcd is None else etcd.revision
+        return refused_publish(addr, getattr(generation, "revision", None), revision)
+
+    def _marked(self, receiver: BootstrapReceiver) -> BootstrapError | None:
+        """The typed reason if one of ``receiver``'s generations carries the watch's mark."""
+        for generation in receiver.entries.values():
+            revision = retired_at(generation)
+            if revision is not None:
+                error = stale_start(receiver.addr, revision)
+                error.evidence_at = self.clock()
+                return error
+        return None
 
     def _build(
         self,
@@ -243,7 +364,9 @@ class DecodeManager:
                 backend = SimpleBackend(self.acks.ip, self.acks.port, session_id)
         self.backend: KVBackend = backend
         self.health: HealthMonitor | None = None
-        if health_interval_s is not None:
+        # With etcd there may be no HTTP server at the address: the watch and the leases
+        # replace the health monitor.
+        if health_interval_s is not None and not isinstance(source, EtcdBootstrapSource):
             self.health = HealthMonitor(
                 self.pool,
                 interval_s=health_interval_s,
@@ -667,6 +790,15 @@ def _entries_of(receiver: BootstrapReceiver) -> tuple[Generation, ...]:
     for _ in range(3):
         try:
             return tuple(receiver.entries.values())
+        except RuntimeError:  # pragma: no cover - resized while copied; look again
+            continue
+    return ()  # pragma: no cover
+
+
+def _items_of(receiver: BootstrapReceiver) -> tuple[tuple[PoolKey, Generation], ...]:
+    for _ in range(3):
+        try:
+            return tuple(receiver.entries.items())
         except RuntimeError:  # pragma: no cover - resized while copied; look again
             continue
     return ()  # pragma: no cover

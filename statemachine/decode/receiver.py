@@ -349,8 +349,14 @@ class BootstrapReceiver:
             raise InvalidTransition(
                 state, life.SEND_OK, method="send_metadata", requires=_SEND_NEEDS
             )
-        request = MetadataRequest(self.room, kv_indices, aux_index, prefix_len)
         m = self._m
+        if m.watermarked:
+            # etcd: a watch event marked a generation we hold (retired after we adopted it):
+            # fail instead of starting a transfer on it (NoStaleStart, spec/model.md).
+            marked = m._marked(self)
+            if marked is not None:
+                return self._fail(life.PEER_LOST, marked)
+        request = MetadataRequest(self.room, kv_indices, aux_index, prefix_len)
         needed = self.expected_acks()
         if needed == 0:
             self._acked = True  # every rank is a dummy for us: nothing will be transferred
@@ -593,15 +599,26 @@ class BootstrapReceiver:
             return self._fail(life.REGISTER_FAIL, error)
         self._fire(life.REGISTER_OK)
         published: dict[PoolKey, Generation] = {}
+        refused: BootstrapError | None = None
         for key, generation in fresh.items():
             # setdefault: a concurrent winner's generation replaces ours in our records.
-            held = m.pool.publish(key, generation)
+            held = m._publish(key, generation)
+            if held is None:
+                # etcd's watermark: the watch applied a change this fetch predates; the object
+                # is not published and this request fails (the model's Publish with fresh =
+                # None, then PeerLost).
+                refused = refused or m._refused(self.addr, generation)
+                continue
             if held is generation:
                 m._retain(generation)
             self.entries[key] = published[key] = held
         if flights is not None:
             flights.resolve({k: f for k, f in led.items() if k in published}, published)
+            if refused is not None:
+                flights.fail({k: f for k, f in led.items() if k not in published}, refused)
         self._fire(life.PUBLISH)
+        if refused is not None:
+            return self._fail(life.PEER_LOST, refused)
         if self._lost is not None:  # failed by the fan-out while we fetched
             return self._fail(life.PEER_LOST, self._lost)
         return KVPoll.WaitingForInput
@@ -630,9 +647,11 @@ class BootstrapReceiver:
         return fresh
 
     def _fetch_keys(self, plan: RankPlan, keys: list[PoolKey]) -> dict[PoolKey, Generation]:
-        source = self._m.source
+        m = self._m
+        source = m.source
         fresh: dict[PoolKey, Generation] = {}
         for key in keys:
+            stamp = m._stamp()  # etcd: the watch's revision before the first get_rank
             ranks: list[RankInfo] = []
             instance_ids: set[str | None] = set()
             for tp_rank in plan.tp_ranks:
@@ -659,7 +678,7 @@ class BootstrapReceiver:
                     f"{self.addr} restarted while its ranks were fetched; retry the request",
                     addr=self.addr,
                 )
-            fresh[key] = Generation(tuple(ranks), instance_ids.pop())
+            fresh[key] = m._generation(tuple(ranks), instance_ids.pop(), stamp)
         return fresh
 
     @property

@@ -9,13 +9,20 @@ source it has: every function here does nothing for a source other than the etcd
 * ``revision_of`` / ``generation_for`` / ``still_current`` - stamp a fetch, build its
   generation, and check it after publishing;
 * ``retiring_listener`` - an ``on_change`` that hands retired generations to the manager's
-  fan-out with a :class:`~statemachine.errors.RankRetired` error.
+  fan-out with a :class:`~statemachine.errors.RankRetired` error;
+* ``mark_retired`` / ``retired_at`` - the fan-out *mark* a watch event puts on a stamped
+  generation at the moment it retires it (the model's ``marked``, ``spec/model.md``): every
+  receiver holding the object is marked at once, and fails at its next call instead of
+  starting a transfer on it.
+
+``DecodeManager(source=EtcdBootstrapSource(...))`` (or ``DecodeManager.with_etcd``) wires all
+of this itself (docs/etcd.md, "Running a decode on etcd").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from statemachine.errors import BootstrapError, RankRetired
@@ -23,12 +30,17 @@ from statemachine.pool import Generation, PoolKey, RankInfo
 
 __all__ = [
     "ChangeListener",
+    "HeldGenerations",
     "RankChange",
     "StampedGeneration",
     "generation_for",
+    "mark_retired",
     "rank_retired",
+    "refused_publish",
+    "retired_at",
     "retiring_listener",
     "revision_of",
+    "stale_start",
     "still_current",
 ]
 
@@ -44,6 +56,33 @@ class StampedGeneration(Generation):
     """
 
     revision: int | None = None
+    #: The fan-out mark: the revision of the watch event that retired this generation, set
+    #: once by the watch thread (``mark_retired``) in the same step as the retirement. The
+    #: one mutable part of a generation; read by the owner of each receiver before it starts
+    #: a transfer (``send_metadata``), so marking the object marks every receiver holding it.
+    retired_at: int | None = field(default=None, compare=False, repr=False)
+
+
+def mark_retired(generation: Generation, revision: int) -> bool:
+    """Put the fan-out mark on ``generation`` (stamped ones only; the first mark stays).
+    Returns whether it carries a mark now."""
+    if not isinstance(generation, StampedGeneration):
+        return False
+    if generation.retired_at is None:
+        # A frozen dataclass: set the one field meant to change, as __init__ itself does. One
+        # attribute store, atomic for every thread that reads it.
+        object.__setattr__(generation, "retired_at", revision)
+    return True
+
+
+def retired_at(generation: Generation) -> int | None:
+    """The revision of the watch event that retired ``generation``, or None."""
+    return getattr(generation, "retired_at", None)
+
+
+#: The manager's answer to "which generations do your receivers in flight hold for ``addr``?"
+#: (key, generation) pairs, pool entries or not: the watch marks the stale ones too.
+HeldGenerations = Callable[[str], Iterable[tuple[PoolKey, Generation]]]
 
 
 class RankChange(NamedTuple):
@@ -59,6 +98,9 @@ class RankChange(NamedTuple):
     #: the pool entries this change retired (already invalidated by identity); the manager
     #: fails the in-flight receivers that use them (``DecodeManager.fail_generations``)
     retired: Mapping[PoolKey, Generation]
+    #: every generation this change marked retired (``retired``'s and those only receivers in
+    #: flight held): what the manager's fan-out fails the receivers of
+    marked: tuple[Generation, ...] = ()
 
 
 ChangeListener = Callable[[RankChange], None]
@@ -99,7 +141,27 @@ def rank_retired(change: RankChange) -> RankRetired:
     return RankRetired(
         f"{change.addr}: prefill rank dp={change.dp_rank} cp={change.cp_rank} "
         f"tp={change.tp_rank} pp={change.pp_rank} {what} in etcd at revision {change.revision} "
-        "after this request fetched it: retry the request (it fetches the new registration)"
+        "after this request fetched it: retry the request (it fetches the new registration)",
+        addr=change.addr,
+    )
+
+
+def stale_start(addr: str, revision: int) -> RankRetired:
+    """The typed error for a request about to start on a generation the watch marked."""
+    return RankRetired(
+        f"{addr}: a prefill rank this request fetched was re-registered or deregistered in "
+        f"etcd at revision {revision}: retry the request (it fetches the new registration)",
+        addr=addr,
+    )
+
+
+def refused_publish(addr: str, stamp: int | None, revision: int) -> RankRetired:
+    """The typed error for a fetch the watermark refused to publish."""
+    return RankRetired(
+        f"{addr}: the prefill's registration in etcd changed (now at revision {revision}) "
+        f"while this request fetched it (at revision {stamp}): retry the request (it fetches "
+        "the new registration)",
+        addr=addr,
     )
 
 
@@ -110,7 +172,8 @@ def retiring_listener(
     (``DecodeManager.fail_generations``) with a :class:`RankRetired` error."""
 
     def on_change(change: RankChange) -> None:
-        if change.retired:
-            fail_generations(list(change.retired.values()), rank_retired(change))
+        doomed = list(change.marked) or list(change.retired.values())
+        if doomed:
+            fail_generations(doomed, rank_retired(change))
 
     return on_change

@@ -36,7 +36,12 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from statemachine.discovery.changes import ChangeListener, RankChange
+from statemachine.discovery.changes import (
+    ChangeListener,
+    HeldGenerations,
+    RankChange,
+    mark_retired,
+)
 from statemachine.discovery.gateway import EtcdGateway, WatchIdle, WatchMessage, WatchStream
 from statemachine.discovery.layout import (
     DEFAULT_PREFIX,
@@ -89,6 +94,8 @@ class EtcdSourceStats:
     #: pool entries compared against the store (only the changed key's (addr, dp, cp))
     entries_examined: int
     hook_errors: int
+    #: fetches ``publish`` refused because a change overtook them (the watermark)
+    publishes_refused: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +179,13 @@ class EtcdBootstrapSource:
         self._floor = 0
         self._cluster_id = 0
         self._replaced = False
+        #: Makes a watch event one step for publishers (``publish``): the history append, the
+        #: fan-out mark and the pool retirement of a change happen under it, and so does the
+        #: watermark check + ``pool.publish`` of a fetch (spec/model.md, WatchEvent/Publish).
+        self._retire_lock = threading.Lock()
+        #: The manager's in-flight holdings (``bind``): marked with the pool's entries.
+        self._held: HeldGenerations | None = None
+        self._refused = 0
         self._synced = threading.Event()
         self._stop = threading.Event()
         self._stream_lock = threading.Lock()
@@ -305,6 +319,54 @@ class EtcdBootstrapSource:
                     return False
         return True
 
+    def bind(
+        self,
+        pool: BootstrapPool,
+        *,
+        held: HeldGenerations | None = None,
+        on_change: ChangeListener | None = None,
+    ) -> None:
+        """Serve a decode manager (``DecodeManager`` calls this; see docs/etcd.md): retire from
+        ``pool``, mark what ``held`` says the receivers in flight hold, and call ``on_change``
+        after any listener given at construction. Before ``start()``."""
+        if self.pool is not None and self.pool is not pool:
+            raise InvalidArgument(
+                "this etcd source already retires from another pool: give the manager the "
+                "same pool (or none) as the source"
+            )
+        self.pool = pool
+        self._held = held
+        if on_change is not None:
+            first = self.on_change
+            if first is None:
+                self.on_change = on_change
+            else:
+
+                def both(change: RankChange) -> None:
+                    try:
+                        first(change)
+                    finally:
+                        on_change(change)
+
+                self.on_change = both
+
+    def publish(
+        self, pool: BootstrapPool, key: PoolKey, generation: Generation
+    ) -> Generation | None:
+        """``pool.publish(key, generation)`` unless a change overtook the fetch: the watermark.
+
+        Atomic with the watch's retirement steps (one lock, never taken on a hit): a fetch
+        older than a change the watch already applied to its ``(addr, dp, cp)`` is refused
+        (``None``: the caller fails its request with ``RankRetired``); one published first is
+        found by that change's pool scan. So no stale object enters the slot a retirement just
+        emptied (the model's mutation ``NoWatermark``).
+        """
+        with self._retire_lock:
+            if not self.is_current(key, generation):
+                self._refused += 1
+                return None
+            return pool.publish(key, generation)
+
     def check_published(self, key: PoolKey, generation: Generation) -> bool:
         """Call after publishing a fetched generation: retire it if a change overtook it.
 
@@ -364,6 +426,7 @@ class EtcdBootstrapSource:
             retired=self._retired,
             entries_examined=self._examined,
             hook_errors=self._hook_errors,
+            publishes_refused=self._refused,
         )
 
     def _run(self) -> None:
@@ -483,18 +546,33 @@ class EtcdBootstrapSource:
         old = dict(self._records)
         pool = self.pool
         stale: dict[PoolKey, Generation] = {}
-        if pool is not None:
-            stale = {
-                key: generation
-                for key, generation in pool.snapshot().items()
-                if key.addr in self._addrs and getattr(generation, "revision", None) is not None
-            }
-            self._retired += pool.invalidate(stale)
-        self._records.clear()
-        self._addrs.clear()
-        self._history.clear()
-        self._history_floor.clear()
-        self._revision = 0
+        marked: list[Generation] = []
+        with self._retire_lock:
+            if pool is not None:
+                stale = {
+                    key: generation
+                    for key, generation in pool.snapshot().items()
+                    if key.addr in self._addrs and getattr(generation, "revision", None) is not None
+                }
+            held = self._held
+            if held is not None:
+                for addr in list(self._addrs):
+                    marked.extend(
+                        g for _, g in held(addr) if getattr(g, "revision", None) is not None
+                    )
+            marked.extend(stale.values())
+            for generation in marked:
+                mark_retired(generation, 0)
+            if pool is not None:
+                self._retired += pool.invalidate(stale)
+            self._records.clear()
+            self._addrs.clear()
+            self._history.clear()
+            self._history_floor.clear()
+            self._revision = 0
+        in_pool = set(stale.values())
+        only_held = [g for g in marked if g not in in_pool]
+        reported: set[Generation] = set()
         for key in old:
             group = {
                 pool_key: generation
@@ -504,7 +582,10 @@ class EtcdBootstrapSource:
             }
             for pool_key in group:
                 del stale[pool_key]  # each retired generation is reported once
-            self._emit(key, 0, True, group)
+            # Generations only receivers held (none of the pool's) go with the first change.
+            mine = tuple(group.values()) + tuple(g for g in only_held if g not in reported)
+            reported.update(mine)
+            self._emit(key, 0, True, group, mine)
 
     def _apply(self, message: WatchMessage) -> None:
         # The store's revision moves once per message, after all its events: etcd sends every
@@ -551,7 +632,12 @@ class EtcdBootstrapSource:
     def _changed(
         self, key: RankKey, revision: int, old: RankRecord | None, *, deleted: bool
     ) -> None:
-        """Record what the change replaced or removed, then retire what it made stale."""
+        """Record what the change replaced or removed, then retire what it made stale.
+
+        One step for publishers and for the receivers' start check (``_retire_lock``): the
+        history append (the watermark moves), the fan-out mark on every stale generation of
+        the key's ``(addr, dp, cp)`` - pool entries and those receivers in flight hold - and
+        the pool retirement. The model's ``WatchEvent`` (spec/model.md)."""
         self._changes += 1
         retired: dict[PoolKey, Generation] = {}
         new = self._records.get(key)
@@ -560,29 +646,43 @@ class EtcdBootstrapSource:
             self._emit(key, revision, deleted, retired)
             return
         group = (key.addr, key.dp_rank, key.cp_rank)
-        history = self._history.get(group)
-        if history is None:
-            history = self._history[group] = deque()
-        if len(history) == HISTORY_PER_GROUP:
-            self._history_floor[group] = history.popleft()[0]
-        history.append((revision, (old.rank_ip, old.rank_port, key.pp_rank)))
-        if key.addr not in self._addrs:
-            self._forget(key.addr, revision)
-        pool = self.pool
-        if pool is not None:
-            for pool_key, generation in pool.snapshot().items():
-                if (
-                    pool_key.addr != key.addr
-                    or pool_key.dp_rank != key.dp_rank
-                    or pool_key.cp_rank != key.cp_rank
-                ):
-                    continue
-                self._examined += 1
-                if not self.is_current(pool_key, generation):
-                    retired[pool_key] = generation
-            if retired:
+        marked: list[Generation] = []
+        with self._retire_lock:
+            history = self._history.get(group)
+            if history is None:
+                history = self._history[group] = deque()
+            if len(history) == HISTORY_PER_GROUP:
+                self._history_floor[group] = history.popleft()[0]
+            history.append((revision, (old.rank_ip, old.rank_port, key.pp_rank)))
+            if key.addr not in self._addrs:
+                self._forget(key.addr, revision)
+            pool = self.pool
+            if pool is not None:
+                for pool_key, generation in pool.snapshot().items():
+                    if (pool_key.addr, pool_key.dp_rank, pool_key.cp_rank) != group:
+                        continue
+                    self._examined += 1
+                    if not self.is_current(pool_key, generation):
+                        retired[pool_key] = generation
+            held = self._held
+            if held is not None:
+                seen = set(retired.values())
+                for pool_key, generation in held(key.addr):
+                    if (
+                        generation not in seen
+                        and (pool_key.addr, pool_key.dp_rank, pool_key.cp_rank) == group
+                        and not self.is_current(pool_key, generation)
+                    ):
+                        seen.add(generation)
+                        marked.append(generation)
+            marked.extend(retired.values())
+            # Mark first, then retire: a receiver that looks the entry up in between holds a
+            # marked object and fails at its start (never starts a transfer on it).
+            for generation in marked:
+                mark_retired(generation, revision)
+            if retired and pool is not None:
                 self._retired += pool.invalidate(retired)
-        self._emit(key, revision, deleted, retired)
+        self._emit(key, revision, deleted, retired, tuple(marked))
 
     def _forget(self, addr: str, revision: int) -> None:
         """``addr`` has no key left: drop its history (prefills come and go), keeping only a
@@ -598,7 +698,12 @@ class EtcdBootstrapSource:
             self._history_floor.clear()
 
     def _emit(
-        self, key: RankKey, revision: int, deleted: bool, retired: Mapping[PoolKey, Generation]
+        self,
+        key: RankKey,
+        revision: int,
+        deleted: bool,
+        retired: Mapping[PoolKey, Generation],
+        marked: tuple[Generation, ...] = (),
     ) -> None:
         listener = self.on_change
         if listener is None:
@@ -612,6 +717,7 @@ class EtcdBootstrapSource:
             revision,
             deleted,
             retired,
+            marked or tuple(retired.values()),
         )
         try:
             listener(change)

@@ -65,6 +65,8 @@ from statemachine.backend import (
 from statemachine.decode.acks import ack_frames
 from statemachine.decode.client import register_rank, route_payload
 from statemachine.decode.transport import Endpoint, endpoint_url
+from statemachine.discovery.layout import DEFAULT_PREFIX
+from statemachine.discovery.registrar import DEFAULT_TTL, EtcdRegistrar, registrar_for
 from statemachine.errors import BootstrapError
 
 MAX_SESSIONS = 1024
@@ -335,15 +337,27 @@ def serve(args: argparse.Namespace) -> int:
 
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     rank = _Rank(args, context)
+    registrar: EtcdRegistrar | None = None
     try:
         try:
-            register_rank(
-                args.bootstrap,
-                args.token,
-                build_payload(args, rank.port),
-                attempts=args.register_attempts,
-                backoff_scale=args.register_backoff_scale,
-            )
+            if args.discovery == "etcd":
+                # Under a lease kept alive on the registrar's thread (docs/etcd.md).
+                registrar = registrar_for(
+                    args.etcd_endpoints,
+                    args.bootstrap,
+                    prefix=args.etcd_prefix,
+                    ttl=args.etcd_ttl,
+                    instance_id=args.instance_id,
+                )
+                registrar.register(build_payload(args, rank.port))
+            else:
+                register_rank(
+                    args.bootstrap,
+                    args.token,
+                    build_payload(args, rank.port),
+                    attempts=args.register_attempts,
+                    backoff_scale=args.register_backoff_scale,
+                )
         except BootstrapError as exc:
             print(f"prefill_rank: registration failed: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -371,6 +385,8 @@ def serve(args: argparse.Namespace) -> int:
         print("STATS " + json.dumps(rank.counts, sort_keys=True), flush=True)
         return 0
     finally:
+        if registrar is not None:
+            registrar.close()  # graceful: revoke the lease (a SIGKILL lets it expire)
         rank.close()
         context.term()
         signal.set_wakeup_fd(-1)
@@ -388,8 +404,30 @@ def _soonest_ms(due_ms: int | None, expiry_s: float | None) -> int | None:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m statemachine.prefill.rank")
-    parser.add_argument("--bootstrap", required=True, help="bootstrap server host:port")
-    parser.add_argument("--token", required=True, help="bearer token for PUT /route")
+    parser.add_argument(
+        "--bootstrap",
+        required=True,
+        help="bootstrap server host:port (with --discovery etcd: the prefill's name in etcd)",
+    )
+    parser.add_argument("--token", help="bearer token for PUT /route (--discovery http)")
+    parser.add_argument(
+        "--discovery",
+        choices=("http", "etcd"),
+        default="http",
+        help="register with the bootstrap server (http) or in etcd under a lease",
+    )
+    parser.add_argument(
+        "--etcd-endpoints",
+        default="http://127.0.0.1:2379",
+        help="comma-separated etcd client URLs (--discovery etcd)",
+    )
+    parser.add_argument("--etcd-prefix", default=DEFAULT_PREFIX, help="etcd key prefix")
+    parser.add_argument("--etcd-ttl", type=int, default=DEFAULT_TTL, help="lease TTL (s)")
+    parser.add_argument(
+        "--instance-id",
+        default=None,
+        help="the prefill instance's id, shared by every rank of the instance (etcd)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="ip to bind and register")
     for name in ("tp", "pp", "dp", "cp"):
         parser.add_argument(f"--{name}-rank", type=int, default=0)
@@ -411,6 +449,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         size, rank = getattr(args, f"{name}_size"), getattr(args, f"{name}_rank")
         if size < 1 or not 0 <= rank < size:
             parser.error(f"--{name}-rank {rank} must be in [0, --{name}-size {size})")
+    if args.discovery == "http" and not args.token:
+        parser.error("--token is required with --discovery http")
     if args.ack_delay_ms < 0 or args.ack_send_timeout_ms < 1:
         parser.error("--ack-delay-ms must be >= 0 and --ack-send-timeout-ms >= 1")
     return args
