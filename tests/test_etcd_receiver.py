@@ -1,17 +1,20 @@
-"""The etcd source behind a real receiver: real prefill rank processes (ZMQ), real etcd.
+"""etcd as a DecodeManager's source, end to end: real etcd, real prefill rank processes
+registering themselves with ``prefill.rank --discovery etcd``, real receivers (ZMQ, acks).
 
-The receiver fetches through whatever object it is given as its bootstrap source; here that is
-:class:`EtcdBootstrapSource`, and the whole request (init, register, metadata, acks) runs as
-with the HTTP client. A prefill restart on new ports is retired from the pool by the watch,
-before any request is started on the stale generation.
+The manager stamps every fetch with the watch's revision; a watch event retires exactly the
+generations fetched at an older revision, marks them, and fails the receivers in flight that
+hold them with :class:`RankRetired`; the HTTP health monitor is off (there is no HTTP server at
+the bootstrap address at all here: it is only the prefill's name in etcd).
 
-The prefill rank processes still register with an HTTP bootstrap server (that is how they
-start today); the test registers their ports in etcd as ``--discovery etcd`` would, and the
-decode side never talks to the HTTP server.
+The watch path is tested deliberately: an overlapping restart leaves the old ranks' ports alive
+(only the watch can know they were replaced), and the crash test turns the transport's socket
+monitor off (only the lease expiry can tell).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -21,21 +24,18 @@ from statemachine import lifecycle as life
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.receiver import BootstrapReceiver
+from statemachine.decode.transport import ZmqTransport
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
-from statemachine.discovery.gateway import EtcdGateway
-from statemachine.discovery.registrar import EtcdRegistrar
-from statemachine.errors import NotReady
+from statemachine.errors import NotReady, PeerLost, RankRetired
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import BootstrapPool, PoolKey
+from statemachine.pool import PoolKey
 from statemachine.prefill.rank import PrefillRankProcess
-from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import RouteReply
-from tests.etcd_support import EtcdServer, running_etcd, wait_until
-from tests.test_etcd_discovery import BOUND, payload
+from tests.etcd_support import EtcdServer, free_port, running_etcd, wait_until
 
-TOKEN = "etcd-receiver-test"
 TP = 2
 PLAN = RankPlan(tp_ranks=tuple(range(TP)))
+BOUND = 15.0  # generous correctness bound (s): processes start on a loaded machine
 
 
 @pytest.fixture
@@ -44,28 +44,67 @@ def etcd() -> Iterator[EtcdServer]:
         yield server
 
 
-@pytest.fixture
-def prefill() -> Iterator[tuple[BootstrapServer, list[PrefillRankProcess]]]:
-    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
-    ranks = [PrefillRankProcess(server.address, TOKEN, tp_rank=tp, tp_size=TP) for tp in range(TP)]
-    try:
-        for rank in ranks:
+class Instance:
+    """One prefill instance: TP rank processes registering in etcd under one instance id."""
+
+    def __init__(
+        self, etcd: EtcdServer, prefix: str, addr: str, *, ack_delay_ms: int = 0, ttl: int = 10
+    ) -> None:
+        self.instance_id = uuid.uuid4().hex
+        args = [
+            *("--discovery", "etcd", "--etcd-endpoints", etcd.endpoint),
+            *("--etcd-prefix", prefix, "--etcd-ttl", str(ttl)),
+            *("--instance-id", self.instance_id),
+        ]
+        self.ranks = [
+            PrefillRankProcess(
+                addr, "unused", tp_rank=tp, tp_size=TP, ack_delay_ms=ack_delay_ms, extra_args=args
+            )
+            for tp in range(TP)
+        ]
+
+    def start(self) -> Instance:
+        for rank in self.ranks:
             rank.start()
-        yield server, ranks
-    finally:
-        for rank in ranks:
+        return self
+
+    def expected(self) -> set[RouteReply]:
+        return {RouteReply("127.0.0.1", rank.port, self.instance_id) for rank in self.ranks}
+
+    def terminate(self) -> None:
+        """Graceful: SIGTERM; each rank revokes its lease before it closes its port."""
+        for rank in self.ranks:
+            rank.terminate()
+
+    def kill(self) -> None:
+        for rank in self.ranks:
             rank.kill()
-        server.stop()
 
 
-def register(
-    etcd: EtcdServer, prefix: str, addr: str, ranks: list[PrefillRankProcess]
-) -> EtcdRegistrar:
-    """What ``prefill.rank --discovery etcd`` does, for every rank of the instance at once."""
-    registrar = EtcdRegistrar(EtcdGateway([etcd.endpoint]), addr, prefix=prefix, ttl=10)
-    for rank in ranks:
-        registrar.register(payload(rank.port, tp=rank.tp_rank, tp_size=TP))
-    return registrar
+@pytest.fixture
+def cluster(etcd: EtcdServer) -> Iterator[tuple[str, str, list[Instance]]]:
+    """(prefix, bootstrap addr, instances to clean up): every instance is killed at the end."""
+    prefix = f"/test-{uuid.uuid4().hex[:12]}/ranks"
+    addr = f"127.0.0.1:{free_port()}"  # a name only: nothing listens there
+    instances: list[Instance] = []
+    try:
+        yield prefix, addr, instances
+    finally:
+        for instance in instances:
+            instance.kill()
+
+
+def launch(
+    etcd: EtcdServer,
+    cluster: tuple[str, str, list[Instance]],
+    *,
+    ack_delay_ms: int = 0,
+    ttl: int = 10,
+) -> Instance:
+    prefix, addr, instances = cluster
+    instance = Instance(etcd, prefix, addr, ack_delay_ms=ack_delay_ms, ttl=ttl)
+    instances.append(instance)
+    return instance.start()
 
 
 def visible(source: EtcdBootstrapSource, addr: str) -> set[RouteReply] | None:
@@ -78,61 +117,258 @@ def visible(source: EtcdBootstrapSource, addr: str) -> set[RouteReply] | None:
         return None
 
 
-def run(manager: DecodeManager, addr: str, room: int) -> BootstrapReceiver:
-    """A whole request: init, send metadata (the manager expects the acks), poll to the end."""
+def manager_for(etcd: EtcdServer, prefix: str, **kwargs: object) -> DecodeManager:
+    manager = DecodeManager.with_etcd(
+        etcd.endpoint, prefix=prefix, waiting_timeout_s=20.0, send_timeout_ms=500, **kwargs
+    )
+    assert manager.etcd is not None and manager.etcd.wait_synced(BOUND)
+    assert manager.health is None  # etcd mode: no HTTP health monitor
+    return manager
+
+
+def start(manager: DecodeManager, addr: str, room: int) -> BootstrapReceiver:
+    """init + send_metadata: the request is in flight (``waiting``) unless it failed."""
     receiver = manager.receiver(addr, room, PLAN, prefill_dp_rank=0)
     if receiver.init() == KVPoll.WaitingForInput:
         receiver.send_metadata((1, 2, 3), aux_index=0)
-        wait_until(lambda: receiver.poll() != KVPoll.Transferring, BOUND)
     return receiver
 
 
-def test_receiver_bootstraps_through_etcd_and_a_restart_is_retired_by_the_watch(
-    etcd: EtcdServer, prefill: tuple[BootstrapServer, list[PrefillRankProcess]]
-) -> None:
-    server, ranks = prefill
-    addr = server.address
-    prefix = f"/test-{uuid.uuid4().hex[:12]}/ranks"
-    pool = BootstrapPool()
-    source = EtcdBootstrapSource(EtcdGateway([etcd.endpoint]), prefix=prefix, pool=pool)
-    # No HTTP health monitor: with etcd as the source there may be no server at the address.
-    manager = DecodeManager(
-        source=source,
-        pool=pool,
-        send_timeout_ms=500,
-        waiting_timeout_s=5.0,
-        health_interval_s=None,
-    )
-    registrar = register(etcd, prefix, addr, ranks)
-    try:
-        source.start()
-        key = PoolKey(addr, 0, 0, 0)
-        assert source.wait_synced(BOUND)
-        first = run(manager, addr, room=1)
-        assert first.state == life.DONE, first.failure_exception
-        generation = pool.get(key)
-        assert generation is not None
-        assert {rank.port for rank in generation.ranks} == {rank.port for rank in ranks}
-        assert run(manager, addr, room=2).entries[key] is generation  # a hit
+def finish(receiver: BootstrapReceiver) -> BootstrapReceiver:
+    wait_until(lambda: receiver.poll() not in (KVPoll.Transferring, KVPoll.WaitingForInput), BOUND)
+    return receiver
 
-        # The prefill's ranks crash and come back on new ports; the new instance registers.
-        registrar.close(revoke=False)  # a crash: the old lease is left to expire
-        for rank in ranks:
-            rank.kill()
-        for rank in ranks:
-            rank.start(avoid_port=rank.port)
-        registrar = register(etcd, prefix, addr, ranks)
-        assert wait_until(lambda: pool.get(key) is not generation, BOUND)
-        expected = {RouteReply("127.0.0.1", rank.port, registrar.instance_id) for rank in ranks}
-        assert wait_until(lambda: visible(source, addr) == expected, BOUND)
-        # Requests started now fetch the new registration: none fails.
-        for room in range(3, 8):
-            receiver = run(manager, addr, room)
-            assert receiver.state == life.DONE, receiver.failure_exception
-        fresh = pool.get(key)
-        assert fresh is not None and {r.port for r in fresh.ranks} == {r.port for r in ranks}
+
+def run(manager: DecodeManager, addr: str, room: int) -> BootstrapReceiver:
+    return finish(start(manager, addr, room))
+
+
+def test_overlapping_restart_is_found_by_the_watch_alone(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    """The new instance re-registers every rank while the old one still runs (its ports stay
+    alive, so neither a send nor the socket monitor can tell): the watch retires the old
+    generation and fails the requests in flight on it with RankRetired."""
+    prefix, addr, _ = cluster
+    old = launch(etcd, cluster, ack_delay_ms=60_000)  # its transfers never finish in time
+    manager = manager_for(etcd, prefix)
+    source = manager.etcd
+    assert source is not None
+    key = PoolKey(addr, 0, 0, 0)
+    try:
+        assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
+        waiting = [start(manager, addr, room) for room in range(1, 5)]
+        assert all(r.state == life.WAITING for r in waiting)
+        cached = manager.receiver(addr, 5, PLAN, prefill_dp_rank=0)
+        assert cached.init() == KVPoll.WaitingForInput  # a hit, not started yet
+        generation = manager.pool.get(key)
+        assert generation is not None and getattr(generation, "revision", None) is not None
+
+        new = launch(etcd, cluster)
+        assert wait_until(lambda: manager.pool.get(key) is not generation, BOUND)
+        for receiver in [*waiting, cached]:
+            assert finish(receiver).state == life.INVALIDATED
+            assert isinstance(receiver.failure, RankRetired), receiver.failure
+        assert all(rank.alive() for rank in old.ranks)  # nothing but the watch knew
         assert source.stats().retired >= 1
+        assert manager.stats().failures.get("RankRetired") == 5
+
+        # Requests started once the new registration is visible: none fails.
+        assert wait_until(lambda: visible(source, addr) == new.expected(), BOUND)
+        for room in range(6, 11):
+            receiver = run(manager, addr, room)
+            assert receiver.state == life.DONE, receiver.failure
+        fresh = manager.pool.get(key)
+        assert fresh is not None and {r.port for r in fresh.ranks} == {r.port for r in new.ranks}
+        assert manager.stats().in_flight == 0
     finally:
-        registrar.close()
         manager.close()
-        source.close()
+
+
+def test_graceful_restart_fails_no_request_started_after_the_new_registration(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    prefix, addr, _ = cluster
+    manager = manager_for(etcd, prefix)
+    source = manager.etcd
+    assert source is not None
+    try:
+        for cycle in range(2):
+            instance = launch(etcd, cluster)
+            expected = instance.expected()
+            assert wait_until(lambda: visible(source, addr) == expected, BOUND)  # noqa: B023
+            for room in range(10):
+                receiver = run(manager, addr, 100 * cycle + room)
+                assert receiver.state == life.DONE, receiver.failure
+            instance.terminate()  # revokes its leases: the watch retires its generation
+            assert wait_until(lambda: manager.pool.get(PoolKey(addr, 0, 0, 0)) is None, BOUND)
+        assert manager.stats().failures == {}
+        assert source.stats().retired >= 2
+    finally:
+        manager.close()
+
+
+def test_sigkill_is_retired_by_lease_expiry(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    """Socket monitor off: only the lease's expiry (etcd's delete) can retire the entry."""
+    prefix, addr, _ = cluster
+    ttl = 2
+    transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+    manager = manager_for(etcd, prefix, transport=transport)
+    source = manager.etcd
+    assert source is not None
+    key = PoolKey(addr, 0, 0, 0)
+    try:
+        instance = launch(etcd, cluster, ttl=ttl)
+        assert wait_until(lambda: visible(source, addr) == instance.expected(), BOUND)
+        assert run(manager, addr, 1).state == life.DONE
+        generation = manager.pool.get(key)
+        assert generation is not None
+        in_flight = manager.receiver(addr, 2, PLAN, prefill_dp_rank=0)
+        assert in_flight.init() == KVPoll.WaitingForInput
+        killed = time.monotonic()
+        instance.kill()
+        time.sleep(0.2)
+        assert manager.pool.get(key) is generation  # nothing else noticed the crash
+        assert wait_until(lambda: manager.pool.get(key) is None, ttl + BOUND)
+        retired_after = time.monotonic() - killed
+        # etcd deletes the keys TTL after the last keep-alive it acknowledged (at most TTL
+        # before the kill), rounded up to its 500 ms expiry check; loaded-machine slack.
+        assert retired_after <= ttl + 5.0, retired_after
+        assert finish(in_flight).state == life.INVALIDATED
+        assert isinstance(in_flight.failure, RankRetired), in_flight.failure
+        assert "deregistered" in str(in_flight.failure)
+    finally:
+        manager.close()
+        transport.close()
+
+
+def test_64_in_flight_at_a_restart(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    """Failed requests per restart <= requests in flight at the kill; all end, typed; the
+    requests started after the new registration is visible all succeed."""
+    prefix, addr, _ = cluster
+    manager = manager_for(etcd, prefix)
+    source = manager.etcd
+    assert source is not None
+    try:
+        old = launch(etcd, cluster, ack_delay_ms=60_000)
+        assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
+        in_flight = [start(manager, addr, room) for room in range(64)]
+        assert sum(r.state == life.WAITING for r in in_flight) == 64
+        old.kill()
+        new = launch(etcd, cluster)
+        for receiver in in_flight:
+            finish(receiver)
+        failed = [r for r in in_flight if r.state == life.INVALIDATED]
+        assert len(failed) <= 64 and all(r.ended for r in in_flight)
+        assert all(isinstance(r.failure, PeerLost) for r in failed), {
+            type(r.failure).__name__ for r in failed
+        }
+        assert wait_until(lambda: visible(source, addr) == new.expected(), BOUND)
+        after = [run(manager, addr, 1000 + room) for room in range(16)]
+        assert [r.state for r in after] == [life.DONE] * 16, [r.failure for r in after]
+        assert manager.stats().in_flight == 0
+    finally:
+        manager.close()
+
+
+def test_etcd_killed_mid_run_keeps_serving_the_cache(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    prefix, addr, _ = cluster
+    manager = manager_for(etcd, prefix)
+    source = manager.etcd
+    assert source is not None
+    try:
+        instance = launch(etcd, cluster)
+        assert wait_until(lambda: visible(source, addr) == instance.expected(), BOUND)
+        assert run(manager, addr, 1).state == life.DONE
+        etcd.kill()
+        assert wait_until(lambda: not source.stats().connected, BOUND)
+        slowest = 0.0
+        for room in range(2, 22):
+            began = time.monotonic()
+            receiver = run(manager, addr, room)
+            slowest = max(slowest, time.monotonic() - began)
+            assert receiver.state == life.DONE, receiver.failure
+        # Hits never touch etcd; a miss is answered from the store, never waits on etcd.
+        assert slowest < 5.0, slowest
+        began = time.monotonic()
+        unknown = manager.receiver(f"127.0.0.1:{free_port()}", 99, PLAN, prefill_dp_rank=0)
+        assert unknown.init() == KVPoll.Failed
+        assert isinstance(unknown.failure, NotReady)
+        assert time.monotonic() - began < 1.0
+        assert source.stats().last_error is not None
+        etcd.start()
+        assert wait_until(lambda: source.stats().connected, BOUND)
+        assert run(manager, addr, 30).state == life.DONE
+    finally:
+        manager.close()
+
+
+def test_a_fetch_the_watch_overtook_is_not_published(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    """The watermark (the model's NoWatermark mutation): a generation stamped before a change
+    the watch applied is refused by ``publish``; the marked object fails at its start."""
+    from statemachine.discovery.changes import StampedGeneration
+    from statemachine.pool import RankInfo
+
+    prefix, addr, _ = cluster
+    manager = manager_for(etcd, prefix)
+    source = manager.etcd
+    assert source is not None
+    key = PoolKey(addr, 0, 0, 0)
+    try:
+        old = launch(etcd, cluster)
+        assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
+        stamp = source.revision
+        ranks = tuple(RankInfo("127.0.0.1", rank.port, 0, False) for rank in old.ranks)
+        late = StampedGeneration(ranks, old.instance_id, stamp)
+        new = launch(etcd, cluster)
+        assert wait_until(lambda: visible(source, addr) == new.expected(), BOUND)
+        assert source.publish(manager.pool, key, late) is None
+        assert manager.pool.get(key) is None and source.stats().publishes_refused == 1
+        ranks = tuple(RankInfo("127.0.0.1", rank.port, 0, False) for rank in new.ranks)
+        current = StampedGeneration(ranks, new.instance_id, source.revision)
+        assert source.publish(manager.pool, key, current) is current
+    finally:
+        manager.close()
+
+
+def test_a_marked_generation_fails_its_holder_at_start(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    """The fan-out mark is on the object: a receiver that adopted it before the watch event
+    fails at ``send_metadata`` (never starts a transfer on it), even before the manager's
+    fan-out reached it (the model's NoFanOutMark mutation)."""
+    from statemachine.discovery.changes import mark_retired
+
+    prefix, addr, _ = cluster
+    manager = manager_for(etcd, prefix)
+    source = manager.etcd
+    assert source is not None
+    try:
+        instance = launch(etcd, cluster)
+        assert wait_until(lambda: visible(source, addr) == instance.expected(), BOUND)
+        holder = manager.receiver(addr, 1, PLAN, prefill_dp_rank=0)
+        assert holder.init() == KVPoll.WaitingForInput
+        (generation,) = holder.entries.values()
+        assert mark_retired(generation, source.revision + 1)
+        assert holder.send_metadata((1,), aux_index=0) == KVPoll.Failed
+        assert isinstance(holder.failure, RankRetired), holder.failure
+        assert manager.stats().failures == {"RankRetired": 1}
+    finally:
+        manager.close()
+
+
+def test_with_etcd_leaves_no_thread_behind(etcd: EtcdServer) -> None:
+    baseline = threading.active_count()
+    for _ in range(3):
+        manager = DecodeManager.with_etcd(etcd.endpoint, prefix="/test-threads/ranks")
+        assert manager.etcd is not None and manager.etcd.stats().synced
+        manager.close()
+    assert wait_until(lambda: threading.active_count() <= baseline, BOUND)
