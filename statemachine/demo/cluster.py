@@ -136,12 +136,17 @@ class PrefillInstance:
         pp_size: int = 1,
         warm: bool = True,
         ready_timeout: float = 30.0,
+        etcd: tuple[str, str] | None = None,
     ) -> None:
+        """``etcd``: (endpoint, prefix) - the ranks register there (``--discovery etcd``,
+        under the server's instance id) instead of with the bootstrap server, whose address
+        is then only the prefill's name."""
         if tp_size < 1 or pp_size < 1:
             raise ValueError("tp_size and pp_size must be >= 1")
         self.tp_size = tp_size
         self.pp_size = pp_size
         self.warm = warm
+        self.etcd = etcd
         self._ready_timeout = ready_timeout
         # Fresh per run; it only guards PUT /route on loopback.
         self._token = secrets.token_hex(16)
@@ -202,6 +207,10 @@ class PrefillInstance:
         argv += ["--register-backoff-scale", "0.05"]
         if avoid_port:
             argv += ["--avoid-port", str(avoid_port)]
+        if self.etcd is not None:
+            endpoint, prefix = self.etcd
+            argv += ["--discovery", "etcd", "--etcd-endpoints", endpoint]
+            argv += ["--etcd-prefix", prefix, "--instance-id", self.instance_id]
         return argv
 
     def _spawn(self) -> list[_Child]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
@@ -20,11 +21,15 @@ from statemachine.decode.acks import AckStats
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager, ManagerStats
 from statemachine.decode.receiver import RankPlan
+from statemachine.decode.source import BootstrapSource
 from statemachine.decode.transport import TransportStats, ZmqTransport
-from statemachine.demo.cluster import HOST, PrefillInstance
+from statemachine.demo.cluster import HOST, ClusterError, PrefillInstance
 from statemachine.demo.loops import Outcome, RequestLoops
 from statemachine.demo.modes import OURS, ModeConfig, make_pool
 from statemachine.demo.sampling import socket_counts
+from statemachine.discovery.etcd_source import EtcdBootstrapSource
+from statemachine.discovery.gateway import EtcdGateway
+from statemachine.errors import BootstrapError
 from statemachine.pool import PoolStats
 
 SAMPLE_INTERVAL_S = 0.02
@@ -46,6 +51,9 @@ class DemoConfig:
     warm_restart: bool = True
     catch_up: bool = False  # loops keep their schedule after a stall (load runs)
     trace_path: str | None = None
+    #: etcd client URL: the decode's source is an etcd watch and the prefill ranks register
+    #: there (``--discovery etcd``); None: the prefill's HTTP bootstrap server (the default)
+    etcd_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not self.duration_s > 0 or self.loops < 1 or not self.rate > 0:
@@ -81,6 +89,7 @@ class DemoConfig:
             "max_requests": self.max_requests,
             "warm_restart": self.warm_restart,
             "catch_up": self.catch_up,
+            "discovery": "http" if self.etcd_endpoint is None else "etcd",
         }
 
 
@@ -149,8 +158,10 @@ def run_demo(
             stack.enter_context(trace.tracing(config.trace_path))
         else:
             stack.enter_context(nullcontext())
+        prefix = f"/pd-demo-{os.getpid()}-{uuid.uuid4().hex[:8]}/ranks"
+        etcd = None if config.etcd_endpoint is None else (config.etcd_endpoint, prefix)
         instance = PrefillInstance(
-            tp_size=config.tp_size, pp_size=config.pp_size, warm=config.warm_restart
+            tp_size=config.tp_size, pp_size=config.pp_size, warm=config.warm_restart, etcd=etcd
         )
         stack.callback(instance.close)
         instance.start()
@@ -174,8 +185,15 @@ def run_demo(
                 kv_item_len=4096,
             )
 
+        source: BootstrapSource = client
+        if config.etcd_endpoint is not None:
+            watch = EtcdBootstrapSource(EtcdGateway([config.etcd_endpoint]), prefix=prefix)
+            stack.callback(watch.close)
+            watch.start()
+            _wait_ready(watch, addr, config.tp_size * config.pp_size)
+            source = watch
         manager = DecodeManager(
-            source=client,
+            source=source,
             pool=pool,
             transport=transport,
             backend_factory=backend,
@@ -186,14 +204,15 @@ def run_demo(
             single_flight=config.mode.manager_fanout,
         )
         stack.callback(manager.close)
-        monitor = manager.health
-        assert monitor is not None and manager.acks is not None
-        monitor.watch(addr)
+        monitor = manager.health  # None with etcd: the watch replaces it
+        assert manager.acks is not None
+        if monitor is not None:
+            monitor.watch(addr)
         plan = RankPlan(tp_ranks=tuple(range(config.tp_size)), pp_size=config.pp_size)
 
         loops = RequestLoops(
             manager,
-            client,
+            client if config.etcd_endpoint is None else None,
             addr,
             plan,
             n_loops=config.loops,
@@ -234,7 +253,8 @@ def run_demo(
             status(loops, tracker, ended - started)
         sampler.stop()
         end_counts = socket_counts(instance.port)
-        monitor.stop()
+        if monitor is not None:
+            monitor.stop()
         acks = manager.acks
         stats = pool.stats()
         return RunResult(
@@ -254,13 +274,27 @@ def run_demo(
             transport=transport.stats(),
             acks=acks.stats(),
             manager=manager.stats(),
-            health_restarts_seen=monitor.restarts_seen,
-            health_deaths_seen=monitor.deaths_seen,
+            health_restarts_seen=0 if monitor is None else monitor.restarts_seen,
+            health_deaths_seen=0 if monitor is None else monitor.deaths_seen,
             bootstrap_port=instance.port,
             prefill_pids=instance.spawned_pids,
             samples=sampler.stale_samples,
         )
     raise AssertionError("unreachable")  # pragma: no cover (ExitStack does not swallow)
+
+
+def _wait_ready(source: EtcdBootstrapSource, addr: str, ranks: int, timeout: float = 30.0) -> None:
+    """Until the watch shows every rank of the prefill (bounded: ClusterError after it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            source.get_topology(addr)
+            return
+        except BootstrapError:
+            time.sleep(0.02)
+    raise ClusterError(
+        f"the prefill's {ranks} ranks did not all appear in etcd within {timeout:g} s"
+    )
 
 
 def _wait_until(
