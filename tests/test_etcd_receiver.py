@@ -372,3 +372,26 @@ def test_with_etcd_leaves_no_thread_behind(etcd: EtcdServer) -> None:
         assert manager.etcd is not None and manager.etcd.stats().synced
         manager.close()
     assert wait_until(lambda: threading.active_count() <= baseline, BOUND)
+
+
+def test_the_manager_shares_the_sources_pool_and_refuses_another() -> None:
+    from statemachine.backend import SimpleBackend
+    from statemachine.discovery.gateway import EtcdGateway
+    from statemachine.errors import ConfigurationError
+    from statemachine.pool import BootstrapPool
+
+    pool = BootstrapPool()
+    source = EtcdBootstrapSource(EtcdGateway([f"http://127.0.0.1:{free_port()}"]), pool=pool)
+    backend = SimpleBackend("127.0.0.1", 1, "test")
+    try:
+        manager = DecodeManager(source=source, completion="external", backend=backend)
+        try:
+            assert manager.pool is pool and manager.etcd is source and manager.health is None
+        finally:
+            manager.close()
+        with pytest.raises(ConfigurationError, match="same pool"):
+            DecodeManager(
+                source=source, pool=BootstrapPool(), completion="external", backend=backend
+            )
+    finally:
+        source.close()

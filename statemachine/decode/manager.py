@@ -340,6 +340,8 @@ class DecodeManager:
         transport_mode: Mode,
         send_timeout_ms: int,
     ) -> None:
+        if pool is None and isinstance(source, EtcdBootstrapSource):
+            pool = source.pool  # the pool the source already retires from, if any
         self.pool: BootstrapPool = BootstrapPool() if pool is None else pool
         if source is None:
             client = BootstrapClient()
@@ -770,6 +772,8 @@ class DecodeManager:
             self._retained.clear()
         for endpoints in retained:
             self.transport.release(endpoints)
+        if self.etcd is not None:
+            self.etcd.unbind()  # a source the caller owns must not call a closed manager
         self._close_owned()
 
     def _close_owned(self) -> None:

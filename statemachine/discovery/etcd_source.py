@@ -185,6 +185,7 @@ class EtcdBootstrapSource:
         self._retire_lock = threading.Lock()
         #: The manager's in-flight holdings (``bind``): marked with the pool's entries.
         self._held: HeldGenerations | None = None
+        self._bound_on_change: ChangeListener | None = None
         self._refused = 0
         self._synced = threading.Event()
         self._stop = threading.Event()
@@ -328,7 +329,7 @@ class EtcdBootstrapSource:
     ) -> None:
         """Serve a decode manager (``DecodeManager`` calls this; see docs/etcd.md): retire from
         ``pool``, mark what ``held`` says the receivers in flight hold, and call ``on_change``
-        after any listener given at construction. Before ``start()``."""
+        after the listener given at construction. Replaces an earlier binding."""
         if self.pool is not None and self.pool is not pool:
             raise InvalidArgument(
                 "this etcd source already retires from another pool: give the manager the "
@@ -336,19 +337,12 @@ class EtcdBootstrapSource:
             )
         self.pool = pool
         self._held = held
-        if on_change is not None:
-            first = self.on_change
-            if first is None:
-                self.on_change = on_change
-            else:
+        self._bound_on_change = on_change
 
-                def both(change: RankChange) -> None:
-                    try:
-                        first(change)
-                    finally:
-                        on_change(change)
-
-                self.on_change = both
+    def unbind(self) -> None:
+        """The manager closed: stop asking it (the pool stays, and so does ``on_change``)."""
+        self._held = None
+        self._bound_on_change = None
 
     def publish(
         self, pool: BootstrapPool, key: PoolKey, generation: Generation
@@ -706,7 +700,8 @@ class EtcdBootstrapSource:
         marked: tuple[Generation, ...] = (),
     ) -> None:
         listener = self.on_change
-        if listener is None:
+        bound = self._bound_on_change
+        if listener is None and bound is None:
             return
         change = RankChange(
             key.addr,
@@ -719,8 +714,11 @@ class EtcdBootstrapSource:
             retired,
             marked or tuple(retired.values()),
         )
-        try:
-            listener(change)
-        except Exception as exc:  # a listener bug must not stop the watch
-            self._hook_errors += 1
-            self._last_error = f"on_change: {type(exc).__name__}: {exc}"
+        for hook in (listener, bound):
+            if hook is None:
+                continue
+            try:
+                hook(change)
+            except Exception as exc:  # a listener bug must not stop the watch
+                self._hook_errors += 1
+                self._last_error = f"on_change: {type(exc).__name__}: {exc}"
