@@ -213,7 +213,7 @@ def test_sigkill_is_retired_by_lease_expiry(
 ) -> None:
     """Socket monitor off: only the lease's expiry (etcd's delete) can retire the entry."""
     prefix, addr, _ = cluster
-    ttl = 2
+    ttl = 3  # keep-alive every 1.5 s: a loaded machine cannot starve it into an early expiry
     transport = ZmqTransport(monitor=False, send_timeout_ms=500)
     manager = manager_for(etcd, prefix, transport=transport)
     source = manager.etcd
@@ -395,3 +395,17 @@ def test_the_manager_shares_the_sources_pool_and_refuses_another() -> None:
             )
     finally:
         source.close()
+
+
+def test_prefill_rank_discovery_arguments() -> None:
+    from statemachine.prefill.rank import parse_args
+
+    args = parse_args(["--bootstrap", "10.0.0.7:8998", "--discovery", "etcd"])
+    assert (args.discovery, args.etcd_endpoints, args.token) == (
+        "etcd",
+        "http://127.0.0.1:2379",
+        None,
+    )
+    assert parse_args(["--bootstrap", "h:1", "--token", "t"]).discovery == "http"
+    with pytest.raises(SystemExit):
+        parse_args(["--bootstrap", "h:1"])  # http needs the server's token
