@@ -14,16 +14,19 @@ frames really are delivered: the new rank registers the old session and acks, an
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import zmq
-from zmq_support import LOOPBACK, AckRecorder, pull_peer
+from zmq_support import LOOPBACK, pull_peer
 
+from statemachine import trace
 from statemachine.backend import (
     ABORT_FRAMES,
     MAX_INSTANCE_ID_BYTES,
@@ -42,7 +45,9 @@ from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import WaitingTimeout
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import Generation, RankInfo
+from statemachine.model.validate import main as validate_main
+from statemachine.model.validate import read_trace, validate
+from statemachine.pool import RankInfo
 from statemachine.prefill.rank import (
     PrefillRankProcess,
     PrefillRankStartFailed,
@@ -93,10 +98,11 @@ class _Run:
 
 
 @contextmanager
-def _reused_port_run(*, targeted: bool) -> Iterator[_Run]:
+def _reused_port_run(*, targeted: bool, rank_trace: Path | None = None) -> Iterator[_Run]:
     server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
     old_rank = PrefillRankProcess(server.address, TOKEN)
-    new_rank = PrefillRankProcess(server.address, TOKEN)
+    extra = ("--trace", str(rank_trace)) if rank_trace is not None else ()
+    new_rank = PrefillRankProcess(server.address, TOKEN, extra_args=extra)
     client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
     transport = ZmqTransport(mode="queueing", send_timeout_ms=1000)
     backends: list[_Gated] = []
@@ -140,15 +146,16 @@ def _reused_port_run(*, targeted: bool) -> Iterator[_Run]:
             stale.append(receiver)
         # A new process of instance Y binds the very port X's rank had.
         assert new_rank.start(port=port) == port
-        # Sync: a message for Y on the same socket (one pipe, in order) is handled after every
-        # queued frame, and its ack leaves the rank after any ack those frames caused.
-        assert manager.acks is not None
-        synced = AckRecorder()
-        manager.acks.expect(SYNC_ROOM, 1, synced)
-        fresh = Generation((RankInfo(LOOPBACK, port, 0),), new_instance)
-        transport.register(fresh, gate)
-        transport.send_metadata(fresh, gate, MetadataRequest(SYNC_ROOM, (), 0))
-        assert synced.wait(BOUND_S), "the new rank never served the sync request"
+        # Sync: a request on instance Y. The decode learns of the restart as its health probe
+        # would (HEALTH-1: X was replaced, retire it), fetches Y's ranks - the same port - and
+        # sends on the same socket (one pipe, in order): the rank handles it after every queued
+        # frame, and its ack leaves the rank after any ack those frames caused.
+        assert manager.pool.retire_instance(server.address, old_instance) == 1
+        sync = manager.receiver(server.address, SYNC_ROOM, PLAN, prefill_dp_rank=0)
+        assert sync.init() == KVPoll.WaitingForInput
+        assert sync.entries and all(g.instance_id == new_instance for g in sync.entries.values())
+        assert sync.send_metadata((7,)) == KVPoll.Transferring
+        assert _finish(sync) == KVPoll.Success, sync.failure
         at_sync = [receiver.poll() for receiver in stale]
         stats = new_rank.terminate()
         assert stats is not None
@@ -180,7 +187,7 @@ def test_zmq21_a_new_process_on_a_reused_port_drops_the_old_instances_frames() -
         for receiver in run.stale:
             assert _finish(receiver) == KVPoll.Failed
             assert isinstance(receiver.failure, WaitingTimeout)
-        assert run.manager.stats().completed == 0
+        assert run.manager.stats().completed == 1  # the sync request only
 
 
 def test_zmq21_control_untargeted_frames_are_delivered_and_acked() -> None:
@@ -195,7 +202,36 @@ def test_zmq21_control_untargeted_frames_are_delivered_and_acked() -> None:
         assert stats["metadata"] == 1 + len(STALE_ROOMS)
         assert stats["acks_sent"] == 1 + len(STALE_ROOMS)
         assert run.at_sync == [KVPoll.Success] * len(STALE_ROOMS)
-        assert run.manager.stats().completed == len(STALE_ROOMS)
+        assert run.manager.stats().completed == 1 + len(STALE_ROOMS)
+
+
+@pytest.mark.parametrize("targeted", [True, False], ids=["targeted", "untargeted-control"])
+def test_zmq21_trace_validation_joins_the_ranks_acks_with_the_completions(
+    tmp_path: Path, targeted: bool
+) -> None:
+    """NoStaleSuccess on real traces of both processes: the decode's (lifecycle and pool) and
+    the new rank's (one ``Ack`` event per ack). With targeted frames the trace is allowed: the
+    new rank acked only its own instance's request, which completed on Y's generation, and
+    nothing completed on X's. The
+    control's trace (the code before ZMQ-21: the model's ``ReusedPortAcks``) is rejected at a
+    completion acked by the new instance's process."""
+    decode_path, rank_path = tmp_path / "decode.ndjson", tmp_path / "rank.ndjson"
+    with (
+        trace.tracing(decode_path),
+        _reused_port_run(targeted=targeted, rank_trace=rank_path) as run,
+    ):
+        for receiver in run.stale:
+            _finish(receiver)
+    rank_events = read_trace(rank_path)
+    assert [e["action"] for e in rank_events] == ["Ack"] * (1 if targeted else 6)
+    report = validate(read_trace(decode_path) + rank_events)
+    if targeted:
+        assert report.ok, report.violation
+    else:
+        assert report.violation is not None
+        assert report.violation.rule == "NoStaleSuccess"
+        assert report.violation.event["action"] == "Complete"
+        assert report.violation.event["room"] in STALE_ROOMS
 
 
 def _finish(receiver: BootstrapReceiver) -> KVPoll:
@@ -283,3 +319,44 @@ def test_zmq13_a_rank_on_a_taken_port_fails_to_start_with_the_reason() -> None:
             assert f"cannot bind 127.0.0.1:{port}" in caught.value.stderr_tail
     finally:
         context.term()
+
+
+def _acked_trace(*acks: dict[str, object]) -> list[dict[str, object]]:
+    """A decode trace of one request on a generation of instance "X" (room 5), then acks."""
+    key = ["127.0.0.1:1", 0, 0]
+    decode: list[dict[str, object]] = [
+        {"seq": 0, "action": "Miss", "receiver": 1, "room": 5, "state": "fetching"},
+        {"seq": 1, "action": "FetchOk", "receiver": 1, "entries": [[key, 1]], "state": "fetched"},
+        {"seq": 2, "action": "RegisterOk", "receiver": 1, "entries": [[key, 1]]},
+        {"seq": 3, "action": "PoolPublish", "key": key, "generation": 1, "fresh": 1,
+         "instance": "X", "fresh_instance": "X"},
+        {"seq": 4, "action": "Publish", "receiver": 1, "entries": [[key, 1]], "state": "cached"},
+        {"seq": 5, "action": "SendOk", "receiver": 1, "entries": [[key, 1]], "state": "waiting"},
+        {"seq": 6, "action": "Complete", "receiver": 1, "room": 5, "entries": [[key, 1]],
+         "state": "done"},
+    ]  # fmt: skip
+    return decode + [{"seq": i, "action": "Ack", **ack} for i, ack in enumerate(acks)]
+
+
+def test_nostalesuccess_judges_only_acks_that_could_be_for_the_request(tmp_path: Path) -> None:
+    """The Ack join: an ack by the request's instance, an ack by a rank that knows no instance,
+    and an ack for another instance's request of the same room are allowed; an ack by another
+    instance for a message that named this one, or named none, is NoStaleSuccess."""
+    allowed = (
+        {"room": 5, "instance": "X", "target": "X"},
+        {"room": 5, "instance": None, "target": "Y"},
+        {"room": 5, "instance": "Y", "target": "Y"},  # another request that reused room 5
+        {"room": 6, "instance": "Y", "target": None},
+    )
+    assert validate(_acked_trace(*allowed)).ok
+    for stale in ({"instance": "Y", "target": "X"}, {"instance": "Y", "target": None}):
+        report = validate(_acked_trace({"room": 5, **stale}))
+        assert report.violation is not None and report.violation.rule == "NoStaleSuccess"
+        assert report.violation.event["action"] == "Complete"
+    # The command line takes the decode's trace and the ranks' traces as separate files.
+    events = _acked_trace({"room": 5, "instance": "Y", "target": None})
+    decode, rank = tmp_path / "decode.ndjson", tmp_path / "rank.ndjson"
+    decode.write_text("".join(json.dumps(e) + "\n" for e in events[:-1]))
+    rank.write_text(json.dumps(events[-1]) + "\n")
+    assert validate_main([str(decode)]) == 0
+    assert validate_main([str(decode), str(rank)]) == 1

@@ -243,6 +243,7 @@ class BootstrapReceiver:
             trace.emit(
                 event,
                 receiver=self.id,
+                room=self.room,  # joins a Complete with the prefill ranks' Ack events
                 entries=self.entries,
                 state=self.state,
             )

@@ -34,7 +34,9 @@ delays the acks of a live one (ACK-1; before, each ack to a dead decode blocked 
 ``--ack-send-timeout-ms`` (or pushed out of a full queue) is dropped and counted in
 ``ack_failures``.
 SIGTERM/SIGINT end it cleanly: sockets closed with LINGER=0, one ``STATS {json}`` line with
-the message counters on stdout, exit 0.
+the message counters on stdout, exit 0. ``--trace PATH`` writes one ``Ack`` event per ack
+(room, this rank's instance, the message's target instance) for trace validation
+(:mod:`statemachine.model.validate` joins them with the decode's ``Complete`` steps).
 
 :class:`PrefillRankProcess` runs it as a subprocess and can SIGKILL (a crash), terminate and
 restart it.
@@ -60,6 +62,7 @@ from typing import IO, Any
 
 import zmq
 
+from statemachine import trace
 from statemachine.backend import (
     ABORT_KIND,
     METADATA_KIND,
@@ -309,6 +312,15 @@ class _Rank:
                 if metadata.is_dummy:
                     return  # a dummy peer gets no transfer, so no ack
                 ack = ack_frames(metadata.room, self.args.tp_rank, self.args.pp_rank)
+                if trace.ENABLED:  # the model's Ack(r): this process finished r's transfer
+                    trace.emit(
+                        "Ack",
+                        room=metadata.room,
+                        instance=self.instance_id,
+                        target=metadata.instance_id,
+                        tp_rank=self.args.tp_rank,
+                        pp_rank=self.args.pp_rank,
+                    )
                 endpoint = (metadata.decode_ip, metadata.decode_port)
                 if self.args.ack_delay_ms <= 0:
                     self.send_ack(endpoint, ack)
@@ -453,6 +465,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="never bind this port (a restart passes its old one)",
     )
     parser.add_argument(
+        "--trace",
+        default=None,
+        help="write an NDJSON trace of the acks (one Ack event each) to this file",
+    )
+    parser.add_argument(
         "--port",
         type=int,
         default=0,
@@ -471,7 +488,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve(parse_args(sys.argv[1:] if argv is None else argv))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.trace is None:
+        return serve(args)
+    # Trace validation joins these Ack events with the decode's Complete steps (NoStaleSuccess).
+    with trace.tracing(args.trace):
+        return serve(args)
 
 
 # --- running it as a subprocess ---------------------------------------------------------------
