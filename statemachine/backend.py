@@ -279,11 +279,15 @@ class SimpleBackend:
             return ()
         encoded = self._ids.get(instance_id)
         if encoded is None:
-            encoded = encode_instance_id(instance_id)
-            if len(self._ids) >= _MAX_CACHED_IDS:
-                self._ids.clear()
-            self._ids[instance_id] = encoded
+            encoded = self._encode(instance_id)
         return (encoded,) if encoded else ()
+
+    def _encode(self, instance_id: str) -> bytes:
+        encoded = encode_instance_id(instance_id)
+        if len(self._ids) >= _MAX_CACHED_IDS:
+            self._ids.clear()
+        self._ids[instance_id] = encoded
+        return encoded
 
     def register_frames(self, rank: RankInfo, *, instance_id: str | None = None) -> list[bytes]:
         cache_key = (rank.pp_rank, rank.is_dummy, instance_id)
@@ -310,7 +314,7 @@ class SimpleBackend:
     def metadata_frames(
         self, rank: RankInfo, request: MetadataRequest, *, instance_id: str | None = None
     ) -> list[bytes]:
-        return [
+        frames = [
             METADATA_KIND,
             b"%d" % request.room,
             *self._session,
@@ -319,8 +323,14 @@ class SimpleBackend:
             b"%d" % request.aux_index,
             b"%d" % request.prefix_len,
             _FLAG[rank.is_dummy],
-            *self._target(instance_id),
         ]
+        if instance_id is not None:  # the hot path: one dict.get, no call (ZMQ-21)
+            encoded = self._ids.get(instance_id)
+            if encoded is None:
+                encoded = self._encode(instance_id)
+            if encoded:
+                frames.append(encoded)
+        return frames
 
     def abort_frames(
         self, rank: RankInfo, room: int, *, instance_id: str | None = None

@@ -59,10 +59,16 @@ def prefill() -> Iterator[tuple[BootstrapServer, list[PrefillRankProcess]]]:
 
 
 def register(
-    etcd: EtcdServer, prefix: str, addr: str, ranks: list[PrefillRankProcess]
+    etcd: EtcdServer, prefix: str, addr: str, ranks: list[PrefillRankProcess], instance_id: str
 ) -> EtcdRegistrar:
-    """What ``prefill.rank --discovery etcd`` does, for every rank of the instance at once."""
-    registrar = EtcdRegistrar(EtcdGateway([etcd.endpoint]), addr, prefix=prefix, ttl=10)
+    """What ``prefill.rank --discovery etcd`` does, for every rank of the instance at once.
+
+    Under ``instance_id``, the instance the rank processes know they belong to (they registered
+    with the bootstrap server, whose instance id they took): their frames name it (ZMQ-21).
+    """
+    registrar = EtcdRegistrar(
+        EtcdGateway([etcd.endpoint]), addr, prefix=prefix, ttl=10, instance_id=instance_id
+    )
     for rank in ranks:
         registrar.register(payload(rank.port, tp=rank.tp_rank, tp_size=TP))
     return registrar
@@ -103,7 +109,7 @@ def test_receiver_bootstraps_through_etcd_and_a_restart_is_retired_by_the_watch(
         waiting_timeout_s=5.0,
         health_interval_s=None,
     )
-    registrar = register(etcd, prefix, addr, ranks)
+    registrar = register(etcd, prefix, addr, ranks, server.instance_id)
     try:
         source.start()
         key = PoolKey(addr, 0, 0, 0)
@@ -119,9 +125,11 @@ def test_receiver_bootstraps_through_etcd_and_a_restart_is_retired_by_the_watch(
         registrar.close(revoke=False)  # a crash: the old lease is left to expire
         for rank in ranks:
             rank.kill()
+        server.stop()  # the whole prefill instance restarts: a new instance id (ZMQ-21)
+        server.start()
         for rank in ranks:
             rank.start(avoid_port=rank.port)
-        registrar = register(etcd, prefix, addr, ranks)
+        registrar = register(etcd, prefix, addr, ranks, server.instance_id)
         assert wait_until(lambda: pool.get(key) is not generation, BOUND)
         expected = {RouteReply("127.0.0.1", rank.port, registrar.instance_id) for rank in ranks}
         assert wait_until(lambda: visible(source, addr) == expected, BOUND)
