@@ -43,7 +43,7 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.decode.transport import ZmqTransport
-from statemachine.errors import WaitingTimeout
+from statemachine.errors import ConfigurationError, WaitingTimeout
 from statemachine.lifecycle import KVPoll
 from statemachine.model.validate import main as validate_main
 from statemachine.model.validate import read_trace, validate
@@ -360,3 +360,20 @@ def test_nostalesuccess_judges_only_acks_that_could_be_for_the_request(tmp_path:
     rank.write_text(json.dumps(events[-1]) + "\n")
     assert validate_main([str(decode)]) == 0
     assert validate_main([str(decode), str(rank)]) == 1
+
+
+class _BeforeZmq21(SimpleBackend):
+    """A custom backend written against the protocol before ZMQ-21 (no ``instance_id``)."""
+
+    def metadata_frames(self, rank: RankInfo, request: MetadataRequest) -> list[bytes]:  # type: ignore[override]
+        return super().metadata_frames(rank, request)
+
+
+def test_zmq21_a_backend_without_instance_id_is_a_configuration_error() -> None:
+    """Caught at construction, with what to change, not as a TypeError on the first send."""
+    with pytest.raises(ConfigurationError, match=r"metadata_frames\(\) must accept .*instance_id"):
+        DecodeManager(
+            backend=_BeforeZmq21(LOOPBACK, 5555, "s"),
+            completion="external",
+            health_interval_s=None,
+        )
