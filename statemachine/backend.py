@@ -9,14 +9,22 @@ message and sends them, nothing more.
 prefill rank process (:mod:`statemachine.prefill.rank`), the tests, the demo and the
 benchmarks. Every message is multipart; its first frame names the kind; integers are ASCII
 decimal; pointer and index lists are packed little-endian with :mod:`struct`. The layouts are
-specified in ``spec/zmq.md`` (ZMQ-9, ZMQ-10) and ``spec/manager.md`` (the dummy flag and the
-abort message, MGR-8/MGR-9), and parsed back, strictly, by :func:`parse_register`,
+specified in ``spec/zmq.md`` (ZMQ-9, ZMQ-10, ZMQ-21) and ``spec/manager.md`` (the dummy flag
+and the abort message, MGR-5/MGR-6), and parsed back, strictly, by :func:`parse_register`,
 :func:`parse_metadata` and :func:`parse_abort`, which raise :class:`MalformedFrames`.
 
 As in SGLang, *every* rank of a generation gets the register and metadata messages, dummy
 ranks included: the last frame says whether this decode rank is a dummy peer for that prefill
 rank, so the prefill rank knows how many decode peers to wait for and transfers (and acks) only
 to the non-dummy one.
+
+Every message may end with one more frame: the *target instance id*, the instance id of the
+generation the decode is sending to (``Generation.instance_id``: the bootstrap server's
+``X-Bootstrap-Instance-Id``, or the etcd registration's instance id). In queueing mode libzmq
+delivers frames queued for a dead rank's port to whatever process binds that port next; the
+target instance lets that process see the frames are not for it and drop them (ZMQ-21), instead
+of acking a transfer it never did. A generation without an instance id gives the layout without
+the frame, which is also what a decode from before this frame sends.
 """
 
 from __future__ import annotations
@@ -43,6 +51,12 @@ _UINT64_MAX = 2**64 - 1
 # Strict ASCII decimal: int() alone would also accept b" 7", b"+7" and b"1_000".
 _ASCII_INT = re.compile(rb"-?[0-9]{1,20}")
 _MAX_HOST_LEN = 253
+#: Longest target instance id a frame may carry (UTF-8 bytes). The bootstrap server's ids are 32
+#: hex chars and the etcd registrar's at most 128; the bound only keeps a hostile frame small.
+MAX_INSTANCE_ID_BYTES = 256
+# Encoded instance ids, so the hot path does not encode the same str per rank per request.
+# Instance ids change only on restarts; the cache is cleared past this size.
+_MAX_CACHED_IDS = 64
 
 
 class MalformedFrames(BootstrapError, ValueError):
@@ -129,17 +143,26 @@ def pack_indices(indices: Sequence[int] | Any) -> bytes:
 
 
 class KVBackend(Protocol):
-    """Builds the frames of the messages the bootstrap layer sends to a prefill rank."""
+    """Builds the frames of the messages the bootstrap layer sends to a prefill rank.
 
-    def register_frames(self, rank: RankInfo) -> list[bytes]:
+    ``instance_id`` is the instance id of the generation the message goes to (None when the
+    source gave none). The transport always passes it; a backend whose transfer engine has its
+    own way to reject a stale peer may ignore it.
+    """
+
+    def register_frames(self, rank: RankInfo, *, instance_id: str | None = None) -> list[bytes]:
         """KV args, sent once per new generation to every rank in it (dummy flagged)."""
         ...
 
-    def metadata_frames(self, rank: RankInfo, request: MetadataRequest) -> list[bytes]:
+    def metadata_frames(
+        self, rank: RankInfo, request: MetadataRequest, *, instance_id: str | None = None
+    ) -> list[bytes]:
         """Per-request metadata, sent once per rank (dummy flagged)."""
         ...
 
-    def abort_frames(self, rank: RankInfo, room: int) -> list[bytes]:
+    def abort_frames(
+        self, rank: RankInfo, room: int, *, instance_id: str | None = None
+    ) -> list[bytes]:
         """The room was aborted: the prefill rank may free its slot. Sent once per rank."""
         ...
 
@@ -158,6 +181,8 @@ class RegisterMessage:
     kv_ptrs: tuple[int, ...]
     aux_ptrs: tuple[int, ...]
     is_dummy: bool
+    #: the instance the frames are addressed to; None from a decode that names none
+    instance_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +198,8 @@ class MetadataMessage:
     aux_index: int
     prefix_len: int
     is_dummy: bool
+    #: the instance the frames are addressed to; None from a decode that names none
+    instance_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +209,12 @@ class AbortMessage:
     room: int
     session_id: str
     target_pp_rank: int
+    #: the instance the frames are addressed to; None from a decode that names none
+    instance_id: str | None = None
 
 
-# Frame counts, including the kind frame.
+# Frame counts, including the kind frame, without the optional target instance frame (ZMQ-21),
+# which makes each one frame longer.
 REGISTER_FRAMES = 11
 METADATA_FRAMES = 10
 ABORT_FRAMES = 4
@@ -193,11 +223,19 @@ ABORT_FRAMES = 4
 class SimpleBackend:
     """The reference layout. ``decode_ip``/``decode_port`` name the decode's ack endpoint.
 
-    Register frames are built once per target pp rank and reused (they only depend on the
-    rank's pp rank), so registering a new generation allocates nothing but the list.
+    Register frames are built once per (target pp rank, dummy flag, instance) and reused, so
+    registering a new generation allocates nothing but the list.
     """
 
-    __slots__ = ("_register_cache", "_session", "_tail", "decode_ip", "decode_port", "session_id")
+    __slots__ = (
+        "_ids",
+        "_register_cache",
+        "_session",
+        "_tail",
+        "decode_ip",
+        "decode_port",
+        "session_id",
+    )
 
     def __init__(
         self,
@@ -232,10 +270,27 @@ class SimpleBackend:
             _pack_u64(kv_ptrs),
             _pack_u64(aux_ptrs),
         )
-        self._register_cache: dict[tuple[int, bool], list[bytes]] = {}
+        self._register_cache: dict[tuple[int, bool, str | None], list[bytes]] = {}
+        self._ids: dict[str, bytes] = {}
 
-    def register_frames(self, rank: RankInfo) -> list[bytes]:
-        cache_key = (rank.pp_rank, rank.is_dummy)
+    def _target(self, instance_id: str | None) -> tuple[bytes, ...]:
+        """The optional last frame (ZMQ-21): ``()`` without a usable instance id."""
+        if instance_id is None:
+            return ()
+        encoded = self._ids.get(instance_id)
+        if encoded is None:
+            encoded = self._encode(instance_id)
+        return (encoded,) if encoded else ()
+
+    def _encode(self, instance_id: str) -> bytes:
+        encoded = encode_instance_id(instance_id)
+        if len(self._ids) >= _MAX_CACHED_IDS:
+            self._ids.clear()
+        self._ids[instance_id] = encoded
+        return encoded
+
+    def register_frames(self, rank: RankInfo, *, instance_id: str | None = None) -> list[bytes]:
+        cache_key = (rank.pp_rank, rank.is_dummy, instance_id)
         frames = self._register_cache.get(cache_key)
         if frames is None:
             tp_rank, tp_size, item_len, kv, aux = self._tail
@@ -249,12 +304,17 @@ class SimpleBackend:
                 kv,
                 aux,
                 _FLAG[rank.is_dummy],
+                *self._target(instance_id),
             ]
+            if len(self._register_cache) >= _MAX_CACHED_IDS:
+                self._register_cache.clear()  # bounded: instance ids change with restarts
             self._register_cache[cache_key] = frames
         return list(frames)  # a copy: the caller may hold on to it
 
-    def metadata_frames(self, rank: RankInfo, request: MetadataRequest) -> list[bytes]:
-        return [
+    def metadata_frames(
+        self, rank: RankInfo, request: MetadataRequest, *, instance_id: str | None = None
+    ) -> list[bytes]:
+        frames = [
             METADATA_KIND,
             b"%d" % request.room,
             *self._session,
@@ -264,10 +324,39 @@ class SimpleBackend:
             b"%d" % request.prefix_len,
             _FLAG[rank.is_dummy],
         ]
+        if instance_id is not None:  # the hot path: one dict.get, no call (ZMQ-21)
+            encoded = self._ids.get(instance_id)
+            if encoded is None:
+                encoded = self._encode(instance_id)
+            if encoded:
+                frames.append(encoded)
+        return frames
 
-    def abort_frames(self, rank: RankInfo, room: int) -> list[bytes]:
+    def abort_frames(
+        self, rank: RankInfo, room: int, *, instance_id: str | None = None
+    ) -> list[bytes]:
         _check_int("room", room, 0, _UINT64_MAX)
-        return [ABORT_KIND, b"%d" % room, self._session[2], b"%d" % rank.pp_rank]
+        return [
+            ABORT_KIND,
+            b"%d" % room,
+            self._session[2],
+            b"%d" % rank.pp_rank,
+            *self._target(instance_id),
+        ]
+
+
+def encode_instance_id(instance_id: str) -> bytes:
+    """The target-instance frame for ``instance_id`` (UTF-8), or ``b""`` if it cannot be one.
+
+    An id no frame can carry (empty, longer than :data:`MAX_INSTANCE_ID_BYTES`, not encodable)
+    comes from a source that gave no usable id: the message goes without the frame, as from a
+    decode that names no instance, rather than failing the request with an untyped error.
+    """
+    try:
+        encoded = instance_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return b""
+    return encoded if len(encoded) <= MAX_INSTANCE_ID_BYTES else b""
 
 
 # --- parsing (prefill side) -------------------------------------------------------------------
@@ -277,6 +366,7 @@ def parse_register(frames: Sequence[bytes]) -> RegisterMessage:
     """Parse a :class:`SimpleBackend` register message; :class:`MalformedFrames` if it is not."""
     kind = "register"
     _check_shape(frames, REGISTER_KIND, REGISTER_FRAMES, kind)
+    instance_id = _instance(frames, REGISTER_FRAMES, kind)
     decode_tp_size = _int(frames[5], kind, "decode_tp_size", 1, _INT32_MAX)
     return RegisterMessage(
         decode_ip=_host(frames[1], kind),
@@ -289,6 +379,7 @@ def parse_register(frames: Sequence[bytes]) -> RegisterMessage:
         kv_ptrs=_unpack(frames[8], "Q", 8, kind, "kv_ptrs"),
         aux_ptrs=_unpack(frames[9], "Q", 8, kind, "aux_ptrs"),
         is_dummy=_flag(frames[10], kind),
+        instance_id=instance_id,
     )
 
 
@@ -296,6 +387,7 @@ def parse_metadata(frames: Sequence[bytes]) -> MetadataMessage:
     """Parse a :class:`SimpleBackend` metadata message; :class:`MalformedFrames` if it is not."""
     kind = "metadata"
     _check_shape(frames, METADATA_KIND, METADATA_FRAMES, kind)
+    instance_id = _instance(frames, METADATA_FRAMES, kind)
     return MetadataMessage(
         room=_int(frames[1], kind, "room", 0, _UINT64_MAX),
         decode_ip=_host(frames[2], kind),
@@ -306,6 +398,7 @@ def parse_metadata(frames: Sequence[bytes]) -> MetadataMessage:
         aux_index=_int(frames[7], kind, "aux_index", 0, _INT32_MAX),
         prefix_len=_int(frames[8], kind, "prefix_len", 0, _INT32_MAX),
         is_dummy=_flag(frames[9], kind),
+        instance_id=instance_id,
     )
 
 
@@ -317,6 +410,7 @@ def parse_abort(frames: Sequence[bytes]) -> AbortMessage:
         room=_int(frames[1], kind, "room", 0, _UINT64_MAX),
         session_id=_text(frames[2], kind, "session_id"),
         target_pp_rank=_int(frames[3], kind, "target_pp_rank", 0, _INT32_MAX),
+        instance_id=_instance(frames, ABORT_FRAMES, kind),
     )
 
 
@@ -348,8 +442,11 @@ def _pack_u64(values: Sequence[int]) -> bytes:
 
 
 def _check_shape(frames: Sequence[bytes], kind_frame: bytes, count: int, kind: str) -> None:
-    if len(frames) != count:
-        raise MalformedFrames(f"{kind}: expected {count} frames, got {len(frames)}", kind=kind)
+    """``count`` frames, or ``count + 1`` with the target instance frame (ZMQ-21)."""
+    if len(frames) not in (count, count + 1):
+        raise MalformedFrames(
+            f"{kind}: expected {count} or {count + 1} frames, got {len(frames)}", kind=kind
+        )
     if frames[0] != kind_frame:
         raise MalformedFrames(f"{kind}: first frame is {bytes(frames[0])[:32]!r}", kind=kind)
 
@@ -361,6 +458,22 @@ def _int(frame: bytes, kind: str, name: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise MalformedFrames(f"{kind}: {name} {value} out of range", kind=kind)
     return value
+
+
+def _instance(frames: Sequence[bytes], count: int, kind: str) -> str | None:
+    """The target instance id of a message with the optional last frame, else None."""
+    if len(frames) == count:
+        return None
+    frame = bytes(frames[count])
+    if not frame or len(frame) > MAX_INSTANCE_ID_BYTES:
+        raise MalformedFrames(
+            f"{kind}: target instance id of {len(frame)} bytes (1-{MAX_INSTANCE_ID_BYTES})",
+            kind=kind,
+        )
+    try:
+        return frame.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MalformedFrames(f"{kind}: target instance id is not UTF-8", kind=kind) from None
 
 
 def _flag(frame: bytes, kind: str) -> bool:

@@ -294,11 +294,11 @@ class BarrierBackend(SimpleBackend):
     __slots__ = ("_barrier",)
     _waited = threading.local()
 
-    def register_frames(self, rank: RankInfo) -> list[bytes]:
+    def register_frames(self, rank: RankInfo, *, instance_id: str | None = None) -> list[bytes]:
         if not getattr(self._waited, "done", False):
             self._waited.done = True
             self._barrier.wait(timeout=POLL_LIMIT_S)
-        return super().register_frames(rank)
+        return super().register_frames(rank, instance_id=instance_id)
 
 
 def test_racing_misses_publish_one_generation_and_the_loser_adopts(prefill: Prefill) -> None:

@@ -368,7 +368,10 @@ def test_zmq9_register_frames_are_stable_copies() -> None:
     "mutate",
     [
         lambda f: f[:-1],
-        lambda f: [*f, b"extra"],
+        lambda f: [*f, b"instance", b"extra"],  # ZMQ-21: one optional frame, not two
+        lambda f: [*f, b""],  # an empty target instance
+        lambda f: [*f, b"i" * 257],  # a target instance longer than MAX_INSTANCE_ID_BYTES
+        lambda f: [*f, b"\xff\xfe"],  # a target instance not UTF-8
         lambda f: [b"metadatum", *f[1:]],
         lambda f: [f[0], b" 7", *f[2:]],  # int() would accept these; the parser must not
         lambda f: [f[0], b"+7", *f[2:]],

@@ -3,8 +3,9 @@
 In SGLang the decode learns that a transfer finished from its transfer backend; the reference
 prefill rank process (:mod:`statemachine.prefill.rank`) stands in for that with a small ack
 message ``[b"ack", room, tp_rank, pp_rank]`` (ASCII integers, ZMQ-11) pushed to the ack
-endpoint named in the metadata. :class:`AckListener` binds a ``PULL`` socket on an ephemeral
-port and, on a daemon thread, counts acks per room: ``expect(room, n_acks, callback)`` fires
+endpoint named in the metadata. :class:`AckListener` listens on an ephemeral port as a
+``PULL`` peer (a ``ZMQ_STREAM`` socket, see ACK-2 below) and, on a daemon thread, counts acks
+per room: ``expect(room, n_acks, callback)`` fires
 ``callback(room)`` once, when acks from ``n_acks`` *distinct* ranks arrived (a rank that acks
 twice counts once). Acks for rooms nobody expects are counted and dropped, so memory is bounded
 by the rooms currently expected (ZMQ-12).

@@ -519,7 +519,10 @@ class DecodeManager:
                     continue
                 # A failed send means the rank is gone: nothing left to free there.
                 with contextlib.suppress(SendFailed):
-                    self.transport.send(endpoint, self.backend.abort_frames(rank, receiver.room))
+                    frames = self.backend.abort_frames(
+                        rank, receiver.room, instance_id=generation.instance_id
+                    )
+                    self.transport.send(endpoint, frames)
 
     # --- generations and their sockets -----------------------------------------------------
 

@@ -18,6 +18,7 @@ turned into ``PeerLost`` by ``init``/``send_metadata``/``poll``). So no lock per
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -105,6 +106,19 @@ class Decode:
         )
 
 
+def _takes_instance_id(function: object) -> bool:
+    """Whether ``function`` accepts ``instance_id=`` (a signature it cannot show is trusted)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "instance_id" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in parameters
+    )
+
+
 def check_parts(
     *,
     pool: object,
@@ -129,10 +143,18 @@ def check_parts(
             f"transport must be a ZmqTransport, not {type(transport).__name__}"
         )
     for method in ("register_frames", "metadata_frames", "abort_frames"):
-        if not callable(getattr(backend, method, None)):
+        function = getattr(backend, method, None)
+        if not callable(function):
             raise ConfigurationError(
                 f"backend must be a KVBackend with {method}() (e.g. SimpleBackend), "
                 f"not {type(backend).__name__}"
+            )
+        if not _takes_instance_id(function):
+            # Checked here, once: otherwise the first send would raise an untyped TypeError.
+            raise ConfigurationError(
+                f"{type(backend).__name__}.{method}() must accept the keyword argument "
+                "instance_id (the target instance, spec/zmq.md ZMQ-21); a backend that has no "
+                "use for it may ignore it"
             )
     if (
         isinstance(waiting_timeout_s, bool)
@@ -243,6 +265,7 @@ class BootstrapReceiver:
             trace.emit(
                 event,
                 receiver=self.id,
+                room=self.room,  # joins a Complete with the prefill ranks' Ack events
                 entries=self.entries,
                 state=self.state,
             )

@@ -320,16 +320,22 @@ class ZmqTransport:
         Dummy ranks get the message too (the backend's frames carry the flag), so a prefill
         rank knows how many decode peers to expect, as SGLang does (ZMQ-14). Stops at the first
         failure (its :class:`SendFailed` propagates): the caller invalidates the generation.
+        The frames name the generation's instance (ZMQ-21), so a process that binds a dead
+        rank's port later drops what was queued for the old one.
         """
+        instance_id = generation.instance_id
         for rank in generation.ranks:
-            self.send((rank.ip, rank.port), backend.register_frames(rank))
+            self.send((rank.ip, rank.port), backend.register_frames(rank, instance_id=instance_id))
 
     def send_metadata(
         self, generation: Generation, backend: KVBackend, request: MetadataRequest
     ) -> None:
-        """Send one metadata message to every rank of ``generation``, dummy ranks included."""
+        """Send one metadata message to every rank of ``generation``, dummy ranks included,
+        addressed to the generation's instance (ZMQ-21)."""
+        instance_id = generation.instance_id
         for rank in generation.ranks:
-            self.send((rank.ip, rank.port), backend.metadata_frames(rank, request))
+            frames = backend.metadata_frames(rank, request, instance_id=instance_id)
+            self.send((rank.ip, rank.port), frames)
 
     def _send_blocking(self, entry: _Entry, frames: Sequence[bytes]) -> None:
         """``monitor=False``: a blocking send; any failure closes and evicts (ZMQ-6)."""

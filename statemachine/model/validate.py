@@ -18,7 +18,16 @@ implementation can observe, and reports the first event the model does not allow
 * a receiver reaching ``cached`` by ``Hit`` or ``Publish`` holds generations that were published
   under those keys (``AdoptionCorrect``); ``FetchOk`` generations are new objects;
 * an ``Invalidate`` step is preceded by a ``PoolInvalidate`` of exactly that receiver's recorded
-  entries; ``Abort`` invalidates nothing.
+  entries; ``Abort`` invalidates nothing;
+* ``NoStaleSuccess`` across processes: the reference prefill rank's trace (``--trace``) has one
+  ``Ack`` event per ack (``room``, the acking rank's ``instance``, the message's ``target``
+  instance or null). Given those events with the decode's, a receiver's ``Complete`` (its
+  ``room``) with generations of instance ``I`` must not be preceded by an ack for that room from
+  a process of another instance that could be for it (``target`` ``I`` or null): that is a
+  transfer acked by a process of another epoch than the one whose ports the request used (the
+  model's ``Ack(r)`` guard ``Live(r)``; the ``ReusedPortAcks`` variant). The check runs once all
+  events are read, since two processes' ``seq`` numbers do not interleave; acks of a rank that
+  knows no instance, and generations whose instance no ``PoolPublish`` named, are not judged.
 
 Events are replayed in ``seq`` order. ``BootstrapPool`` takes a pool event's ``seq`` under its
 lock and writes the line after releasing it (POOL-7), so ``seq`` order is the order the lock
@@ -60,6 +69,8 @@ UNKNOWN = _Unknown()
 POOL_EVENTS = frozenset(
     {"PoolPublish", "PoolInvalidate", "PoolInvalidateAddress", "PoolRetireInstance"}
 )
+#: written by the reference prefill rank (``prefill/rank.py --trace``), not by the decode
+ACK_EVENT = "Ack"
 
 
 @dataclass
@@ -146,6 +157,13 @@ class Validator:
         self.pending_invalidations: list[dict[Key, Token]] = []
         #: the instance id of each generation, where PoolPublish named it
         self.instance_of: dict[Token, str | None] = {}
+        #: prefill-side acks by room: (acking instance, target instance) pairs
+        self.acks: dict[int, list[tuple[str, str | None]]] = {}
+        #: receivers' Complete steps: (index, event, room, generation tokens), judged at the end
+        self.completions: list[tuple[int, Mapping[str, Any], int, list[Token]]] = []
+        #: position and event being replayed (finish(): the completion it rejects)
+        self.index = 0
+        self.at: Mapping[str, Any] = {}
 
     # --- pool events ------------------------------------------------------------------------
 
@@ -270,6 +288,35 @@ class Validator:
                 "ExactNodeFailure", f"retirement of instance {instance!r} left {kept} behind"
             )
 
+    # --- acks (NoStaleSuccess) ----------------------------------------------------------------
+
+    def _ack(self, event: Mapping[str, Any]) -> None:
+        room = _count(event, "room")
+        instance, target = event.get("instance"), event.get("target")
+        for name, value in (("instance", instance), ("target", target)):
+            if value is not None and not isinstance(value, str):
+                raise TraceFormatError(f"Ack {name} must be a string or null")
+        if instance is not None:  # a rank that knows no instance cannot be judged
+            self.acks.setdefault(room, []).append((instance, target))
+
+    def finish(self) -> None:
+        """The checks that need every process's events: raise on a completion acked by a
+        process of another instance than its generations'."""
+        for index, event, room, tokens in self.completions:
+            instances = {i for t in tokens if (i := self.instance_of.get(t)) is not None}
+            if not instances:
+                continue
+            for acking, target in self.acks.get(room, ()):
+                if acking not in instances and (target is None or target in instances):
+                    self.index, self.at = index, event
+                    raise _Violated(
+                        "NoStaleSuccess",
+                        f"receiver {event.get('receiver')} completed room {room} on generations "
+                        f"of instance {sorted(instances)}, acked by a process of instance "
+                        f"{acking!r} (message target {target!r}): a transfer acked by another "
+                        "epoch than the one whose ports the request used",
+                    )
+
     # --- receiver events --------------------------------------------------------------------
 
     def _receiver(self, event: Mapping[str, Any]) -> None:
@@ -324,6 +371,10 @@ class Validator:
                     f"recorded entries {sorted(recorded.values())}",
                 )
             del self.pending_invalidations[match]
+        if action == "Complete" and "room" in event:
+            self.completions.append(
+                (self.index, event, _count(event, "room"), list(entries.values()))
+            )
         self.seen_tokens.update(entries.values())
         receiver.state = after
         receiver.entries = {} if action in ("Invalidate", "NewRequest") else entries
@@ -342,6 +393,8 @@ class Validator:
             self._address(event, retire=True)
         elif action in EVENTS:
             self._receiver(event)
+        elif action == ACK_EVENT:
+            self._ack(event)
         else:
             raise _Violated("model", f"unknown action {action!r}")
 
@@ -357,10 +410,17 @@ def validate(events: Iterable[Mapping[str, Any]]) -> Report:
         count = index + 1
         if not isinstance(event, Mapping):
             raise TraceFormatError(f"event {index} is not a JSON object")
+        validator.index = index
         try:
             validator.step(event)
         except _Violated as violated:
             return Report(count, Violation(index, event, violated.rule, violated.reason))
+    try:
+        validator.finish()
+    except _Violated as violated:
+        return Report(
+            count, Violation(validator.index, validator.at, violated.rule, violated.reason)
+        )
     return Report(count)
 
 
@@ -386,13 +446,18 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
 def main(argv: list[str]) -> int:
     """``python -m statemachine.model.validate TRACE``: exit 0 valid, 1 violation, 2 bad input."""
     parser = argparse.ArgumentParser(prog="python -m statemachine.model.validate")
-    parser.add_argument("trace", help="an NDJSON trace written by statemachine.trace.tracing")
+    parser.add_argument(
+        "trace",
+        nargs="+",
+        help="NDJSON traces written by statemachine.trace.tracing: the decode's, then any "
+        "prefill ranks' (prefill/rank.py --trace), each in its own seq order",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        report = validate(read_trace(args.trace))
+        report = validate([event for path in args.trace for event in read_trace(path)])
     except TraceFormatError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

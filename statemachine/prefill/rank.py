@@ -2,13 +2,14 @@
 
 ``python -m statemachine.prefill.rank --bootstrap 127.0.0.1:PORT --token T --tp-rank 0
 --tp-size 2 [--pp-rank 0 --pp-size 1 --dp-rank 0 --dp-size 1 --cp-rank 0 --cp-size 1]
-[--ack-delay-ms 0]``
+[--ack-delay-ms 0] [--port N]``
 
 Like an SGLang prefill rank it binds one ``PULL`` socket on an ephemeral port of 127.0.0.1 (its
-``rank_port``: a restart gets a new one), registers it with the bootstrap server by
-``PUT /route`` (:func:`statemachine.decode.client.register_rank`, SGLang's retry policy), then
-prints ``READY <port>`` and serves the :class:`~statemachine.backend.SimpleBackend` messages
-(ZMQ-13):
+``rank_port``: a restart gets a new one; ``--port`` binds a given one instead, as a new process
+that happens to get a dead rank's port number does), registers it with the bootstrap server by
+``PUT /route`` (:func:`statemachine.decode.client.register_rank`, SGLang's retry policy), keeps
+the instance id of the server's reply as its own, then prints ``READY <port>`` and serves the
+:class:`~statemachine.backend.SimpleBackend` messages (ZMQ-13):
 
 * *register*: remember the decode session (by session id; bounded, oldest forgotten first);
 * *metadata*: after ``--ack-delay-ms``, PUSH ``[b"ack", room, tp_rank, pp_rank]`` to the ack
@@ -18,6 +19,13 @@ prints ``READY <port>`` and serves the :class:`~statemachine.backend.SimpleBacke
   acked: a dummy decode peer only tells the rank it exists; the KV goes to the non-dummy one;
 * *abort*: the decode gave up on the room: its ack still waiting in the heap is dropped.
 
+A message whose target instance frame names another instance than this rank's is dropped and
+counted in ``stale_instance``, before anything else is looked at (ZMQ-21): in queueing mode
+libzmq delivers frames queued for a dead rank's port to a new process on that port, which would
+otherwise register the old decode session from the queued register frame and ack a transfer it
+never did. A message without the frame (a decode that names no instance), or any message while
+the rank knows no instance id of its own (the server sent none), is served as before.
+
 Delayed acks wait in a heap, so a slow prefill still receives and counts messages on time.
 Acks leave through :class:`AckSender`: one queue and one non-blocking ``PUSH`` socket per
 decode peer, flushed when the poller says the socket is writable, so a dead decode never
@@ -26,7 +34,9 @@ delays the acks of a live one (ACK-1; before, each ack to a dead decode blocked 
 ``--ack-send-timeout-ms`` (or pushed out of a full queue) is dropped and counted in
 ``ack_failures``.
 SIGTERM/SIGINT end it cleanly: sockets closed with LINGER=0, one ``STATS {json}`` line with
-the message counters on stdout, exit 0.
+the message counters on stdout, exit 0. ``--trace PATH`` writes one ``Ack`` event per ack
+(room, this rank's instance, the message's target instance) for trace validation
+(:mod:`statemachine.model.validate` joins them with the decode's ``Complete`` steps).
 
 :class:`PrefillRankProcess` runs it as a subprocess and can SIGKILL (a crash), terminate and
 restart it.
@@ -52,6 +62,7 @@ from typing import IO, Any
 
 import zmq
 
+from statemachine import trace
 from statemachine.backend import (
     ABORT_KIND,
     METADATA_KIND,
@@ -84,6 +95,7 @@ COUNTERS = (
     "malformed",
     "unregistered",
     "misaddressed",
+    "stale_instance",
 )
 
 
@@ -244,12 +256,25 @@ def build_payload(args: argparse.Namespace, port: int) -> dict[str, Any]:
 class _Rank:
     """The serving loop's state. One thread: sockets are never shared."""
 
-    def __init__(self, args: argparse.Namespace, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        context: zmq.Context[zmq.Socket[bytes]],
+        instance_id: str | None = None,
+    ) -> None:
         self.args = args
+        #: the instance this rank belongs to (the bootstrap server's instance id, set from its
+        #: reply to PUT /route; an etcd registrar's instance id with etcd discovery). Messages
+        #: addressed to another instance are dropped (ZMQ-21); None: serve every message.
+        self.instance_id = instance_id
         self.pull = context.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        self.port = self.pull.bind_to_random_port(f"tcp://{args.host}")
-        if self.port == args.avoid_port:
+        if args.port:
+            self.pull.bind(f"tcp://{args.host}:{args.port}")
+            self.port = args.port
+        else:
+            self.port = self.pull.bind_to_random_port(f"tcp://{args.host}")
+        if self.port == args.avoid_port and not args.port:
             # A restart must get a new port even if the random pick repeats the old one.
             old = self.port
             self.port = self.pull.bind_to_random_port(f"tcp://{args.host}")
@@ -265,6 +290,8 @@ class _Rank:
         try:
             if kind == REGISTER_KIND:
                 register = parse_register(frames)
+                if self.stale(register.instance_id):
+                    return
                 if register.target_pp_rank != self.args.pp_rank:
                     self.counts["misaddressed"] += 1
                     return
@@ -275,6 +302,8 @@ class _Rank:
                     del self.sessions[next(iter(self.sessions))]
             elif kind == METADATA_KIND:
                 metadata = parse_metadata(frames)
+                if self.stale(metadata.instance_id):
+                    return
                 if metadata.target_pp_rank != self.args.pp_rank:
                     self.counts["misaddressed"] += 1
                     return
@@ -285,6 +314,15 @@ class _Rank:
                 if metadata.is_dummy:
                     return  # a dummy peer gets no transfer, so no ack
                 ack = ack_frames(metadata.room, self.args.tp_rank, self.args.pp_rank)
+                if trace.ENABLED:  # the model's Ack(r): this process finished r's transfer
+                    trace.emit(
+                        "Ack",
+                        room=metadata.room,
+                        instance=self.instance_id,
+                        target=metadata.instance_id,
+                        tp_rank=self.args.tp_rank,
+                        pp_rank=self.args.pp_rank,
+                    )
                 endpoint = (metadata.decode_ip, metadata.decode_port)
                 if self.args.ack_delay_ms <= 0:
                     self.send_ack(endpoint, ack)
@@ -293,13 +331,23 @@ class _Rank:
                     due = time.monotonic() + self.args.ack_delay_ms / 1000.0
                     heapq.heappush(self.due, (due, self.seq, endpoint, ack))
             elif kind == ABORT_KIND:
-                room = parse_abort(frames).room
+                abort = parse_abort(frames)
+                if self.stale(abort.instance_id):
+                    return
+                room = abort.room
                 self.due = [item for item in self.due if item[3][1] != b"%d" % room]
                 heapq.heapify(self.due)
             else:
                 self.counts["malformed"] += 1
         except MalformedFrames:
             self.counts["malformed"] += 1
+
+    def stale(self, target: str | None) -> bool:
+        """True (and counted) if a message names an instance other than this rank's."""
+        if target is None or self.instance_id is None or target == self.instance_id:
+            return False
+        self.counts["stale_instance"] += 1
+        return True
 
     def send_ack(self, endpoint: Endpoint, frames: list[bytes]) -> None:
         self.acks.send(endpoint, frames)  # counts acks_sent / ack_failures itself
@@ -336,10 +384,20 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    rank = _Rank(args, context)
+    try:
+        rank = _Rank(args, context)
+    except zmq.ZMQError as exc:  # --port already taken, or --host not an address of ours
+        print(f"prefill_rank: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        context.destroy(linger=0)
+        signal.set_wakeup_fd(-1)
+        wake_rx.close()
+        wake_tx.close()
+        return 1
     registrar: EtcdRegistrar | None = None
     try:
         try:
+            # Messages wait in the PULL socket until the loop below: none is judged before the
+            # rank knows its instance.
             if args.discovery == "etcd":
                 # Under a lease kept alive on the registrar's thread (docs/etcd.md).
                 registrar = registrar_for(
@@ -350,8 +408,10 @@ def serve(args: argparse.Namespace) -> int:
                     instance_id=args.instance_id,
                 )
                 registrar.register(build_payload(args, rank.port))
+                # Decodes address frames to the instance they found in etcd (ZMQ-21).
+                rank.instance_id = registrar.instance_id
             else:
-                register_rank(
+                rank.instance_id = register_rank(
                     args.bootstrap,
                     args.token,
                     build_payload(args, rank.port),
@@ -444,6 +504,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=0,
         help="never bind this port (a restart passes its old one)",
     )
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="write an NDJSON trace of the acks (one Ack event each) to this file",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="bind exactly this port (default: an ephemeral one)",
+    )
     args = parser.parse_args(list(argv))
     for name in ("tp", "pp", "dp", "cp"):
         size, rank = getattr(args, f"{name}_size"), getattr(args, f"{name}_rank")
@@ -451,13 +522,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--{name}-rank {rank} must be in [0, --{name}-size {size})")
     if args.discovery == "http" and not args.token:
         parser.error("--token is required with --discovery http")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port} must be in [0, 65535] (0: an ephemeral port)")
     if args.ack_delay_ms < 0 or args.ack_send_timeout_ms < 1:
         parser.error("--ack-delay-ms must be >= 0 and --ack-send-timeout-ms >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve(parse_args(sys.argv[1:] if argv is None else argv))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.trace is None:
+        return serve(args)
+    # Trace validation joins these Ack events with the decode's Complete steps (NoStaleSuccess).
+    with trace.tracing(args.trace):
+        return serve(args)
 
 
 # --- running it as a subprocess ---------------------------------------------------------------
@@ -519,7 +597,9 @@ class PrefillRankProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, *, avoid_port: int = 0) -> int:
+    def start(self, *, avoid_port: int = 0, port: int = 0) -> int:
+        """Start the child (on ``port`` if given, else an ephemeral one other than
+        ``avoid_port``) and return its port once it is READY."""
         if self.alive():
             raise RuntimeError("prefill rank already running")
         # The token travels in argv: acceptable for a loopback test process, not for production.
@@ -527,6 +607,8 @@ class PrefillRankProcess:
         argv += self._args
         if avoid_port:
             argv += ["--avoid-port", str(avoid_port)]
+        if port:
+            argv += ["--port", str(port)]
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
         )
