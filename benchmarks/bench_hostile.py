@@ -34,10 +34,9 @@ from http_support import TrickleServer
 
 from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient, register_rank, route_payload
-from statemachine.decode.receiver import BootstrapReceiver, Decode
+from statemachine.decode.manager import DecodeManager
 from statemachine.decode.transport import ZmqTransport
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import BootstrapPool
 
 TOKEN = "bench-hostile-token"
 
@@ -51,17 +50,18 @@ def bench_trickle(deadline: float, repeats: int, baseline_cap: float) -> None:
     print(f"\n-- init() against a server trickling 1 byte/s (deadline {deadline:g} s)")
     client = BootstrapClient(deadline=deadline)
     transport = ZmqTransport()
-    decode = Decode(
-        pool=BootstrapPool(),
-        client=client,
+    manager = DecodeManager(
+        source=client,
         transport=transport,
         backend=SimpleBackend("127.0.0.1", 9, "bench-hostile"),
+        completion="external",
+        health_interval_s=None,
     )
     overshoot: list[float] = []
     try:
         with TrickleServer(interval=1.0, phase="headers", max_seconds=baseline_cap) as srv:
             for room in range(repeats):
-                receiver = BootstrapReceiver(decode, srv.address, room)
+                receiver = manager.receiver(srv.address, room)
                 start = time.monotonic()
                 assert receiver.init(prefill_dp_rank=0) is KVPoll.Failed
                 overshoot.append((time.monotonic() - start - deadline) * 1000.0)
@@ -75,6 +75,7 @@ def bench_trickle(deadline: float, repeats: int, baseline_cap: float) -> None:
                 ).raw.read(decode_content=False, amt=1 << 20)
             baseline = time.monotonic() - start
     finally:
+        manager.close()
         transport.close()
         client.close()
     ours = deadline + statistics.median(overshoot) / 1000.0
