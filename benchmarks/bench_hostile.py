@@ -34,8 +34,8 @@ from http_support import TrickleServer
 
 from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver, Decode
-from statemachine.decode.transport import ZmqTransport
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool
 
