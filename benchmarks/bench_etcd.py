@@ -436,7 +436,7 @@ def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, di
     else:
         transport = None
         if kind == "etcd-nomon":  # only the watch can find the restart
-            from statemachine.decode.transport import ZmqTransport
+            from statemachine.decode.ranks.transport import ZmqTransport
 
             transport = ZmqTransport(monitor=False, send_timeout_ms=500)
         manager = DecodeManager.with_etcd(

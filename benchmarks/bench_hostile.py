@@ -35,7 +35,7 @@ from http_support import TrickleServer
 from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient, register_rank, route_payload
 from statemachine.decode.manager import DecodeManager
-from statemachine.decode.transport import ZmqTransport
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.lifecycle import KVPoll
 
 TOKEN = "bench-hostile-token"

@@ -41,7 +41,7 @@ import time
 import zmq
 
 from benchmarks.zmq_peer import LOOPBACK, PeerProcess, fd_count
-from statemachine.decode.transport import ZmqTransport
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import SendFailed
 
 MODES = ("sglang", "previous", "ours")

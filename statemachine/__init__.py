@@ -7,10 +7,10 @@ The pieces, one module each:
 * :mod:`statemachine.pool` - the shared, identity-safe bootstrap-info pool;
 * :mod:`statemachine.decode.client` - the pooled HTTP client for a prefill's bootstrap server;
 * :mod:`statemachine.prefill.server` - the reference bootstrap server (needs the ``server`` extra);
-* :mod:`statemachine.decode.transport` and :mod:`statemachine.backend` - ZMQ sends and
+* :mod:`statemachine.decode.ranks.transport` and :mod:`statemachine.backend` - ZMQ sends and
   frame layouts;
 * :mod:`statemachine.decode.receiver` - ``BootstrapReceiver``, one per request;
-* :mod:`statemachine.decode.acks` and :mod:`statemachine.decode.health` - the completion
+* :mod:`statemachine.decode.ranks.acks` and :mod:`statemachine.decode.health` - the completion
   listener and the heartbeat.
 
 Every name in ``__all__`` imports from here. The import name is shared with the unrelated
@@ -55,13 +55,13 @@ from statemachine.validation import InvalidArgument, RouteReply, Topology
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from statemachine.decode.acks import AckListener
     from statemachine.decode.client import BootstrapClient
     from statemachine.decode.health import HealthMonitor
     from statemachine.decode.manager import DecodeManager
     from statemachine.decode.plan import DecodeLayout, RankPlan
+    from statemachine.decode.ranks.acks import AckListener
+    from statemachine.decode.ranks.transport import ZmqTransport
     from statemachine.decode.receiver import BootstrapReceiver, Decode
-    from statemachine.decode.transport import ZmqTransport
     from statemachine.prefill.server import BootstrapServer
 
 # The runtime parts are imported on first use: the server needs aiohttp (an optional extra: its
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 # and requests out of `import statemachine` lets the pure cores (lifecycle, pool) load alone —
 # CrossHair's importer, for one, cannot load pyzmq's compiled backend.
 _LAZY = {
-    "AckListener": "statemachine.decode.acks",
+    "AckListener": "statemachine.decode.ranks.acks",
     "BootstrapClient": "statemachine.decode.client",
     "BootstrapReceiver": "statemachine.decode.receiver",
     "BootstrapServer": "statemachine.prefill.server",
@@ -78,7 +78,7 @@ _LAZY = {
     "DecodeManager": "statemachine.decode.manager",
     "HealthMonitor": "statemachine.decode.health",
     "RankPlan": "statemachine.decode.plan",
-    "ZmqTransport": "statemachine.decode.transport",
+    "ZmqTransport": "statemachine.decode.ranks.transport",
 }
 
 

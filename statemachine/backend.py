@@ -2,7 +2,7 @@
 
 The bootstrap layer only carries frames; their layout belongs to the transfer backend
 (Mooncake, NIXL and MORI each have their own). :class:`KVBackend` is the seam:
-:class:`~statemachine.decode.transport.ZmqTransport` asks a backend for the frames of each
+:class:`~statemachine.decode.ranks.transport.ZmqTransport` asks a backend for the frames of each
 message and sends them, nothing more.
 
 :class:`SimpleBackend` is a small reference layout in SGLang's style, used by the reference

@@ -238,7 +238,7 @@ _RSS_SENDER = (
 _RSS_SCRIPT = r"""
 import json, subprocess, sys, time
 import zmq
-from statemachine.decode.acks import AckListener
+from statemachine.decode.ranks.acks import AckListener
 
 def rss_mb():
     with open("/proc/self/status") as f:

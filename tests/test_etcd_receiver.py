@@ -23,8 +23,8 @@ import pytest
 from statemachine import lifecycle as life
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
-from statemachine.decode.transport import ZmqTransport
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.errors import NotReady, PeerLost, RankRetired
 from statemachine.lifecycle import KVPoll

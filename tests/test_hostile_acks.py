@@ -16,7 +16,7 @@ from attack_support import rss_after_one_message
 from http_support import wait_until
 from zmq_support import AckRecorder
 
-from statemachine.decode.acks import AckListener, ack_frames
+from statemachine.decode.ranks.acks import AckListener, ack_frames
 from statemachine.validation import InvalidArgument
 
 
@@ -175,7 +175,7 @@ def test_ack2_idle_connections_cannot_lock_senders_out() -> None:
 def test_ack2_silent_connection_is_cut_after_the_handshake_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("statemachine.decode.acks.HANDSHAKE_TIMEOUT", 0.3)
+    monkeypatch.setattr("statemachine.decode.ranks.acks.HANDSHAKE_TIMEOUT", 0.3)
     with (
         AckListener() as acks,
         socket.create_connection(("127.0.0.1", acks.port), timeout=5) as raw,

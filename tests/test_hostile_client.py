@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.manager import DecodeManager
-from statemachine.decode.transport import ZmqTransport
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import (
     MalformedReply,
     NotFound,

@@ -13,8 +13,8 @@ import pytest
 from zmq_support import LOOPBACK, AckRecorder
 
 from statemachine.backend import MetadataRequest, SimpleBackend
-from statemachine.decode.acks import AckListener
-from statemachine.decode.transport import ZmqTransport
+from statemachine.decode.ranks.acks import AckListener
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.pool import Generation, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess, PrefillRankStartFailed
 from statemachine.prefill.server import BootstrapServer

@@ -6,7 +6,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statemachine.decode.liveness import ALIVE, DEAD, EVENTS, Liveness
+from statemachine.decode.ranks.liveness import ALIVE, DEAD, EVENTS, Liveness
 
 HANDSHAKE = zmq.EVENT_HANDSHAKE_SUCCEEDED
 DISCONNECTED = zmq.EVENT_DISCONNECTED

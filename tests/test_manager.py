@@ -33,8 +33,8 @@ from statemachine.backend import MetadataRequest, SimpleBackend, parse_metadata
 from statemachine.decode.client import BootstrapClient, register_rank, route_payload
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver, Decode
-from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import (
     Aborted,
     BootstrapError,

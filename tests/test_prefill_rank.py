@@ -12,9 +12,9 @@ import pytest
 from zmq_support import LOOPBACK, AckRecorder
 
 from statemachine.backend import MetadataRequest, SimpleBackend
-from statemachine.decode.acks import AckListener
 from statemachine.decode.client import BootstrapClient
-from statemachine.decode.transport import ZmqTransport
+from statemachine.decode.ranks.acks import AckListener
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import SendFailed
 from statemachine.pool import Generation, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess, PrefillRankStartFailed, parse_args

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 
 from statemachine import lifecycle as life
 from statemachine.backend import SimpleBackend
-from statemachine.decode.acks import AckListener
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
+from statemachine.decode.ranks.acks import AckListener
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver, RankPlan
-from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import (
     Aborted,
     InvalidTransition,

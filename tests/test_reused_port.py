@@ -41,8 +41,8 @@ from statemachine.backend import (
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
-from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import ConfigurationError, WaitingTimeout
 from statemachine.lifecycle import KVPoll
 from statemachine.model.validate import main as validate_main

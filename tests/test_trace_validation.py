@@ -19,8 +19,8 @@ from test_receiver import PLAN, DecodeSide, Prefill, make_decode, start_prefill,
 from statemachine import lifecycle as life
 from statemachine import pool as pool_module
 from statemachine import trace
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
-from statemachine.decode.transport import ZmqTransport
 from statemachine.model.validate import TraceFormatError, main, read_trace, validate
 from statemachine.pool import Generation, PoolKey
 

@@ -33,8 +33,8 @@ from statemachine.backend import (
     parse_metadata,
     parse_register,
 )
-from statemachine.decode.acks import AckListener, ack_frames, parse_ack
-from statemachine.decode.transport import ZmqTransport, endpoint_url
+from statemachine.decode.ranks.acks import AckListener, ack_frames, parse_ack
+from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
 from statemachine.errors import BootstrapError, SendFailed
 from statemachine.pool import Generation, RankInfo
 

@@ -18,8 +18,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from zmq_support import LOOPBACK, fd_count, pull_peer, recv_n, wait_until, with_deadline
 
-from statemachine.decode.endpoints import endpoint_address
-from statemachine.decode.transport import ZmqTransport
+from statemachine.decode.ranks.endpoints import endpoint_address
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import SendFailed
 
 

@@ -25,7 +25,7 @@ from zmq_support import (
     with_deadline,
 )
 
-from statemachine.decode.transport import ZmqTransport
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import SendFailed
 
 # Longer than any verdict takes, so a send that returns well before it did not wait for it.
@@ -273,7 +273,7 @@ def test_zmq20_fds_threads_and_sockets_stay_flat_over_real_restarts() -> None:
     verdict): fds, monitor threads and sockets_open after the last equal those after the
     first (issue 8 measured +29 sockets and fds over 30 restarts before)."""
     from statemachine.backend import MetadataRequest, SimpleBackend
-    from statemachine.decode.transport import generation_endpoints
+    from statemachine.decode.ranks.transport import generation_endpoints
     from statemachine.pool import Generation, RankInfo
     from statemachine.prefill.rank import PrefillRankProcess
     from statemachine.prefill.server import BootstrapServer
@@ -385,7 +385,7 @@ def test_zmq19_a_dead_decode_does_not_delay_acks_to_a_live_one() -> None:
     decode's request. Each ack to the dead decode used to take SNDTIMEO (10 s in all); now
     the first fails on the monitor's verdict and the others at once."""
     from statemachine.backend import MetadataRequest, SimpleBackend
-    from statemachine.decode.acks import AckListener
+    from statemachine.decode.ranks.acks import AckListener
     from statemachine.pool import Generation, RankInfo
     from statemachine.prefill.rank import PrefillRankProcess
     from statemachine.prefill.server import BootstrapServer
@@ -417,7 +417,7 @@ def test_zmq20_a_generation_retains_and_releases_every_rank_dummy_included(
     context: zmq.Context,
 ) -> None:
     from statemachine.backend import SimpleBackend
-    from statemachine.decode.transport import generation_endpoints
+    from statemachine.decode.ranks.transport import generation_endpoints
     from statemachine.pool import Generation, RankInfo
 
     with (

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from zmq_support import LOOPBACK, dead_port, recv_n, wait_until
 
-from statemachine.decode.transport import ZmqTransport
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import SendFailed
 
 LIVE = 3

@@ -48,18 +48,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 from statemachine.backend import KVBackend, SimpleBackend
-from statemachine.decode.acks import AckListener
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan, derive_plan
+from statemachine.decode.ranks.acks import AckListener
+from statemachine.decode.ranks.transport import Endpoint, Mode, ZmqTransport, endpoint_url
 from statemachine.decode.receiver import (
     DEFAULT_WAITING_TIMEOUT_S,
     BootstrapReceiver,
     Decode,
 )
 from statemachine.decode.source import BootstrapSource
-from statemachine.decode.transport import Endpoint, Mode, ZmqTransport, endpoint_url
 from statemachine.discovery.changes import (
     generation_for,
     refused_publish,

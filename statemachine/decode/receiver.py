@@ -3,7 +3,7 @@
 The lifecycle (``statemachine.lifecycle``) says *which* steps exist; this class does them:
 pool lookups, fetches through the manager's :class:`~statemachine.decode.source.BootstrapSource`
 (single-flight per key, :mod:`statemachine.decode.flight`), ZMQ sends through
-:class:`~statemachine.decode.transport.ZmqTransport`, and on any failure the identity-safe
+:class:`~statemachine.decode.ranks.transport.ZmqTransport`, and on any failure the identity-safe
 invalidation of exactly the generations this receiver used (``spec/lifecycle.md`` lists the
 effect of every event, ``spec/manager.md`` the manager's part).
 
@@ -30,8 +30,8 @@ from statemachine import trace
 from statemachine.backend import KVBackend, MetadataRequest
 from statemachine.decode.flight import Flight
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.source import BootstrapSource
-from statemachine.decode.transport import ZmqTransport
 from statemachine.errors import (
     Aborted,
     BootstrapError,

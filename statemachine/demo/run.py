@@ -17,12 +17,12 @@ from typing import Any
 
 from statemachine import trace
 from statemachine.backend import SimpleBackend
-from statemachine.decode.acks import AckStats
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager, ManagerStats
+from statemachine.decode.ranks.acks import AckStats
+from statemachine.decode.ranks.transport import TransportStats, ZmqTransport
 from statemachine.decode.receiver import RankPlan
 from statemachine.decode.source import BootstrapSource
-from statemachine.decode.transport import TransportStats, ZmqTransport
 from statemachine.demo.cluster import HOST, ClusterError, PrefillInstance
 from statemachine.demo.loops import Outcome, RequestLoops
 from statemachine.demo.modes import OURS, ModeConfig, make_pool

@@ -73,9 +73,9 @@ from statemachine.backend import (
     parse_metadata,
     parse_register,
 )
-from statemachine.decode.acks import ack_frames
 from statemachine.decode.client import register_rank, route_payload
-from statemachine.decode.transport import Endpoint, endpoint_url
+from statemachine.decode.ranks.acks import ack_frames
+from statemachine.decode.ranks.transport import Endpoint, endpoint_url
 from statemachine.discovery.layout import DEFAULT_PREFIX
 from statemachine.discovery.registrar import DEFAULT_TTL, EtcdRegistrar, registrar_for
 from statemachine.errors import BootstrapError

@@ -1,7 +1,7 @@
 """The rule that turns one socket's ZMQ monitor events into *dead* / *alive* (ZMQ-16).
 
 Pure bookkeeping, no sockets and no clock of its own (the caller passes ``now``), so the rule
-is tested event by event; :mod:`statemachine.decode.monitor` feeds it from real monitor
+is tested event by event; :mod:`statemachine.decode.ranks.monitor` feeds it from real monitor
 sockets. A ``PUSH`` socket is connected to exactly one endpoint, so all of its events are
 about that endpoint.
 

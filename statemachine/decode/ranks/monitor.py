@@ -2,7 +2,7 @@
 
 A thread per socket would cost a thread per prefill rank; one ``zmq.Poller`` over all monitor
 sockets costs one thread per transport. The thread owns the monitor ``PAIR`` sockets (ZMQ
-sockets are not thread-safe) and the :class:`~statemachine.decode.liveness.Liveness` state of
+sockets are not thread-safe) and the :class:`~statemachine.decode.ranks.liveness.Liveness` state of
 each; other threads talk to it only through a queue and a wake-up pipe, so :meth:`watch`,
 :meth:`unwatch` and :meth:`send_failed` never block.
 
@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from statemachine.decode.liveness import Liveness
+from statemachine.decode.ranks.liveness import Liveness
 
 K = TypeVar("K", bound=Hashable)
 

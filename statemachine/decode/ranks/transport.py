@@ -8,9 +8,10 @@ a send (ZMQ-1). Options: ``IMMEDIATE=1`` (ZMQ-2), ``LINGER=0`` (ZMQ-3), sends bo
 In the default mode (``mode="immediate"``, ``monitor=True``):
 
 * **Liveness (ZMQ-16).** Every socket has a ZMQ monitor socket; one thread per transport
-  (:class:`~statemachine.decode.monitor.SocketMonitor`) reads them all and judges each endpoint
-  dead or alive by the rule of :mod:`statemachine.decode.liveness`. Listeners registered with
-  :meth:`ZmqTransport.subscribe` hear ``(endpoint, alive, reason)`` on that thread.
+  (:class:`~statemachine.decode.ranks.monitor.SocketMonitor`) reads them all and judges each
+  endpoint dead or alive by the rule of :mod:`statemachine.decode.ranks.liveness`. Listeners
+  registered with :meth:`ZmqTransport.subscribe` hear ``(endpoint, alive, reason)`` on that
+  thread.
 * **Circuit breaker (ZMQ-19).** An endpoint judged dead — by its monitor or by a send that found
   no live connection within ``SNDTIMEO`` — fails every send in microseconds until a handshake
   with it succeeds again. A send never waits on a socket already judged dead: it waits for a
@@ -44,15 +45,15 @@ from typing import Literal, NamedTuple
 import zmq
 
 from statemachine.backend import KVBackend, MetadataRequest
-from statemachine.decode.endpoints import (
+from statemachine.decode.ranks.endpoints import (
     Endpoint,
     check_endpoint_shape,
     endpoint_address,
     endpoint_url,
     generation_endpoints,
 )
-from statemachine.decode.liveness import EVENTS, Liveness
-from statemachine.decode.monitor import SocketMonitor
+from statemachine.decode.ranks.liveness import EVENTS, Liveness
+from statemachine.decode.ranks.monitor import SocketMonitor
 from statemachine.errors import SendFailed
 from statemachine.pool import Generation
 
