@@ -241,9 +241,10 @@ def test_restart_on_new_ports_fails_fast_invalidates_and_next_request_refetches(
 
 
 def test_server_restart_new_instance_id_retires_old_entries(side: DecodeSide) -> None:
-    """POOL-6 (TEAM.md's retirement rule): a receiver that adopted an entry of instance X by
-    lookup and then fetched another key from a server answering as Y retires X's entries of that
-    address, refetches the stale key, and so ends up with Y's generations only."""
+    """POOL-6 (retire exactly the replaced instance, spec/pool.md): a receiver that adopted an
+    entry of instance X by lookup and then fetched another key from a server answering as Y
+    retires X's entries of that address, refetches the stale key, and so ends up with Y's
+    generations only."""
     first = start_prefill(port=0)
     addr = first.addr
     port = int(addr.rsplit(":", 1)[1])

@@ -216,7 +216,7 @@ class ZmqTransport:
             SocketMonitor(self._on_verdict, name="zmq-endpoint-monitor") if monitor else None
         )
 
-    # --- liveness interface (TEAM.md: transport -> manager) -----------------------------------
+    # --- liveness interface (what the manager subscribes to, spec/zmq.md ZMQ-16, ZMQ-19) ------
 
     def subscribe(self, listener: EndpointListener) -> None:
         """Call ``listener(endpoint, alive, reason)`` on the monitor thread at each change.
