@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
-import selectors
 import signal
 import subprocess
 import sys
@@ -27,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from statemachine.errors import BootstrapError
+from statemachine.prefill.readiness import read_prefixed_line
 
 HOST = "127.0.0.1"
 
@@ -63,7 +62,7 @@ class _Child:
             stdout=subprocess.PIPE,
             stderr=self._stderr,
         )
-        self._buffer = b""
+        self._buffer = bytearray()
         self._warm = False
 
     def go(self, argv: list[str], deadline: float, prefix: str) -> str:
@@ -78,31 +77,22 @@ class _Child:
 
     def read_line(self, prefix: str, deadline: float) -> str:
         assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        with selectors.DefaultSelector() as selector:
-            selector.register(fd, selectors.EVENT_READ)
-            while True:
-                while b"\n" in self._buffer:
-                    raw, self._buffer = self._buffer.split(b"\n", 1)
-                    line = raw.decode(errors="replace")
-                    if line.startswith(prefix):
-                        return line
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ClusterError(
-                        f"no {prefix!r} line from a prefill process ({self.module}) in time"
-                        + self.stderr_tail()
-                    )
-                if not selector.select(left):
-                    continue
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    code = self.proc.wait(timeout=10.0)
-                    raise ClusterError(
-                        f"a prefill process ({self.module}) exited with {code} before {prefix!r}"
-                        + self.stderr_tail()
-                    )
-                self._buffer += chunk
+        try:
+            raw = read_prefixed_line(
+                self.proc.stdout.fileno(), prefix.encode(), deadline, self._buffer
+            )
+        except TimeoutError:
+            raise ClusterError(
+                f"no {prefix!r} line from a prefill process ({self.module}) in time"
+                + self.stderr_tail()
+            ) from None
+        if raw is None:
+            code = self.proc.wait(timeout=10.0)
+            raise ClusterError(
+                f"a prefill process ({self.module}) exited with {code} before {prefix!r}"
+                + self.stderr_tail()
+            )
+        return raw.decode(errors="replace")
 
     def stderr_tail(self) -> str:
         """The child's last stderr lines, as ``": line | line"``; empty if it wrote none."""

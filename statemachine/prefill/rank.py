@@ -48,8 +48,6 @@ import argparse
 import collections
 import heapq
 import json
-import os
-import selectors
 import signal
 import socket
 import subprocess
@@ -79,6 +77,7 @@ from statemachine.decode.ranks.transport import Endpoint, endpoint_url
 from statemachine.discovery.layout import DEFAULT_PREFIX
 from statemachine.discovery.registrar import DEFAULT_TTL, EtcdRegistrar, registrar_for
 from statemachine.errors import BootstrapError
+from statemachine.prefill.readiness import read_prefixed_line
 
 MAX_SESSIONS = 1024
 #: Decode peers with an ack socket at a time (the least recently used is closed past it).
@@ -683,25 +682,16 @@ class _StderrTail:
 
 def _wait_ready(proc: subprocess.Popen[bytes], timeout: float) -> int:
     assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    buffer = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                if line.startswith(b"READY "):
-                    return int(line[len(b"READY ") :])
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PrefillRankStartFailed(f"no READY within {timeout} s")
-            if not selector.select(left):
-                continue
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                code = proc.wait(timeout=5.0)
-                raise PrefillRankStartFailed(f"prefill rank exited with {code} before READY")
-            buffer += chunk
+    try:
+        line = read_prefixed_line(
+            proc.stdout.fileno(), b"READY ", time.monotonic() + timeout, bytearray()
+        )
+    except TimeoutError:
+        raise PrefillRankStartFailed(f"no READY within {timeout} s") from None
+    if line is None:
+        code = proc.wait(timeout=5.0)
+        raise PrefillRankStartFailed(f"prefill rank exited with {code} before READY")
+    return int(line[len(b"READY ") :])
 
 
 def _reap(proc: subprocess.Popen[bytes], sig: signal.Signals, timeout: float) -> bytes:
