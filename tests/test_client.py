@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -92,6 +93,8 @@ def test_http11_get_topology(ready_server: BootstrapServer, client: BootstrapCli
         instance_id=ready_server.instance_id,
         enable_dsa_cache_layer_split=False,
         decode_allocation_policy="early",
+        # A key the client does not interpret (yet) arrives in `extra` (HTTP-22).
+        extra=MappingProxyType({"enable_kv_cache_sharding": False}),
     )
 
 

@@ -38,8 +38,8 @@ RANK = {"dp_rank": 0, "cp_rank": 0, "tp_rank": 0, "pp_rank": 0}
 def sglang_registration(
     tp: int = 0, tp_size: int = 2, dp: int = 0, dp_size: int = 1, **change: Any
 ) -> dict[str, Any]:
-    """A ``PUT /route`` body exactly as a current SGLang prefill rank sends it: the 14
-    topology/endpoint fields and the five layout/policy fields, with SGLang's defaults."""
+    """A ``PUT /route`` body exactly as an SGLang 0.5.23 prefill rank sends it: the 14
+    topology/endpoint fields and the seven layout/policy fields, with SGLang's defaults."""
     body: dict[str, Any] = {
         "attn_tp_size": tp_size,
         "attn_tp_rank": tp,
@@ -60,6 +60,8 @@ def sglang_registration(
         "prefill_http_port": 30000,
         "decode_allocation_policy": "early",
         "dsv41_spec_layout": None,
+        "kv_layout": None,
+        "enable_kv_cache_sharding": False,
     }
     body.update(change)
     return body
@@ -102,7 +104,8 @@ def test_http56_topology_reply_is_sglangs(server: BootstrapServer) -> None:
         "enable_dsa_cache_layer_split": False,
         "prefill_http_port": 30000,
         "decode_allocation_policy": "early",
-    }  # dsv41_spec_layout: only when not null
+        "enable_kv_cache_sharding": False,
+    }  # dsv41_spec_layout and kv_layout: only when not null
 
 
 @pytest.mark.parametrize(
@@ -148,7 +151,7 @@ def test_http56_dsv41_layout_and_unknown_fields_reach_the_client(server: Bootstr
     assert topo.enable_dsa_cache_layer_split is False
     assert topo.decode_allocation_policy == "early"
     assert topo.follow_bootstrap_room is True
-    assert dict(topo.extra) == extra
+    assert dict(topo.extra) == {**extra, "enable_kv_cache_sharding": False}
 
 
 def test_http56_carried_fields_are_bounded(server: BootstrapServer) -> None:

@@ -94,7 +94,48 @@ def test_http11_topology_query(server: BootstrapServer) -> None:
         "enable_dsa_cache_layer_split": False,
         "prefill_http_port": None,
         "decode_allocation_policy": "early",
+        "enable_kv_cache_sharding": False,
     }
+
+
+@pytest.mark.parametrize(
+    ("field", "first", "second", "named"),
+    [
+        ("decode_allocation_policy", "early", "prefill_complete", "allocation-policy"),
+        ("dsv41_spec_layout", None, {"num_draft_tokens": 4}, "speculative-decoding"),
+        ("dsv41_spec_layout", {"num_draft_tokens": 4}, {"num_draft_tokens": 8}, "same model"),
+    ],
+)
+def test_http59_ranks_disagreeing_on_policy_or_layout_are_400(
+    server: BootstrapServer, field: str, first: object, second: object, named: str
+) -> None:
+    """HTTP-59: as SGLang 0.5.23, a rank whose allocation policy or DSpark layout differs
+    from the registered ranks' is refused with what to fix, and changes nothing."""
+    assert put_rank(server, rank_payload(tp=0, **{field: first})).status_code == 200
+    refused = put_rank(server, rank_payload(tp=1, port=6001, **{field: second}))
+    assert refused.status_code == 400
+    assert field in refused.json()["error"] and named in refused.json()["error"]
+    assert route_query(server, -1, -1, -1, -1).status_code == 503  # rank 1 was not stored
+    assert put_rank(server, rank_payload(tp=1, port=6001, **{field: first})).status_code == 200
+    topology = route_query(server, -1, -1, -1, -1).json()
+    assert topology.get(field, None) == first
+    # Once pinned, the check still holds (the pinned topology keeps the values of record).
+    assert put_rank(server, rank_payload(tp=1, port=6002, **{field: second})).status_code == 400
+    assert route_query(server, 0, 0, 1, 0).json()["rank_port"] == 6001
+
+
+def test_http56_missing_policy_means_sglangs_default(server: BootstrapServer) -> None:
+    """A registration without the newer keys gets SGLang's defaults in the reply, not null:
+    an SGLang decode compares the policy with its own and would fail on null."""
+    for tp in (0, 1):
+        payload = rank_payload(tp=tp, port=6000 + tp)
+        del payload["decode_allocation_policy"], payload["enable_dsa_cache_layer_split"]
+        assert put_rank(server, payload).status_code == 200
+    topology = route_query(server, -1, -1, -1, -1).json()
+    assert topology["decode_allocation_policy"] == "early"
+    assert topology["enable_dsa_cache_layer_split"] is False
+    assert topology["enable_kv_cache_sharding"] is False
+    assert "kv_layout" not in topology
 
 
 def test_http12_unknown_rank_is_404(server: BootstrapServer) -> None:

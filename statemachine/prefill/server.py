@@ -79,6 +79,8 @@ FD_RESERVE = 64
 MAX_CANDIDATES = 4
 #: SGLang's default ``load_balance_method``; it means ``follow_bootstrap_room`` is true.
 FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
+#: SGLang's default ``decode_allocation_policy``, taken when a registration has none.
+EARLY_ALLOCATION = "early"
 #: Seconds between two log lines about the connection cap or failed accepts.
 LOG_INTERVAL = 10.0
 #: Connections accepted per readiness event of the listening socket.
@@ -130,6 +132,8 @@ REGISTRATION_KEYS = frozenset(
         "decode_allocation_policy",
         "dsv41_spec_layout",
         "follow_bootstrap_room",
+        "kv_layout",
+        "enable_kv_cache_sharding",
     )
 )
 
@@ -184,13 +188,16 @@ class _Claim:
 @dataclass(frozen=True, slots=True)
 class _Info:
     """What the topology reply says besides the claim, taken from a topology's first
-    registration as SGLang does (never compared between ranks)."""
+    registration as SGLang does. Of these only the allocation policy and the DSpark layout
+    are compared between ranks (HTTP-59), as SGLang 0.5.23 compares them."""
 
     follow_bootstrap_room: bool
-    enable_dsa_cache_layer_split: bool | None
+    enable_dsa_cache_layer_split: bool
     prefill_http_port: int | None
-    decode_allocation_policy: str | None
+    decode_allocation_policy: str
     dsv41_spec_layout: dict[str, Any] | None
+    kv_layout: str | None
+    enable_kv_cache_sharding: bool
     extra: dict[str, Any]
 
 
@@ -220,9 +227,13 @@ class _Topology:
             enable_dsa_cache_layer_split=info.enable_dsa_cache_layer_split,
             prefill_http_port=info.prefill_http_port,
             decode_allocation_policy=info.decode_allocation_policy,
+            enable_kv_cache_sharding=info.enable_kv_cache_sharding,
         )
-        if info.dsv41_spec_layout is not None:  # SGLang sends it only when set
+        # SGLang sends these two only when set.
+        if info.dsv41_spec_layout is not None:
             reply["dsv41_spec_layout"] = info.dsv41_spec_layout
+        if info.kv_layout is not None:
+            reply["kv_layout"] = info.kv_layout
         return reply
 
 
@@ -299,14 +310,21 @@ def parse_registration(
         # SGLang: follow_bootstrap_room = (load_balance_method == "follow_bootstrap_room"),
         # and a registration without the key means the default method.
         follow_bootstrap_room=(method or FOLLOW_BOOTSTRAP_ROOM) == FOLLOW_BOOTSTRAP_ROOM,
-        enable_dsa_cache_layer_split=_optional(
-            obj, "enable_dsa_cache_layer_split", bool, lambda v: True
+        # Absent or null means SGLang's default for the four below, as its server reads them
+        # (an SGLang decode compares the policy with its own, so null would fail every request).
+        enable_dsa_cache_layer_split=bool(
+            _optional(obj, "enable_dsa_cache_layer_split", bool, lambda v: True)
         ),
         prefill_http_port=_optional(obj, "prefill_http_port", int, is_valid_port),
         decode_allocation_policy=_optional(
             obj, "decode_allocation_policy", str, lambda v: len(v) <= MAX_LABEL
-        ),
+        )
+        or EARLY_ALLOCATION,
         dsv41_spec_layout=_optional(obj, "dsv41_spec_layout", dict, _layout),
+        kv_layout=_optional(obj, "kv_layout", str, lambda v: len(v) <= MAX_LABEL),
+        enable_kv_cache_sharding=bool(
+            _optional(obj, "enable_kv_cache_sharding", bool, lambda v: True)
+        ),
         extra=bounded_extra(obj, REGISTRATION_KEYS | TOPOLOGY_KEYS),
     )
     return (dp_rank, cp_rank, tp_rank, pp_rank), (rank_ip, rank_port), claim, info  # type: ignore[return-value]
@@ -925,6 +943,7 @@ class BootstrapServer:
         if not self._authorised(request):
             return self._unauthorised()
         key, endpoint, claim, info = parse_registration(await self._json_body(request))
+        self._check_consistent(info)
         pinned = self._pinned
         if pinned is not None:
             if claim != pinned.claim:
@@ -939,6 +958,29 @@ class BootstrapServer:
             return web.Response(text="OK")
         self._register_candidate(key, endpoint, claim, info)
         return web.Response(text="OK")
+
+    def _check_consistent(self, info: _Info) -> None:
+        """HTTP-59: every rank of a prefill registers one allocation policy and one DSpark
+        layout; a rank that differs from those already registered is refused, changing nothing.
+
+        As SGLang 0.5.23 does. Every kept registration passed this check, so any one of them
+        (the pinned topology or a candidate) holds the values of record.
+        """
+        held = self._pinned or next(iter(self._candidates.values()), None)
+        if held is None:
+            return
+        record = held.info
+        if info.dsv41_spec_layout != record.dsv41_spec_layout:
+            raise BadRequest(
+                "dsv41_spec_layout differs from the one the registered ranks sent: start every "
+                "prefill rank with the same model and speculative-decoding settings"
+            )
+        if info.decode_allocation_policy != record.decode_allocation_policy:
+            raise BadRequest(
+                f"decode_allocation_policy {info.decode_allocation_policy!r} differs from the "
+                f"registered ranks' {record.decode_allocation_policy!r}: start every prefill "
+                "rank with the same --disaggregation-decode-allocation-policy"
+            )
 
     def _register_candidate(
         self,
