@@ -110,14 +110,18 @@ def sglang_server_args(**fields: Any) -> Iterator[Any]:
 
 
 def set_sglang_ranks(
-    *, tp_rank: int = 0, attn_tp_rank: int | None = None, pp_rank: int = 0
+    *, tp_rank: int = 0, attn_tp_rank: int | None = None, pp_rank: int = 0, attn_cp_rank: int = 0
 ) -> None:
-    """Stamp this process's parallel ranks as SGLang's launcher would (no process groups)."""
+    """Stamp this process's parallel ranks as SGLang's launcher would (no process groups).
+
+    ``attn_tp_rank`` defaults to ``tp_rank``; with attention cp (``attn_cp_size`` in the
+    server args) give both, e.g. tp rank 1 of tp 2 / cp 2 is attn tp rank 0, attn cp rank 1.
+    """
     runtime = _runtime_context()
     parallel = runtime.get_parallel()
     wanted = {
         "attn_tp_rank": tp_rank if attn_tp_rank is None else attn_tp_rank,
-        "attn_cp_rank": 0,
+        "attn_cp_rank": attn_cp_rank,
         "attn_dp_rank": 0,
         "attn_dcp_rank": 0,
         "tp_rank": tp_rank,
@@ -220,11 +224,18 @@ def sglang_prefill_rank(
     *,
     tp_size: int,
     tp_rank: int,
+    attn_tp_rank: int | None = None,
+    attn_cp_rank: int = 0,
     is_mla_backend: bool = False,
     kv_args: Any = None,
     **server_fields: Any,
 ) -> Iterator[Any]:
     """A prefill-mode ``CommonKVManager`` whose constructor registers to ``bootstrap_url``.
+
+    ``server_fields`` are SGLang ``ServerArgs`` fields (``attn_cp_size``, ``dp_size``,
+    ``disaggregation_decode_allocation_policy``, ``load_balance_method``, ``port`` ...); the
+    ranks are stamped as :func:`set_sglang_ranks` does. A system-dp rank other than 0 is
+    ``kv_args=make_kv_args(system_dp_rank=...)``, as SGLang's scheduler sets it.
 
     SGLang's ``register_to_bootstrap`` runs for real (``PUT /route``, up to 5 tries about 15 s
     in all when refused). pp>1 prefills need a torch pp group, so register them as SGLang's
@@ -240,7 +251,7 @@ def sglang_prefill_rank(
         **server_fields,
     }
     with sglang_server_args(**fields) as server_args:
-        set_sglang_ranks(tp_rank=tp_rank)
+        set_sglang_ranks(tp_rank=tp_rank, attn_tp_rank=attn_tp_rank, attn_cp_rank=attn_cp_rank)
         args = kv_args if kv_args is not None else make_kv_args(engine_rank=tp_rank)
         manager = conn.CommonKVManager(
             args, conn.DisaggregationMode.PREFILL, server_args, is_mla_backend=is_mla_backend
