@@ -6,6 +6,8 @@ test fails for the same reason, so read these first.
 
 from __future__ import annotations
 
+import importlib
+
 import requests
 from sglang_support import (
     SGLANG_VERSION,
@@ -34,6 +36,15 @@ def test_the_pinned_release_is_the_one_imported() -> None:
     assert sglang.__version__ == SGLANG_VERSION
     assert conn.__name__ == "sglang.srt.disaggregation.common.conn"
     assert import_sglang() is conn  # imported once per process
+
+
+def test_the_transfer_backends_wire_modules_import_too() -> None:
+    """Mooncake's and NIXL's conn modules (their frame builders and parsers) import on CPU:
+    their engines are imported lazily, inside the managers' constructors."""
+    import_sglang()
+    for backend in ("mooncake", "nixl"):
+        module = importlib.import_module(f"sglang.srt.disaggregation.{backend}.conn")
+        assert module.__name__.endswith(f"{backend}.conn")
 
 
 def test_sglang_server_starts_and_waits_for_prefill() -> None:

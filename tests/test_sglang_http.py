@@ -239,9 +239,11 @@ def test_sglang_registrations_answered_as_sglangs_server_answers(
     prefill = PREFILLS[name]
     payloads = sglang_payloads(prefill, monkeypatch)
     keys = rank_keys(payloads)
+    statuses = []
     for i, body in enumerate(payloads):
         ours, theirs = (put(addr, body) for addr in servers.both())
         checks.same(f"PUT /route of rank {keys[i]}", ours, theirs)
+        statuses.append(ours)
         if i == 0 and len(payloads) > 1:
             # Not every rank registered yet: both refuse the topology and any rank with 503.
             for key in (TOPOLOGY, keys[0]):
@@ -274,6 +276,7 @@ def test_sglang_registrations_answered_as_sglangs_server_answers(
             decode.prefill_info_table[servers.sglang],
         )
     checks.verify()
+    assert statuses == [200] * len(payloads)  # alike, and accepted
 
 
 @pytest.mark.parametrize(
