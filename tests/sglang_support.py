@@ -267,15 +267,21 @@ def sglang_decode_manager(
     *,
     is_mla_backend: bool = False,
     tp_rank: int = 0,
+    attn_tp_rank: int | None = None,
+    attn_cp_rank: int = 0,
     kv_args: Any = None,
     **server_fields: Any,
 ) -> Iterator[Any]:
-    """A decode-mode ``CommonKVManager`` (binds a PULL, starts no thread), torn down after."""
+    """A decode-mode ``CommonKVManager`` (binds a PULL, starts no thread), torn down after.
+
+    ``server_fields`` are ``ServerArgs`` fields (``tp_size``, ``attn_cp_size``, ...); the ranks
+    are stamped as :func:`set_sglang_ranks` does.
+    """
     conn = import_sglang()
     fields = {"disaggregation_mode": "decode", "host": "127.0.0.1", **server_fields}
     with ExitStack() as stack:
         server_args = stack.enter_context(sglang_server_args(**fields))
-        set_sglang_ranks(tp_rank=tp_rank)
+        set_sglang_ranks(tp_rank=tp_rank, attn_tp_rank=attn_tp_rank, attn_cp_rank=attn_cp_rank)
         args = kv_args if kv_args is not None else make_kv_args(engine_rank=tp_rank)
         manager = conn.CommonKVManager(
             args, conn.DisaggregationMode.DECODE, server_args, is_mla_backend=is_mla_backend

@@ -83,6 +83,8 @@ def test_sglang_decode_manager_builds_and_binds_loopback() -> None:
         assert manager.local_ip == "127.0.0.1"
         assert manager.rank_port > 0
         assert manager.connection_pool == {}
+    with sglang_decode_manager(tp_size=2, tp_rank=1) as manager:
+        assert (manager.attn_tp_size, manager.attn_tp_rank) == (2, 1)
 
 
 def test_stubs_say_no_gpu_and_leave_decorated_functions_intact() -> None:
