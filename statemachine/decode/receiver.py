@@ -677,24 +677,23 @@ class BootstrapReceiver:
             stamp = m._stamp()  # etcd: the watch's revision before the first get_rank
             ranks: list[RankInfo] = []
             instance_ids: set[str | None] = set()
-            for tp_rank in plan.tp_ranks:
-                for pp_rank in range(plan.pp_size):
-                    reply = source.get_rank(
-                        self.addr,
-                        dp_rank=key.dp_rank,
-                        cp_rank=key.cp_rank,
-                        tp_rank=tp_rank,
-                        pp_rank=pp_rank,
+            for tp_rank, pp_rank in plan.fetch_order:
+                reply = source.get_rank(
+                    self.addr,
+                    dp_rank=key.dp_rank,
+                    cp_rank=key.cp_rank,
+                    tp_rank=tp_rank,
+                    pp_rank=pp_rank,
+                )
+                instance_ids.add(reply.instance_id)
+                ranks.append(
+                    RankInfo(
+                        reply.rank_ip,
+                        reply.rank_port,
+                        pp_rank,
+                        tp_rank in plan.dummy_tp_ranks,
                     )
-                    instance_ids.add(reply.instance_id)
-                    ranks.append(
-                        RankInfo(
-                            reply.rank_ip,
-                            reply.rank_port,
-                            pp_rank,
-                            tp_rank in plan.dummy_tp_ranks,
-                        )
-                    )
+                )
             if len(instance_ids) != 1:
                 # The server restarted between two rank queries: the answers mix instances.
                 raise BootstrapHTTPError(
