@@ -90,7 +90,10 @@ def import_sglang() -> types.ModuleType:
     with warnings.catch_warnings():
         # Import-time notices that quantization kernels need a GPU: true, and not ours to fix.
         warnings.simplefilter("ignore")
-        return importlib.import_module("sglang.srt.disaggregation.common.conn")
+        conn = importlib.import_module("sglang.srt.disaggregation.common.conn")
+    # sentencepiece's SWIG types warn once more as the interpreter exits (after every test).
+    warnings.filterwarnings("ignore", "builtin type swig", DeprecationWarning)
+    return conn
 
 
 def _runtime_context() -> Any:
