@@ -266,6 +266,16 @@ def test_plan_2_dspark_needs_equal_tp_but_an_mla_decode_may_match_tp_times_cp() 
         )
 
 
+def test_plan_2_dspark_on_one_side_only_is_refused() -> None:
+    """An absent DSpark layout means DSpark off (SGLang compares None too), unlike the other
+    format fields, where None means not stated."""
+    spec = {"block_size": 64}
+    with pytest.raises(TopologyMismatch, match=r"dsv41_spec_layout is \{'block_size': 64\}"):
+        derive_plan(ADDR, topo(2, dsv41_spec_layout=spec), DecodeLayout(0, 2))
+    with pytest.raises(TopologyMismatch, match="dsv41_spec_layout is None"):
+        derive_plan(ADDR, topo(2), DecodeLayout(0, 2, dsv41_spec_layout=spec))
+
+
 def test_decode_layout_copies_its_dspark_layout() -> None:
     spec: dict[str, object] = {"block_size": 64}
     layout = DecodeLayout(dsv41_spec_layout=spec)

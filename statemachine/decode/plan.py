@@ -103,9 +103,10 @@ class DecodeLayout:
 
     The fields are what SGLang 0.5.23's decode reads from its runtime context and KV pool to map
     itself onto a prefill (``spec/plans.md``). ``page_size`` / ``kv_cache_dtype`` /
-    ``kv_layout`` / ``dsv41_spec_layout`` ``None`` skip that check (the prefill may not report
-    them either: an old server). This decode's own attention cp size is always 1 (SGLang asserts
-    it), so there is no cp field.
+    ``kv_layout`` ``None`` skip that check (the prefill may not report them either: an old
+    server). ``dsv41_spec_layout`` ``None`` means this decode does not run DSpark: as in SGLang,
+    a prefill that does is refused (PLAN-2). This decode's own attention cp size is always 1
+    (SGLang asserts it), so there is no cp field.
 
     * ``is_mla`` / ``is_hybrid_mla``: the KV pool is MLA, or a hybrid linear-attention pool whose
       full-attention part is MLA (then ``is_mla`` is False, as in SGLang);
@@ -190,15 +191,16 @@ def _check_formats(addr: str, topology: Topology, layout: DecodeLayout) -> None:
     prefill_spec, decode_spec = topology.dsv41_spec_layout, layout.dsv41_spec_layout
     if prefill_spec is None and decode_spec is None:
         return
-    if (
-        prefill_spec is not None
-        and decode_spec is not None
-        and dict(prefill_spec) != dict(decode_spec)
-    ):
+    # Unlike the fields above, an absent DSpark layout is a statement (DSpark off), so a
+    # layout on one side only is a mismatch too, as in SGLang.
+    prefill_dict = None if prefill_spec is None else dict(prefill_spec)
+    decode_dict = None if decode_spec is None else dict(decode_spec)
+    if prefill_dict != decode_dict:
         raise TopologyMismatch(
-            f"{addr}: prefill dsv41_spec_layout is {dict(prefill_spec)!r}, this decode's is "
-            f"{dict(decode_spec)!r}: DSpark needs the same block size and target/draft KV "
-            "layout on both sides; upgrade and configure both servers together"
+            f"{addr}: prefill dsv41_spec_layout is {prefill_dict!r}, this decode's is "
+            f"{decode_dict!r}: DSpark needs the same block size and target/draft KV layout on "
+            "both sides (or neither side running it); upgrade and configure both servers "
+            "together, and give DecodeLayout(dsv41_spec_layout=...) this decode's layout"
         )
     # DSpark moves whole heads: the tp sizes must match, except an (hybrid) MLA decode whose tp
     # equals the prefill's whole tp x cp world (SGLang's one exception).
