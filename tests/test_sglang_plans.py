@@ -12,6 +12,9 @@ order, the pool keys, ``required_dst_info_num`` and ``required_prefill_response_
 
 Tp sizes that do not divide are the one deliberate difference (PLAN-5): we refuse them, and
 SGLang's own mapping is shown to be broken for each such pair of the grid.
+
+The format checks that run before the mapping (PLAN-2) are compared separately: SGLang's own
+``try_ensure_parallel_info`` and our client read one prefill registered with our reference server.
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ from sglang_support import (
     make_kv_args,
     requires_sglang,
     set_sglang_ranks,
+    sglang_decode_manager,
     sglang_server_args,
 )
 
+from statemachine.decode.client import BootstrapClient, register_rank, route_payload
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
 from statemachine.errors import TopologyMismatch
+from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import Topology, topology_reply
 
 pytestmark = requires_sglang
@@ -48,6 +54,7 @@ PREFILL_PP = (1, 2)
 PREFILL_CP = (1, 2)
 #: name -> (is_mla, is_hybrid_mla)
 MODELS = {"non-MLA": (False, False), "MLA": (True, False), "hybrid-MLA": (False, True)}
+TOKEN = "sglang-plans"
 ALL_CP_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 
 #: One cell's outcome: None when refused, else (target tp rank, fetched (cp, tp, pp, dummy) in
@@ -294,3 +301,73 @@ def test_the_grid_reaches_every_rule(grid: Grid) -> None:
         f"\nSGLang plan grid: {len(grid.sglang)} cells ({refused} refused by SGLang), "
         f"{grid.seconds:.1f} s wall, {grid.cpu_seconds:.1f} s CPU"
     )
+
+
+# --- PLAN-2: SGLang's format checks, against our reference server --------------------------------
+
+_SPEC = {"num_draft_tokens": 4, "compression_ratios": [2, 4]}
+
+#: (name, prefill registration fields, decode (page_size, kv_cache_dtype, kv_layout, DSpark), D,
+#: refused)
+FORMAT_CASES: list[tuple[str, dict[str, Any], tuple[Any, ...], int, bool]] = [
+    ("all equal", {}, (16, "bfloat16", None, None), 2, False),
+    ("page size", {}, (32, "bfloat16", None, None), 2, True),
+    ("kv dtype", {}, (16, "fp8_e4m3", None, None), 2, True),
+    ("kv layout equal", {"kv_layout": "paged"}, (16, "bfloat16", "paged", None), 2, False),
+    ("kv layout differs", {"kv_layout": "paged"}, (16, "bfloat16", "flat", None), 2, True),
+    ("kv layout one side", {"kv_layout": "paged"}, (16, "bfloat16", None, None), 2, False),
+    ("dspark equal", {"dsv41_spec_layout": _SPEC}, (16, "bfloat16", None, _SPEC), 2, False),
+    ("dspark differs", {"dsv41_spec_layout": _SPEC}, (16, "bfloat16", None, {"x": 1}), 2, True),
+    ("dspark prefill only", {"dsv41_spec_layout": _SPEC}, (16, "bfloat16", None, None), 2, True),
+    ("dspark decode only", {}, (16, "bfloat16", None, _SPEC), 2, True),
+    ("dspark tp differs", {"dsv41_spec_layout": _SPEC}, (16, "bfloat16", None, _SPEC), 4, True),
+    ("mixed tp, no dspark", {}, (16, "bfloat16", None, None), 4, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("prefill_fields", "decode", "decode_tp", "refused"),
+    [case[1:] for case in FORMAT_CASES],
+    ids=[case[0] for case in FORMAT_CASES],
+)
+def test_plan_2_format_checks_refuse_where_sglangs_do(
+    prefill_fields: dict[str, Any], decode: tuple[Any, ...], decode_tp: int, refused: bool
+) -> None:
+    """A tp-2 prefill registered with our reference server; SGLang's own decode fetches its
+    topology (``try_ensure_parallel_info``, which raises on a format mismatch) and so does our
+    client (``derive_plan`` raising TopologyMismatch): both refuse, or neither does, as the
+    case expects."""
+    page_size, dtype, kv_layout, spec = decode
+    conn = import_sglang()
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
+    try:
+        for tp in range(2):
+            payload = route_payload(
+                rank_ip="127.0.0.1", rank_port=31000 + tp, tp_rank=tp, tp_size=2, page_size=16
+            )
+            payload.update(prefill_fields)
+            register_rank(server.address, TOKEN, payload, attempts=1)
+        kv_args = make_kv_args(page_size=page_size, kv_cache_dtype_str=dtype, kv_layout=kv_layout)
+        with sglang_decode_manager(kv_args=kv_args, tp_size=decode_tp) as manager:
+            # SGLang derives this from its KV pool and speculative settings; set what it found.
+            manager.dsv41_spec_layout = spec
+            try:
+                assert manager.try_ensure_parallel_info(server.address) is True
+                sglang_refuses = False
+            except RuntimeError:
+                sglang_refuses = True
+        layout = DecodeLayout(
+            0, decode_tp, page_size=page_size, kv_cache_dtype=dtype, kv_layout=kv_layout,
+            dsv41_spec_layout=spec,
+        )  # fmt: skip
+        try:
+            derive_plan(server.address, client.get_topology(server.address), layout)
+            we_refuse = False
+        except TopologyMismatch:
+            we_refuse = True
+    finally:
+        client.close()
+        server.stop()
+        conn.CommonKVReceiver.close_all_sockets()
+    assert (we_refuse, sglang_refuses) == (refused, refused)
