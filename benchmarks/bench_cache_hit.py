@@ -10,8 +10,8 @@ Per request (what a decode pays per request on a hit, the room known to its mana
 
 * SGLang receiver: SGLang's receiver steps on a hit (``benchmarks/anchors.py``): create with a
   status record, string key, lock + get, adopt and record, status update;
-* ours through the manager: ``manager.receiver(addr, room, prefill_dp_rank=0)`` (admitted by
-  room), ``init()`` (lookup + record + the ``Hit`` step).
+* ours through the manager: ``manager.receiver(addr, room, plan, prefill_dp_rank=0)``
+  (admitted by room; the one-rank plan given), ``init()`` (lookup + record + the ``Hit`` step).
 
 Both hold a window of 1,000 requests in flight, as a scheduler holds its requests, and end
 them (``clear()``) between timed batches: a request's end is not its hit path, but a realistic
@@ -43,6 +43,7 @@ from benchmarks.anchors import (
 )
 from statemachine.backend import SimpleBackend
 from statemachine.decode.manager import DecodeManager
+from statemachine.decode.plan import RankPlan
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 
@@ -119,7 +120,7 @@ def _manager_worker(ops: int, manager: DecodeManager) -> Callable[[], float]:
             keep = held.append
             start = time.perf_counter()
             for room in range(batch, min(batch + WINDOW, first + ops)):
-                receiver = make(ADDR, room, prefill_dp_rank=0)
+                receiver = make(ADDR, room, ONE_RANK, prefill_dp_rank=0)
                 receiver.init()
                 keep(receiver)
             timed += time.perf_counter() - start
@@ -131,6 +132,8 @@ def _manager_worker(ops: int, manager: DecodeManager) -> Callable[[], float]:
 
 
 _room_blocks = itertools.count()
+#: The one-rank plan the published entry serves (no server to fetch a topology from).
+ONE_RANK = RankPlan()
 
 
 def _throughput(make: Callable[[int], Callable[[], float]], threads: int) -> tuple[float, float]:

@@ -35,6 +35,7 @@ from http_support import TrickleServer
 from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient, register_rank, route_payload
 from statemachine.decode.manager import DecodeManager
+from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.lifecycle import KVPoll
 
@@ -61,7 +62,7 @@ def bench_trickle(deadline: float, repeats: int, baseline_cap: float) -> None:
     try:
         with TrickleServer(interval=1.0, phase="headers", max_seconds=baseline_cap) as srv:
             for room in range(repeats):
-                receiver = manager.receiver(srv.address, room)
+                receiver = manager.receiver(srv.address, room, RankPlan())
                 start = time.monotonic()
                 assert receiver.init(prefill_dp_rank=0) is KVPoll.Failed
                 overshoot.append((time.monotonic() - start - deadline) * 1000.0)

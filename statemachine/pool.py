@@ -34,7 +34,8 @@ class PoolKey(NamedTuple):
     addr: str
     dp_rank: int
     cp_rank: int
-    tp_rank: int
+    #: None: one entry for every tp rank (MLA KV-cache sharding, spec/plans.md PLAN-6).
+    tp_rank: int | None
 
 
 class RankInfo(NamedTuple):

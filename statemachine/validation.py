@@ -64,6 +64,11 @@ TOPOLOGY_KEYS = frozenset(
     )
 )
 
+#: Topology keys the client parses (rank-plan switches of SGLang 0.5.23, spec/plans.md) that
+#: the reference server does not interpret: it carries them through from the first
+#: registration, as SGLang's server does, so they stay out of its known-key set.
+PLAN_KEYS = frozenset(("kv_layout", "enable_kv_cache_sharding"))
+
 # RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens, 1-63 chars
 # each, 253 in all, optional trailing dot. ASCII only: IDNA names arrive already encoded.
 _LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
@@ -104,6 +109,10 @@ class Topology:
     prefill_http_port: int | None = None
     decode_allocation_policy: str | None = None
     dsv41_spec_layout: Mapping[str, object] | None = field(default=None, hash=False)
+    #: The prefill's KV layout name (SGLang: attention backend / SGLANG_DSV4_KV_LAYOUT).
+    kv_layout: str | None = None
+    #: Each prefill tp (MLA) or cp rank owns only some KV pages: pull from all (PLAN-6/7).
+    enable_kv_cache_sharding: bool | None = None
     #: Reply keys this version does not interpret, carried through (read-only, bounded).
     extra: Mapping[str, object] = field(default_factory=lambda: _EMPTY, hash=False)
 
@@ -358,7 +367,11 @@ def topology_reply(
             obj, "decode_allocation_policy", _is_label, "a str", **a
         ),
         dsv41_spec_layout=None if layout is None else MappingProxyType(layout),  # type: ignore[arg-type]
-        extra=MappingProxyType(bounded_extra(obj, TOPOLOGY_KEYS)),
+        kv_layout=_optional_value(obj, "kv_layout", _is_label, "a str", **a),  # type: ignore[arg-type]
+        enable_kv_cache_sharding=_optional_value(  # type: ignore[arg-type]
+            obj, "enable_kv_cache_sharding", lambda v: isinstance(v, bool), "a bool", **a
+        ),
+        extra=MappingProxyType(bounded_extra(obj, TOPOLOGY_KEYS | PLAN_KEYS)),
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from statemachine.decode.client import route_payload
+from statemachine.decode.plan import DecodeLayout, derive_plan
 from statemachine.discovery.changes import (
     RankChange,
     StampedGeneration,
@@ -210,6 +211,30 @@ def test_source_serves_ranks_from_its_store(etcd: EtcdServer, prefix: str) -> No
     finally:
         registrar.close()
         source.close()
+
+
+def test_topology_carries_the_plan_switches_of_the_registration(
+    etcd: EtcdServer, prefix: str
+) -> None:
+    """spec/plans.md PLAN-1: an etcd-discovered prefill's topology has the same optional keys
+    as a bootstrap server's reply, so a decode on etcd plans as SGLang 0.5.23 does."""
+    with (
+        EtcdBootstrapSource(EtcdGateway([etcd.endpoint]), prefix=prefix) as source,
+        EtcdRegistrar(EtcdGateway([etcd.endpoint]), ADDR, prefix=prefix, ttl=5) as registrar,
+    ):
+        assert source.wait_synced(BOUND)
+        for tp in range(2):
+            value = payload(5000 + tp, tp=tp, tp_size=2)
+            value.update(kv_layout="paged", enable_kv_cache_sharding=True)
+            value.update(decode_allocation_policy="prefill_complete")
+            revision = registrar.register(value)
+        assert wait_until(lambda: source.revision >= revision, BOUND)
+        topology = source.get_topology(ADDR)
+        assert topology.kv_layout == "paged" and topology.enable_kv_cache_sharding is True
+        assert topology.decode_allocation_policy == "prefill_complete"
+        assert topology.enable_dsa_cache_layer_split is False
+        plan = derive_plan(ADDR, topology, DecodeLayout(1, 2, is_mla=True))
+        assert plan.target_tp_rank is None and plan.required_dst_info_num == 2
 
 
 def test_dp_ranks_follow_the_room_when_the_prefill_says_so(etcd: EtcdServer, prefix: str) -> None:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.manager import DecodeManager
+from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import (
     MalformedReply,
@@ -41,6 +42,9 @@ RANK = {"dp_rank": 0, "cp_rank": 0, "tp_rank": 0, "pp_rank": 0}
 # benchmarks/bench_hostile.py and asserted here on the best of three tries.
 SLACK = 0.5
 BEST_SLACK = 0.05
+
+#: These scripted servers answer every GET with a rank reply (no topology): plan explicitly.
+ONE_RANK = RankPlan()
 
 
 def open_fds() -> int:
@@ -108,7 +112,7 @@ def test_http35_receiver_init_bounded_against_trickle(
     ):
         times = []
         for room in range(3):
-            receiver = manager.receiver(server.address, room)
+            receiver = manager.receiver(server.address, room, ONE_RANK)
             elapsed, result = timed(lambda: receiver.init(prefill_dp_rank=0))  # noqa: B023
             assert result is KVPoll.Failed
             assert isinstance(receiver.failure, TransportFailure)
@@ -272,9 +276,9 @@ def test_http25_bad_rank_ips_fail_init_typed_without_leaking(
     client, transport = decode_parts
     scripted_route.set(200, json.dumps({"rank_ip": rank_ip, "rank_port": 17000}).encode())
     with make_decode(client, transport) as manager:
-        manager.receiver(scripted_route.address, 0).init(prefill_dp_rank=0)  # warm up
+        manager.receiver(scripted_route.address, 0, ONE_RANK).init(prefill_dp_rank=0)  # warm up
         before = open_fds()
-        receiver = manager.receiver(scripted_route.address, 1)
+        receiver = manager.receiver(scripted_route.address, 1, ONE_RANK)
         assert receiver.init(prefill_dp_rank=0) is KVPoll.Failed
         assert isinstance(receiver.failure, MalformedReply)
         assert "rank_ip" in str(receiver.failure)

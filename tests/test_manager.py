@@ -550,17 +550,18 @@ def test_mgr_8_follow_bootstrap_room_and_single_dp_need_no_query() -> None:
 
 
 def test_mgr_9_rank_plan_derived_from_topology_and_checked() -> None:
-    """RankPlan from the prefill's topology and this decode's tp layout, with the dummy mapping;
-    a page size or KV dtype mismatch is a typed TopologyMismatch, and a receiver meeting it
-    fails (FetchFail) with that reason."""
+    """RankPlan from the prefill's topology and this decode's tp layout (every rule and
+    SGLang's own mapping: tests/test_plan.py, tests/test_sglang_plans.py); a page size or KV
+    dtype mismatch is a typed TopologyMismatch, and a receiver meeting it fails (FetchFail)
+    with that reason."""
     prefill_tp2 = Topology(2, 1, 1, 1, 16, "bfloat16", None, "i")
     assert derive_plan("a:1", prefill_tp2, DecodeLayout(0, 2)).tp_ranks == (0,)
     assert derive_plan("a:1", prefill_tp2, DecodeLayout(1, 2)).tp_ranks == (1,)
     assert derive_plan("a:1", prefill_tp2, DecodeLayout(0, 1)).tp_ranks == (0, 1)
-    shared = derive_plan("a:1", prefill_tp2, DecodeLayout(3, 4))
-    assert shared.tp_ranks == (1,) and shared.dummy_tp_ranks == frozenset({1})
-    real = derive_plan("a:1", prefill_tp2, DecodeLayout(2, 4))
-    assert real.tp_ranks == (1,) and real.dummy_tp_ranks == frozenset()
+    for rank in (2, 3):  # two decode ranks share prefill rank 1, both real peers of it
+        shared = derive_plan("a:1", prefill_tp2, DecodeLayout(rank, 4))
+        assert shared.tp_ranks == (1,) and shared.dummy_tp_ranks == frozenset()
+        assert shared.required_dst_info_num == 2 and shared.required_prefill_response_num == 1
     for layout in (
         DecodeLayout(0, 3),
         DecodeLayout(page_size=32),

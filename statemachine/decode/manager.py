@@ -51,7 +51,7 @@ from statemachine.backend import KVBackend, SimpleBackend
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
-from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan, derive_plan
+from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan, plan_without_layout
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import Endpoint, Mode, ZmqTransport, endpoint_url
 from statemachine.decode.receiver import (
@@ -397,7 +397,7 @@ class DecodeManager:
         """A receiver for ``room`` against the prefill at ``addr``, known to this manager.
 
         ``plan`` defaults to the one derived from the prefill's topology and this manager's
-        ``layout`` (or one rank without a layout); ``prefill_dp_rank`` is the router's, if any.
+        ``layout`` (:meth:`plan_for`); ``prefill_dp_rank`` is the router's, if any.
         """
         return BootstrapReceiver(self, addr, room, plan, prefill_dp_rank=prefill_dp_rank)
 
@@ -420,12 +420,16 @@ class DecodeManager:
         return topology
 
     def plan_for(self, addr: str) -> RankPlan:
-        """This decode rank's plan against ``addr``: derived and checked when a layout is set."""
-        if self.layout is None:
-            return DEFAULT_PLAN
+        """This decode rank's plan against ``addr``, from the prefill's topology (spec/plans.md):
+        derived from ``layout``; without one, only a one-rank prefill is planned (PLAN-9)."""
         plan = self._plans.get(addr)
         if plan is None:
-            plan = self._plans[addr] = derive_plan(addr, self.topology(addr), self.layout)
+            topology = self.topology(addr)
+            if self.layout is None:
+                plan = plan_without_layout(addr, topology)
+            else:
+                plan = derive_plan(addr, topology, self.layout)
+            self._plans[addr] = plan
         return plan
 
     def _pend(self, receiver: BootstrapReceiver) -> None:

@@ -316,8 +316,6 @@ class BootstrapReceiver:
         m = self._m
         plan = self.plan
         dp_rank = self._dp_rank
-        if plan is None and m.layout is None:
-            plan = self.plan = DEFAULT_PLAN
         if plan is None or dp_rank is None:
             try:
                 if plan is None:

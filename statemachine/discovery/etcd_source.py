@@ -30,6 +30,7 @@ the store and every stamped generation, then lists the new cluster.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from collections import Counter, deque
@@ -55,11 +56,14 @@ from statemachine.discovery.layout import (
 from statemachine.errors import DiscoveryError, NotFound, NotReady, WatchCompacted
 from statemachine.pool import BootstrapPool, Generation, PoolKey
 from statemachine.validation import (
+    PLAN_KEYS,
+    TOPOLOGY_KEYS,
     InvalidArgument,
     RouteReply,
     Topology,
     parse_addr,
     require_index,
+    topology_reply,
 )
 
 __all__ = ["EtcdBootstrapSource", "EtcdSourceStats"]
@@ -257,7 +261,12 @@ class EtcdBootstrapSource:
     def get_topology(self, addr: str) -> Topology:
         reference = self._view(addr).reference
         assert reference is not None  # a ready view has one
-        return Topology(
+        # The optional layout keys (the rank-plan switches of spec/plans.md PLAN-1, the
+        # allocation policy, DSpark) come from the reference rank's registration, as a bootstrap
+        # server takes them from its first registration, and go through the same reply parser.
+        registration = json.loads(reference.raw)  # a JSON object: parse_value checked it
+        reply = {k: v for k, v in registration.items() if k in TOPOLOGY_KEYS | PLAN_KEYS}
+        reply.update(
             attn_tp_size=reference.attn_tp_size,
             attn_cp_size=reference.attn_cp_size,
             dp_size=reference.dp_size,
@@ -265,8 +274,8 @@ class EtcdBootstrapSource:
             page_size=reference.page_size,
             kv_cache_dtype=reference.kv_cache_dtype,
             follow_bootstrap_room=reference.follow_bootstrap_room,
-            instance_id=reference.instance_id,
         )
+        return topology_reply(reply, addr=addr, status=200, instance_id=reference.instance_id)
 
     def query_dp_ranks(self, addr: str, rooms: Sequence[int]) -> dict[int, int]:
         """dp rank per room, by the prefill's registered rule (docs/etcd.md, "dp ranks").
