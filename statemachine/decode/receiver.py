@@ -11,9 +11,12 @@ Receivers are made by a :class:`~statemachine.decode.manager.DecodeManager`, whi
 shared parts, knows every receiver in flight, and completes or fails them. The API follows
 SGLang's decode-side receiver (``init``, ``send_metadata``, ``poll``, ``failure_exception``,
 ``abort``, ``clear``, ``invalidate_cached_bootstrap_infos``). One thread drives a receiver; the
-only cross-thread inputs are two single attribute stores, each consumed by the owner's next
-call: :meth:`mark_transferred` (the ack listener) and the manager's failure fan-out (``_lost``,
-turned into ``PeerLost`` by ``init``/``send_metadata``/``poll``). So no lock per receiver.
+cross-thread inputs are single stores, each consumed by the owner's next call: the prefill's
+reports from the ack listener's thread (a success adds its rank to ``_responses`` and, at the
+plan's ``required_prefill_response_num``, sets ``_acked``; a failure sets ``_reported``; the
+handshake answer sets ``_ready``) and the manager's failure fan-out (``_lost``), turned into
+``Complete`` / ``PeerLost`` / ``PrefillReady`` by ``init``/``send_metadata``/``poll``. So no
+lock per receiver.
 """
 
 from __future__ import annotations
@@ -202,7 +205,6 @@ class BootstrapReceiver:
     __slots__ = (
         "_acked",
         "_dp_rank",
-        "_expecting",
         "_failure",
         "_lost",
         "_m",
@@ -256,7 +258,6 @@ class BootstrapReceiver:
         #: when the metadata was sent (or, while the dp rank is pending, when that began)
         self._sent_at = 0.0
         self._acked = False
-        self._expecting = False
         self._pending = False
         # Completion by distinct prefill responses (MGR-13): written by the ack listener's
         # thread (or a transfer engine's), read by the owner's poll.
