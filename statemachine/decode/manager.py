@@ -46,7 +46,6 @@ microseconds per thousand requests in flight, off the hit path.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import os
 import threading
@@ -55,7 +54,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from statemachine.backend import KVBackend, SimpleBackend
+from statemachine.backend import KVBackend, SimpleBackend, decode_reply
 from statemachine.completion import (
     STATUS_FAILED,
     STATUS_SUCCESS,
@@ -68,7 +67,7 @@ from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.holds import AbortHolds
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan, derive_plan
-from statemachine.decode.ranks.acks import AckListener, Decoder, decode_ack
+from statemachine.decode.ranks.acks import AckListener, Decoder
 from statemachine.decode.ranks.transport import Endpoint, Mode, ZmqTransport, endpoint_url
 from statemachine.decode.receiver import (
     DEFAULT_WAITING_TIMEOUT_S,
@@ -206,7 +205,7 @@ class DecodeManager:
                 raise ConfigurationError(f"{name} must be a positive number, not {value!r}")
         self._owned: list[Callable[[], None]] = []  # closers of the parts made here, in order
         # Set before the ack listener exists: its thread may deliver at once.
-        self._decoder: Decoder = decode_ack
+        self._decoder: Decoder = decode_reply
         self._inflight: dict[int, BootstrapReceiver] = {}
         self.clock = clock
         self._holds = AbortHolds(kv_release_timeout_s, clock)
@@ -235,13 +234,6 @@ class DecodeManager:
         self.policy_checked = policy is not None
         #: ``prefill_complete``: init() runs the BOOTSTRAP handshake (MGR-16)
         self.prefill_complete = policy == PREFILL_COMPLETE
-        if self.prefill_complete and not callable(getattr(self.backend, "bootstrap_frames", None)):
-            self._close_owned()
-            raise ConfigurationError(
-                f"decode_allocation_policy {PREFILL_COMPLETE!r} needs a backend with "
-                f"bootstrap_frames(), which {type(self.backend).__name__} lacks: use a backend "
-                "that speaks the BOOTSTRAP handshake, or the policy 'early'"
-            )
         self.staging = bool(staging)
         self.waiting_timeout_s = float(waiting_timeout_s)
         self.bootstrap_timeout_s = float(bootstrap_timeout_s)
@@ -411,13 +403,9 @@ class DecodeManager:
             else:
                 backend = SimpleBackend(self.acks.ip, self.acks.port, session_id)
         self.backend: KVBackend = backend
-        decode_message = getattr(backend, "decode_message", None)
+        decode_message = getattr(backend, "decode_message", None)  # checked by Decode below
         if callable(decode_message):
             self._decoder = decode_message
-        #: the backend's ABORT can carry a generation (a backend written before it cannot:
-        #: its ABORTs stay legacy and nothing is held, as no rank could acknowledge one)
-        abort_frames = getattr(backend, "abort_frames", None)  # checked by Decode below
-        self._armed_aborts = callable(abort_frames) and _accepts(abort_frames, "generation")
         self.health: HealthMonitor | None = None
         # With etcd there may be no HTTP server at the address: the watch and the leases
         # replace the health monitor.
@@ -645,32 +633,25 @@ class DecodeManager:
         if not ranks:
             return
         receiver._notified = True
-        generation_id = None
-        if armed and self._armed_aborts:
-            generation_id = self._holds.hold(receiver.room, len(ranks))
+        generation_id = self._holds.hold(receiver.room, len(ranks)) if armed else None
         for generation, rank in ranks:
             endpoint = (rank.ip, rank.port)
             if self.transport.is_down(endpoint):
                 continue
             # A failed send means the rank is gone: nothing left to free there.
             with contextlib.suppress(SendFailed):
-                if generation_id is None:
-                    frames = self.backend.abort_frames(
-                        rank, receiver.room, instance_id=generation.instance_id
-                    )
-                else:
-                    frames = self.backend.abort_frames(  # type: ignore[call-arg]
-                        rank,
-                        receiver.room,
-                        instance_id=generation.instance_id,
-                        generation=generation_id,
-                    )
+                frames = self.backend.abort_frames(
+                    rank,
+                    receiver.room,
+                    instance_id=generation.instance_id,
+                    generation=generation_id,
+                )
                 self.transport.send(endpoint, frames)
 
     def _send_bootstrap(self, receiver: BootstrapReceiver) -> None:
         """``prefill_complete``: BOOTSTRAP to every rank of the room (SendFailed propagates:
         a rank that cannot hear the handshake will never answer it)."""
-        make = self.backend.bootstrap_frames  # type: ignore[attr-defined]
+        make = self.backend.bootstrap_frames
         for generation, rank in receiver.ranks():
             frames = make(rank, receiver.room, instance_id=generation.instance_id)
             self.transport.send((rank.ip, rank.port), frames)
@@ -960,19 +941,6 @@ def _items_of(receiver: BootstrapReceiver) -> tuple[tuple[PoolKey, Generation], 
         except RuntimeError:  # pragma: no cover - resized while copied; look again
             continue
     return ()  # pragma: no cover
-
-
-def _accepts(function: Callable[..., object], keyword: str) -> bool:
-    """Whether ``function`` takes ``keyword`` (read once, at construction)."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # pragma: no cover - a builtin: trust it
-        return True
-    return any(
-        p.kind is inspect.Parameter.VAR_KEYWORD
-        or (p.name == keyword and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
-        for p in parameters
-    )
 
 
 def _stamp(error: BootstrapError, now: float) -> None:

@@ -445,7 +445,14 @@ class BootstrapReceiver:
             marked = m._marked(self)
             if marked is not None:
                 return self._fail(life.PEER_LOST, marked)
-        request = _metadata_request(self, kv_indices, aux_index, prefix_len)
+        plan = self.plan
+        request = MetadataRequest(
+            self.room,
+            kv_indices,
+            aux_index,
+            prefix_len,
+            required_dst_info_num=1 if plan is None else plan.required_dst_info_num,
+        )
         if self._needed == 0:
             self._acked = True  # every rank is a dummy for us: nothing will be transferred
         transport = m.transport
@@ -852,26 +859,6 @@ class BootstrapReceiver:
 
     def __repr__(self) -> str:
         return f"BootstrapReceiver(id={self.id}, room={self.room}, state={self.state!r})"
-
-
-_REQUEST_KEYWORDS = frozenset(inspect.signature(MetadataRequest).parameters)
-
-
-def _metadata_request(
-    receiver: BootstrapReceiver, kv_indices: Sequence[int] | Any, aux_index: int, prefix_len: int
-) -> MetadataRequest:
-    """The room's metadata; ``required_dst_info_num`` from the plan where the backend's request
-    type carries it (SGLang's layouts do)."""
-    plan = receiver.plan
-    if plan is not None and "required_dst_info_num" in _REQUEST_KEYWORDS:
-        return MetadataRequest(
-            receiver.room,
-            kv_indices,
-            aux_index,
-            prefix_len,
-            required_dst_info_num=plan.required_dst_info_num,  # type: ignore[call-arg]
-        )
-    return MetadataRequest(receiver.room, kv_indices, aux_index, prefix_len)
 
 
 def transfer_failed(

@@ -8,7 +8,7 @@ reason]``) and an ``ABORT_ACK`` once an aborted room drained; the reference pref
 (a ``ZMQ_STREAM`` socket, see ACK-2 below) and, on a daemon thread, turns every message into a
 :data:`~statemachine.completion.PrefillEvent` through a *decoder* - the manager passes its
 backend's ``decode_message``, so each backend parses its own wire; without one, the reference
-ack is read (:func:`decode_ack`).
+layout's replies are read (:func:`~statemachine.backend.decode_reply`).
 
 Two ways to consume the events. A :class:`~statemachine.decode.manager.DecodeManager` passes
 ``on_event`` and gets every event (it counts distinct prefill responses per room itself,
@@ -47,7 +47,7 @@ from typing import Any
 
 import zmq
 
-from statemachine.backend import MalformedFrames
+from statemachine.backend import MalformedFrames, decode_reply
 from statemachine.completion import STATUS_SUCCESS, PrefillEvent, PrefillStatus
 from statemachine.validation import require_rank_ip
 
@@ -122,21 +122,6 @@ def parse_ack(frames: Sequence[bytes]) -> Ack:
     return Ack(values[0], values[1], values[2])
 
 
-def ack_rank(tp_rank: int, pp_rank: int) -> int:
-    """One id per (tp, pp) sender of the reference ack, distinct for any sizes (Cantor's
-    pairing), so that acks count once per prefill rank as SGLang's status ids do."""
-    return (tp_rank + pp_rank) * (tp_rank + pp_rank + 1) // 2 + pp_rank
-
-
-def decode_ack(frames: Sequence[bytes]) -> PrefillEvent | None:
-    """The reference prefill's ack as a Success status; None if it is not one (never raises)."""
-    try:
-        ack = parse_ack(frames)
-    except MalformedFrames:
-        return None
-    return PrefillStatus(ack.room, STATUS_SUCCESS, ack_rank(ack.tp_rank, ack.pp_rank))
-
-
 @dataclass(frozen=True, slots=True)
 class AckStats:
     received: int  # well-formed messages (acks, statuses, abort acks)
@@ -168,7 +153,7 @@ class AckListener:
         decoder: Decoder | None = None,
         on_event: EventCallback | None = None,
     ) -> None:
-        self._decode: Decoder = decode_ack if decoder is None else decoder
+        self._decode: Decoder = decode_reply if decoder is None else decoder
         self._on_event = on_event
         # The ip travels in every metadata message as the address prefill ranks connect to:
         # a peer IP literal (not 0.0.0.0, not a name), checked before any socket exists.
