@@ -508,3 +508,34 @@ def test_mgr_17_staging_with_unequal_attn_tp_is_refused_with_a_typed_error() -> 
         assert receiver.init() == KVPoll.Failed
         assert isinstance(receiver.failure, TopologyMismatch)
         assert "staging" in str(receiver.failure)
+
+
+# --- against the reference prefill rank processes ----------------------------------------------
+
+
+def test_mgr_15_reference_ranks_acknowledge_the_timeout_abort_and_release_the_kv() -> None:
+    """The reference prefill (real processes) drops the room's pending ack on the ABORT and
+    answers its generation with an abort_ack (ZMQ-22): the held room is released by acks, well
+    before the release timeout, and the late transfer ack never arrives."""
+    from test_receiver import PLAN, start_prefill, stop_prefill
+
+    now = [0.0]
+    prefill = start_prefill(ack_delay_ms=60_000)
+    try:
+        with manager_of(
+            clock=lambda: now[0], waiting_timeout_s=TIMEOUT_S, backend_factory=None
+        ) as manager:
+            receiver = manager.receiver(prefill.addr, 50, PLAN, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.WaitingForInput
+            assert receiver.send_metadata((1, 2)) == KVPoll.Transferring
+            now[0] = TIMEOUT_S
+            assert receiver.poll() == KVPoll.Failed
+            assert isinstance(receiver.failure, WaitingTimeout)
+            assert manager.kv_holds().held == 1  # armed before the ABORT went out
+            deadline = time.monotonic() + BOUND_S
+            while not manager.kv_release(50) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert manager.kv_release(50)  # both ranks acked the generation
+            assert manager.kv_holds().released_by_acks == 1
+    finally:
+        stop_prefill(prefill)

@@ -65,7 +65,7 @@ from statemachine.completion import (
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
-from statemachine.decode.holds import AbortHolds
+from statemachine.decode.holds import AbortHolds, HoldStats
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan, derive_plan
 from statemachine.decode.ranks.acks import AckListener, Decoder
 from statemachine.decode.ranks.transport import Endpoint, Mode, ZmqTransport, endpoint_url
@@ -592,6 +592,11 @@ class DecodeManager:
         that was never held may be freed at once. Memory is bounded (MGR-15).
         """
         return self._holds.released(room)
+
+    def kv_holds(self) -> HoldStats:
+        """The deferred-release bookkeeping: rooms held now, released by acks or by timeout,
+        holds evicted at the bound, stale acks (MGR-15)."""
+        return self._holds.stats()
 
     def _ended(self, receiver: BootstrapReceiver, error: BootstrapError | None) -> None:
         """A receiver reached a final state: forget it and its pending room."""
