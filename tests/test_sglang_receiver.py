@@ -539,3 +539,46 @@ def test_mgr_15_reference_ranks_acknowledge_the_timeout_abort_and_release_the_kv
             assert manager.kv_holds().released_by_acks == 1
     finally:
         stop_prefill(prefill)
+
+
+# --- MGR-15 the hold table itself ----------------------------------------------------------------
+
+
+def test_mgr_15_holds_count_only_the_current_generation_and_stay_bounded() -> None:
+    from statemachine.decode.holds import AbortHolds
+
+    now = [0.0]
+    holds = AbortHolds(30.0, lambda: now[0], max_rooms=2)
+    first = holds.hold(1, ranks=2)
+    second = holds.hold(1, ranks=2)  # a new ABORT for the room: a new generation replaces it
+    assert second == first + 1 and holds.generation(1) == second
+    assert not holds.acked(AbortAck(1, 0, first))  # the old generation: stale
+    assert not holds.acked(AbortAck(1, 0, None))  # a legacy ack names no generation
+    assert not holds.acked(AbortAck(1, None, second))  # names no rank
+    assert not holds.acked(AbortAck(9, 0, second))  # a room not held
+    assert holds.acked(AbortAck(1, 0, second)) and not holds.released(1)
+    assert holds.acked(AbortAck(1, 1, second)) and holds.released(1)
+    holds.hold(2, ranks=1)
+    holds.hold(3, ranks=1)
+    holds.hold(4, ranks=1)  # past max_rooms: the oldest (room 2) is given up
+    assert holds.released(2) and not holds.released(3) and not holds.released(4)
+    now[0] = 30.0
+    assert holds.released(3)
+    stats = holds.stats()
+    assert (stats.held, stats.released_by_acks, stats.released_by_timeout) == (1, 1, 1)
+    assert (stats.evicted, stats.stale_acks) == (1, 4)
+
+
+def test_mgr_13_messages_for_rooms_not_in_flight_are_dropped_and_counted() -> None:
+    with prefill_of() as prefill, manager_of() as manager, pusher(manager) as push:
+        receiver = waiting(manager, prefill, 60)
+        push.status(61, STATUS_SUCCESS, 0)  # nobody's room
+        push.abort_ack(60, 0, 1)  # room 60 is not held
+        push.status(60, STATUS_SUCCESS, 0)
+        push.status(60, STATUS_SUCCESS, 1)
+        push.settle(4)
+        assert receiver.poll() == KVPoll.Success
+        push.status(60, STATUS_FAILED, 0)  # after the room ended
+        push.settle(5)
+        assert manager.stats().dropped_events == 3
+        assert manager.stats().kv_held == 0

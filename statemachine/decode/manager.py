@@ -146,6 +146,10 @@ class ManagerStats:
     sockets_open: int
     endpoints_retained: int
     dp_queries: int
+    #: prefill messages for rooms not in flight, and stale ABORT_ACKs (dropped, MGR-13/15)
+    dropped_events: int = 0
+    #: rooms whose KV is held after an ABORT with a generation (MGR-15)
+    kv_held: int = 0
 
 
 class DecodeManager:
@@ -895,6 +899,8 @@ class DecodeManager:
                 sockets_open=sockets,
                 endpoints_retained=sum(len(e) for e in self._retained.values()),
                 dp_queries=self._dp_queries,
+                dropped_events=self._unknown_events,
+                kv_held=self._holds.stats().held,
             )
 
     def close(self) -> None:
