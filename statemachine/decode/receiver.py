@@ -271,8 +271,9 @@ class BootstrapReceiver:
         # thread (or a transfer engine's), read by the owner's poll.
         #: how many distinct prefill ranks must report success (known once the plan is)
         self._needed: int | None = None
-        #: the prefill ranks that reported success for this room
-        self._responses: set[int] = set()
+        #: the prefill ranks that reported success for this room (made at the first report,
+        #: under the manager's lock: a hit that never hears from the prefill allocates none)
+        self._responses: set[int] | None = None
         #: a failure the prefill reported: terminal, and it wins over any success (MGR-14)
         self._reported: BootstrapError | None = None
         #: the prefill answered the BOOTSTRAP handshake (MGR-16)
@@ -482,12 +483,16 @@ class BootstrapReceiver:
         """A Success from ``prefill_rank`` (any thread). Counts once per distinct rank; the
         room is transferred when ``required_prefill_response_num`` ranks did (SGLang's
         ``apply_prefill_status``). Returns whether this report was new."""
-        responses = self._responses
-        if prefill_rank in responses:
-            return False
-        responses.add(prefill_rank)
+        with self._m._lock:  # the listener's and an engine's thread may both report
+            responses = self._responses
+            if responses is None:
+                responses = self._responses = set()
+            elif prefill_rank in responses:
+                return False
+            responses.add(prefill_rank)
+            count = len(responses)
         needed = self._needed
-        if needed is not None and len(responses) >= needed and self._reported is None:
+        if needed is not None and count >= needed and self._reported is None:
             self._acked = True
             self._wake()
         return True
