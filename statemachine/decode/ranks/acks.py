@@ -30,8 +30,9 @@ besides staging and AUX_DATA, which this listener does not take: NIXL's 5-frame 
 last frame is the failure reason (a line of text). Senders are
 ordinary libzmq ``PUSH`` sockets and see a normal ``PULL`` peer.
 
-Trust boundary (ACK-3): an ack is not authenticated. Anyone who can reach the ack port can
-complete a room that is currently expected (never one that is not, and never twice). Like
+Trust boundary (ACK-3): a message is not authenticated. Anyone who can reach the ack port can
+complete or fail a room that is currently in flight (never one that is not, and a rank counts
+once), or release a held room's KV early with its current abort generation. Like
 SGLang's own ZMQ channels, the ack port belongs on the cluster-internal network between
 prefill and decode; bind it to that interface, never to a public one.
 """
