@@ -432,6 +432,20 @@ def test_mgr_16_policy_mismatch_fails_with_both_values_and_what_to_set() -> None
             assert "--disaggregation-decode-allocation-policy" in str(failure)
 
 
+def test_mgr_16_an_unset_policy_is_early_and_refuses_a_prefill_complete_prefill() -> None:
+    with (
+        prefill_of(tp=1, decode_allocation_policy="prefill_complete") as prefill,
+        manager_of(layout=DecodeLayout()) as manager,
+    ):
+        receiver = manager.receiver(prefill.addr, 34, RankPlan(), prefill_dp_rank=0)
+        assert receiver.init() == KVPoll.Failed
+        assert isinstance(receiver.failure, TopologyMismatch)
+        assert "prefill=prefill_complete, decode=early" in str(receiver.failure)
+    with prefill_of(tp=1) as prefill, manager_of(layout=DecodeLayout()) as manager:
+        receiver = manager.receiver(prefill.addr, 35, RankPlan(), prefill_dp_rank=0)
+        assert receiver.init() == KVPoll.WaitingForInput  # early against early: no handshake
+
+
 def test_mgr_16_prefill_complete_needs_a_tp1_prefill() -> None:
     with prefill_of(tp=2, decode_allocation_policy="prefill_complete") as prefill:
         layout = DecodeLayout(decode_allocation_policy="prefill_complete")

@@ -235,7 +235,7 @@ class DecodeManager:
         self.layout = layout
         policy = None if layout is None else layout.decode_allocation_policy
         #: SGLang's decode allocation policy is compared with each prefill's (MGR-16)
-        self.policy_checked = policy is not None
+        self.policy_checked = layout is not None
         #: ``prefill_complete``: init() runs the BOOTSTRAP handshake (MGR-16)
         self.prefill_complete = policy == PREFILL_COMPLETE
         self.staging = bool(staging)
@@ -490,6 +490,12 @@ class DecodeManager:
         theirs = topology.decode_allocation_policy
         if theirs is None:
             return  # a prefill that does not report it (older than the policy): nothing to check
+        if mine is None:
+            if theirs != PREFILL_COMPLETE:
+                return  # unset here: SGLang's default, early, which needs nothing
+            # Such a prefill sends its statuses only to decodes that sent BOOTSTRAP: without
+            # the handshake this request would wait out its timeout.
+            mine = "early (DecodeLayout.decode_allocation_policy unset)"
         if theirs != mine:
             raise TopologyMismatch(
                 f"{addr}: decode allocation policy mismatch: prefill={theirs}, decode={mine}; "
