@@ -76,9 +76,10 @@ def test_ack2_a_five_frame_status_with_a_long_reason_reaches_the_decoder() -> No
         seen.append(list(frames))
         return PrefillStatus(int(frames[1]), int(frames[2]), int(frames[3]), frames[4].decode())
 
-    def on_event(event: PrefillEvent) -> None:
+    def on_event(event: PrefillEvent) -> bool:
         events.append(event)
         got.set()
+        return True
 
     reason = b"r" * MAX_FRAME_BYTES
     with AckListener(decoder=decoder, on_event=on_event) as acks:

@@ -595,4 +595,5 @@ def test_mgr_13_messages_for_rooms_not_in_flight_are_dropped_and_counted() -> No
         push.status(60, STATUS_FAILED, 0)  # after the room ended
         push.settle(5)
         assert manager.stats().dropped_events == 3
+        assert manager.acks is not None and manager.acks.stats().unknown == 3
         assert manager.stats().kv_held == 0

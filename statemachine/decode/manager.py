@@ -572,17 +572,19 @@ class DecodeManager:
         """The ack listener's decoder: the backend's (read when each message arrives)."""
         return self._decoder(frames)
 
-    def _on_event(self, event: PrefillEvent) -> None:
+    def _on_event(self, event: PrefillEvent) -> bool:
         """One message from a prefill rank (the ack listener's thread), applied as SGLang
-        0.5.23's ``apply_prefill_status`` / ``handle_abort_ack_message`` do."""
+        0.5.23's ``apply_prefill_status`` / ``handle_abort_ack_message`` do; False when it was
+        dropped (no such room in flight, or a stale ABORT_ACK)."""
         if isinstance(event, AbortAck):
-            if not self._holds.acked(event):
-                self._unknown_events += 1
-            return
+            if self._holds.acked(event):
+                return True
+            self._unknown_events += 1
+            return False
         receiver = self._inflight.get(event.room)
         if receiver is None:  # cleared or never here: dropped, as SGLang drops it
             self._unknown_events += 1
-            return
+            return False
         status = event.status
         if status == STATUS_SUCCESS:
             receiver._responded(event.prefill_rank)
@@ -591,6 +593,7 @@ class DecodeManager:
         elif status == STATUS_WAITING_FOR_INPUT and self.prefill_complete:
             receiver._prefill_ready()
         # anything else: not a status the decode acts on (SGLang logs and ignores it)
+        return True
 
     def kv_release(self, room: int) -> bool:
         """Whether ``room``'s KV pages may be freed (SGLang's deferred decode KV release).

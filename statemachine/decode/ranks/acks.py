@@ -93,7 +93,8 @@ _log = logging.getLogger(__name__)
 AckCallback = Callable[[int], None]
 #: One multipart message -> an event, or None (not a message of this wire: dropped).
 Decoder = Callable[[Sequence[bytes]], PrefillEvent | None]
-EventCallback = Callable[[PrefillEvent], None]
+#: Takes one event; returns False if it was dropped (no such room: counted as unknown).
+EventCallback = Callable[[PrefillEvent], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +128,11 @@ def parse_ack(frames: Sequence[bytes]) -> Ack:
 class AckStats:
     received: int  # well-formed messages (acks, statuses, abort acks)
     completed: int  # rooms whose callback fired
-    unknown: int  # events for rooms nobody expected (dropped)
+    unknown: int  # events for rooms nobody expected or in flight (dropped)
     duplicates: int  # second success from the same rank for an expected room (ignored)
     malformed: int  # messages the decoder did not take (dropped)
     callback_errors: int  # callbacks that raised (logged, the listener keeps running)
-    expected: int  # rooms currently expected
+    expected: int  # rooms currently expected (standalone ``expect``; 0 under a manager)
 
 
 class _Pending:
@@ -300,7 +301,9 @@ class AckListener:
         with self._lock:
             self._received += 1
         if self._on_event is not None:
-            self._call(self._on_event, event, event.room)
+            if not self._call(self._on_event, event, event.room):
+                with self._lock:
+                    self._unknown += 1
             return
         if not isinstance(event, PrefillStatus) or event.status != STATUS_SUCCESS:
             with self._lock:
@@ -322,13 +325,16 @@ class AckListener:
         # Outside the lock: a callback may call expect()/forget() itself.
         self._call(pending.callback, event.room, event.room)
 
-    def _call(self, callback: Callable[[Any], None], argument: object, room: int) -> None:
+    def _call(self, callback: Callable[[Any], object], argument: object, room: int) -> bool:
+        """``callback(argument)``; False if it returned False. A callback that raises is
+        logged and counted, and the listener serves on."""
         try:
-            callback(argument)
+            return callback(argument) is not False
         except Exception:
             with self._lock:
                 self._callback_errors += 1
             _log.exception("ack callback for room %d raised", room)
+            return True
 
 
 # --- the receiving side of ZMTP 3.0 over a ZMQ_STREAM socket ----------------------------------
