@@ -75,7 +75,7 @@ _receiver_ids = itertools.count(1)
 _INIT_NEEDS = "init() runs once, on a new receiver; create a new receiver for a new request"
 _SEND_NEEDS = "send_metadata() runs once, after init() returned WaitingForInput"
 _INVALIDATE_NEEDS = "only a failed receiver has generations to invalidate (it does so itself)"
-_FAILURE_NEEDS = "failure_exception() runs on a receiver its owner is not inside init() of"
+_FAILURE_NEEDS = "failure_exception() cannot run while init() is fetching on the owner's thread"
 _HANDSHAKE_NEEDS = (
     "under the prefill_complete policy, send_metadata() runs once poll() returned "
     "WaitingForInput (the prefill answered the BOOTSTRAP handshake)"
