@@ -470,23 +470,23 @@ class DecodeManager:
             return DEFAULT_PLAN
         plan = self._plans.get(addr)
         if plan is None:
-            topology = self.topology(addr)
-            if self.staging and topology.attn_tp_size != self.layout.tp_size:
-                raise TopologyMismatch(
-                    f"{addr}: prefill attn tp size {topology.attn_tp_size} differs from this "
-                    f"decode's {self.layout.tp_size} and staging is on: SGLang's staging "
-                    "buffer is not implemented here; run without staging (the plan maps the "
-                    "ranks), or with equal attn tp sizes"
-                )
-            plan = self._plans[addr] = derive_plan(addr, topology, self.layout)
+            plan = self._plans[addr] = derive_plan(addr, self.topology(addr), self.layout)
         return plan
 
-    def check_policy(self, addr: str) -> None:
-        """SGLang 0.5.23's ``init()`` check: this decode's allocation policy equals the
-        prefill's, and ``prefill_complete`` needs a prefill of attn tp, cp and pp 1."""
+    def check_prefill(self, addr: str) -> None:
+        """SGLang 0.5.23's ``init()`` checks (MGR-16, MGR-17): this decode's allocation policy
+        equals the prefill's, ``prefill_complete`` needs a prefill of attn tp, cp and pp 1, and
+        staging (not implemented here) is refused where it would be used."""
         assert self.layout is not None  # policy_checked implies a layout
-        mine = self.layout.decode_allocation_policy
         topology = self.topology(addr)
+        if self.staging and topology.attn_tp_size != self.layout.tp_size:
+            raise TopologyMismatch(
+                f"{addr}: prefill attn tp size {topology.attn_tp_size} differs from this "
+                f"decode's {self.layout.tp_size} and staging is on: SGLang's staging buffer is "
+                "not implemented here; run without staging (the plan maps the ranks), or with "
+                "equal attn tp sizes"
+            )
+        mine = self.layout.decode_allocation_policy
         theirs = topology.decode_allocation_policy
         if theirs is None:
             return  # a prefill that does not report it (older than the policy): nothing to check

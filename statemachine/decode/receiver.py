@@ -378,7 +378,7 @@ class BootstrapReceiver:
                 return self._fail(life.FETCH_FAIL, error)
         if m.policy_checked:
             try:
-                m.check_policy(self.addr)  # SGLang compares it in init(), before the routes
+                m.check_prefill(self.addr)  # SGLang checks in init(), before the routes
             except BootstrapError as error:
                 return self._fail(life.FETCH_FAIL, error)
         self._needed = plan.required_prefill_response_num
