@@ -62,12 +62,12 @@ from statemachine.completion import (
     AbortAck,
     PrefillEvent,
 )
+from statemachine.decode import holds
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
-from statemachine.decode.holds import AbortHolds, HoldStats
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan, derive_plan
-from statemachine.decode.ranks.acks import AckListener, Decoder
+from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import Endpoint, Mode, ZmqTransport, endpoint_url
 from statemachine.decode.receiver import (
     DEFAULT_WAITING_TIMEOUT_S,
@@ -209,10 +209,10 @@ class DecodeManager:
                 raise ConfigurationError(f"{name} must be a positive number, not {value!r}")
         self._owned: list[Callable[[], None]] = []  # closers of the parts made here, in order
         # Set before the ack listener exists: its thread may deliver at once.
-        self._decoder: Decoder = decode_reply
+        self._decoder: Callable[[Sequence[bytes]], PrefillEvent | None] = decode_reply
         self._inflight: dict[int, BootstrapReceiver] = {}
         self.clock = clock
-        self._holds = AbortHolds(kv_release_timeout_s, clock)
+        self._holds = holds.AbortHolds(kv_release_timeout_s, clock)
         self._unknown_events = 0
         try:
             self._build(
@@ -606,7 +606,7 @@ class DecodeManager:
         """
         return self._holds.released(room)
 
-    def kv_holds(self) -> HoldStats:
+    def kv_holds(self) -> holds.HoldStats:
         """The deferred-release bookkeeping: rooms held now, released by acks or by timeout,
         holds evicted at the bound, stale acks (MGR-15)."""
         return self._holds.stats()
