@@ -9,7 +9,9 @@ by kind, room and frame count; whether metadata arrived) - must be the same. Whe
 *scheduler* acts on a failed receiver (``decode.py:2861-2917``: ``failure_exception()``, then a
 force-armed ABORT), the SGLang run does the same two calls; our manager does both itself.
 
-Two documented differences are normalised, not hidden: SGLang's poll stays WaitingForInput (2)
+The waiting timeout runs on SGLang's wall clock (its receiver reads ``time.time()``), set to
+0.2 s on its manager; ours runs on a fake clock. Two documented differences are normalised, not
+hidden: SGLang's poll stays WaitingForInput (2)
 after the metadata where ours says Transferring (3) (spec/lifecycle.md), and a room's ABORT goes
 out when our receiver fails rather than at the scheduler's next step.
 """
@@ -17,6 +19,7 @@ out when our receiver fails rather than at the scheduler's next step.
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -280,3 +283,36 @@ def test_completion_needs_every_distinct_response_and_a_repeat_counts_once() -> 
 
     assert theirs == mine
     assert mine.polls == (WAITING, WAITING, SUCCESS)
+
+
+def test_the_waiting_timeout_aborts_each_rank_once_with_a_generation() -> None:
+    """After the metadata, the waiting timeout fails the room and sends every rank one ABORT
+    carrying an abort generation (5 frames), and the room's KV is held for the acks."""
+    room = 106
+    with prefill_of() as prefill, sglang_decode(prefill) as (conn, manager):
+        manager.waiting_timeout = 0.2  # SGLang reads it once, from its env var, at construction
+        receiver = conn.CommonKVReceiver(manager, prefill.addr, room)
+        receiver.init(0)
+        _metadata(receiver)
+        polls = [_poll(receiver.poll())]
+        time.sleep(0.25)
+        polls.append(_poll(receiver.poll()))
+        receiver.abort()  # a later abort tells nobody again
+        held = room in manager._deferred_abort_ack_tracker
+        theirs = (Outcome(tuple(polls), None, _received(prefill, room)), held)
+
+    now = [0.0]
+    with prefill_of() as prefill, manager_of(clock=lambda: now[0], waiting_timeout_s=0.2) as ours:
+        receiver = ours.receiver(prefill.addr, room, PLAN2, prefill_dp_rank=0)
+        receiver.init()
+        receiver.send_metadata((1, 2))
+        polls = [_poll(receiver.poll())]
+        now[0] = 0.25
+        polls.append(_poll(receiver.poll()))
+        receiver.abort()
+        held = not ours.kv_release(room)
+        mine = (Outcome(tuple(polls), None, _received(prefill, room)), held)
+
+    assert theirs == mine
+    assert mine[0].polls == (WAITING, FAILED) and mine[1]
+    assert all(r == (("metadata", room, 0), ("abort", room, 5)) for r in mine[0].received)
