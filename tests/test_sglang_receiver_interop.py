@@ -31,7 +31,8 @@ from sglang_support import import_sglang, make_kv_args, requires_sglang, set_sgl
 from sglang_support import sglang_server_args as server_args_of
 from test_sglang_receiver import PLAN2, Prefill, manager_of, prefill_of, pusher
 
-from statemachine.completion import STATUS_FAILED, STATUS_SUCCESS
+from statemachine.completion import STATUS_FAILED, STATUS_SUCCESS, STATUS_WAITING_FOR_INPUT
+from statemachine.decode.plan import DecodeLayout, RankPlan
 from statemachine.errors import FailedOnAnotherRank, TransferFailed
 from statemachine.lifecycle import KVPoll
 
@@ -77,7 +78,7 @@ def _received(prefill: Prefill, room: int) -> tuple[tuple[tuple[str, int, int], 
 
 
 @contextmanager
-def sglang_decode(prefill: Prefill) -> Iterator[tuple[Any, Any]]:
+def sglang_decode(prefill: Prefill, **fields: Any) -> Iterator[tuple[Any, Any]]:
     """SGLang's decode ``CommonKVManager`` (tp 1: it pulls from both prefill ranks) with
     Mooncake's frame builders, its topology for ``prefill`` fetched; yields (conn, manager)."""
     conn = import_sglang()
@@ -94,7 +95,7 @@ def sglang_decode(prefill: Prefill) -> Iterator[tuple[Any, Any]]:
 
     with ExitStack() as stack:
         args = stack.enter_context(
-            server_args_of(disaggregation_mode="decode", host="127.0.0.1", tp_size=1)
+            server_args_of(disaggregation_mode="decode", host="127.0.0.1", tp_size=1, **fields)
         )
         set_sglang_ranks(tp_rank=0)
         kv_args = make_kv_args(engine_rank=0, page_size=PAGE_SIZE)
@@ -316,3 +317,82 @@ def test_the_waiting_timeout_aborts_each_rank_once_with_a_generation() -> None:
     assert theirs == mine
     assert mine[0].polls == (WAITING, FAILED) and mine[1]
     assert all(r == (("metadata", room, 0), ("abort", room, 5)) for r in mine[0].received)
+
+
+POLICY = "prefill_complete"
+
+
+def test_the_prefill_complete_handshake_bootstrap_ready_metadata_success() -> None:
+    """Under prefill_complete both send BOOTSTRAP in init() and stay Bootstrapping until the
+    prefill's WaitingForInput; then metadata, and Success from the one prefill rank."""
+    room = 107
+    plan = RankPlan()
+    with (
+        prefill_of(tp=1, decode_allocation_policy=POLICY) as prefill,
+        sglang_decode(prefill, disaggregation_decode_allocation_policy=POLICY) as (conn, manager),
+    ):
+        receiver = conn.CommonKVReceiver(manager, prefill.addr, room)
+        receiver.init(0)
+        polls = [_poll(receiver.poll())]
+        manager.apply_prefill_status(
+            bootstrap_room=room, status=STATUS_WAITING_FOR_INPUT, prefill_rank=0
+        )
+        polls.append(_poll(receiver.poll()))
+        _metadata(receiver)
+        manager.apply_prefill_status(bootstrap_room=room, status=STATUS_SUCCESS, prefill_rank=0)
+        polls.append(_poll(receiver.poll()))
+        theirs = Outcome(tuple(polls), None, _received(prefill, room))
+
+    layout = DecodeLayout(decode_allocation_policy=POLICY)
+    with (
+        prefill_of(tp=1, decode_allocation_policy=POLICY) as prefill,
+        manager_of(layout=layout) as ours,
+        pusher(ours) as push,
+    ):
+        receiver = ours.receiver(prefill.addr, room, plan, prefill_dp_rank=0)
+        receiver.init()
+        polls = [_poll(receiver.poll())]
+        push.status(room, STATUS_WAITING_FOR_INPUT, 0)
+        push.settle(1)
+        polls.append(_poll(receiver.poll()))
+        receiver.send_metadata((1, 2))
+        push.status(room, STATUS_SUCCESS, 0)
+        push.settle(2)
+        polls.append(_poll(receiver.poll()))
+        mine = Outcome(tuple(polls), None, _received(prefill, room))
+
+    assert theirs == mine
+    assert mine.polls == (int(KVPoll.Bootstrapping), WAITING, SUCCESS)
+    assert mine.received == ((("bootstrap", room, 4), ("metadata", room, 0)),)
+
+
+def test_a_handshake_never_answered_times_out_with_a_legacy_abort() -> None:
+    room = 108
+    with (
+        prefill_of(tp=1, decode_allocation_policy=POLICY) as prefill,
+        sglang_decode(prefill, disaggregation_decode_allocation_policy=POLICY) as (conn, manager),
+    ):
+        manager.waiting_timeout = 0.2
+        receiver = conn.CommonKVReceiver(manager, prefill.addr, room)
+        receiver.init(0)
+        polls = [_poll(receiver.poll())]
+        time.sleep(0.25)
+        polls.append(_poll(receiver.poll()))
+        theirs = Outcome(tuple(polls), None, _received(prefill, room))
+
+    now = [0.0]
+    layout = DecodeLayout(decode_allocation_policy=POLICY)
+    with (
+        prefill_of(tp=1, decode_allocation_policy=POLICY) as prefill,
+        manager_of(layout=layout, clock=lambda: now[0], waiting_timeout_s=0.2) as ours,
+    ):
+        receiver = ours.receiver(prefill.addr, room, RankPlan(), prefill_dp_rank=0)
+        receiver.init()
+        polls = [_poll(receiver.poll())]
+        now[0] = 0.25
+        polls.append(_poll(receiver.poll()))
+        mine = Outcome(tuple(polls), None, _received(prefill, room))
+
+    assert theirs == mine
+    assert mine.polls == (int(KVPoll.Bootstrapping), FAILED)
+    assert mine.received == ((("bootstrap", room, 4), ("abort", room, 4)),)
