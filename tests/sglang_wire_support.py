@@ -223,10 +223,17 @@ def stop_bootstrap_thread(backend: str, manager: Any, thread: threading.Thread) 
 
 
 @contextmanager
-def sglang_decode_builders(backend: str, **kv_overrides: Any) -> Iterator[Any]:
-    """A decode ``CommonKVManager`` with SGLang's own Mooncake or NIXL frame builders (§5.5 of
-    the interop notes): ``build_receiver_registration_message`` and
-    ``build_receiver_metadata_message`` borrowed as class attributes."""
+def sglang_decode_builders(
+    backend: str,
+    *,
+    deferred_release: bool = False,
+    server_fields: dict[str, Any] | None = None,
+    **kv_overrides: Any,
+) -> Iterator[Any]:
+    """A decode ``CommonKVManager`` with SGLang's own Mooncake or NIXL frame builders
+    (``build_receiver_registration_message`` and ``build_receiver_metadata_message`` borrowed as
+    class attributes), so that SGLang's real ``CommonKVReceiver`` can run on it.
+    ``deferred_release`` turns on what Mooncake and NIXL turn on: the ABORT generation."""
     conn = import_sglang()
     module = mooncake_module() if backend == "mooncake" else nixl_module()
     source = module.MooncakeKVManager if backend == "mooncake" else module.NixlKVManager
@@ -235,11 +242,13 @@ def sglang_decode_builders(backend: str, **kv_overrides: Any) -> Iterator[Any]:
     class Borrowed(conn.CommonKVManager):  # type: ignore[misc,name-defined]
         build_receiver_registration_message = source.build_receiver_registration_message
         build_receiver_metadata_message = source.build_receiver_metadata_message
+        supports_deferred_decode_kv_release = deferred_release
 
         def get_session_id(self) -> str:
             return SESSION_ID
 
-    with sglang_server_args(disaggregation_mode="decode", host="127.0.0.1") as server_args:
+    fields = {"disaggregation_mode": "decode", "host": "127.0.0.1", **(server_fields or {})}
+    with sglang_server_args(**fields) as server_args:
         set_sglang_ranks(tp_rank=0)
         manager = Borrowed(
             make_kv_args(**kv_overrides), conn.DisaggregationMode.DECODE, server_args
@@ -248,4 +257,6 @@ def sglang_decode_builders(backend: str, **kv_overrides: Any) -> Iterator[Any]:
         try:
             yield manager
         finally:
+            # Receivers share class-level PUSH sockets: close them before the context.
+            conn.CommonKVReceiver.close_all_sockets()
             manager._zmq_ctx.destroy(linger=0)

@@ -587,3 +587,44 @@ def test_sgw10_what_kills_sglangs_mooncake_decode_thread_is_none_to_us() -> None
                 manager.teardown()
                 decode_thread.join(5.0)
                 manager._zmq_ctx.destroy(linger=0)
+
+
+# --- the same bytes as SGLang's own decode, end to end ---------------------------------------
+
+
+@requires_sglang
+def test_sgw3_sgw4_sgw6_sgw7_sglangs_receiver_sends_our_bytes() -> None:
+    """SGLang's real ``CommonKVReceiver`` (Mooncake builders, prefill_complete, deferred release
+    on) against SGLang's bootstrap server and a registered prefill rank whose socket the test
+    reads: registration, BOOTSTRAP, metadata, the legacy ABORT and the ABORT with a generation
+    are, byte for byte, what MooncakeBackend builds for the same inputs."""
+    from sglang_support import sglang_prefill_rank
+
+    conn = import_sglang()
+    policy = {"disaggregation_decode_allocation_policy": "prefill_complete"}
+    with (
+        sglang_bootstrap_server() as addr,
+        sglang_prefill_rank(addr, tp_size=1, tp_rank=0, **policy) as rank,
+        sglang_decode_builders("mooncake", deferred_release=True, server_fields=policy) as mgr,
+    ):
+
+        def received() -> list[bytes]:
+            assert rank.server_socket.poll(5000), "the prefill rank received nothing in 5 s"
+            frames: list[bytes] = rank.server_socket.recv_multipart()
+            return frames
+
+        backend_ = ours("mooncake", HARNESS_KV, mgr.local_ip, mgr.rank_port)
+        assert mgr.try_ensure_parallel_info(addr)
+        first = conn.CommonKVReceiver(mgr, addr, 61)
+        first.init(0)
+        assert received() == backend_.register_frames(REAL)
+        assert received() == backend_.bootstrap_frames(REAL, 61)
+        first.abort()  # before its metadata: the legacy ABORT
+        assert received() == backend_.abort_frames(REAL, 61)
+        second = conn.CommonKVReceiver(mgr, addr, 62)
+        second.init(0)  # a pool hit: no second registration
+        assert received() == backend_.bootstrap_frames(REAL, 62)
+        second.send_metadata(np.array([4, 5], dtype=np.int32), 3, None, 16)
+        assert received() == backend_.metadata_frames(REAL, MetadataRequest(62, (4, 5), 3, 16))
+        second.abort()  # after its metadata: armed, generation 1
+        assert received() == backend_.abort_frames(REAL, 62, generation=1)
