@@ -1,0 +1,162 @@
+"""SGLang 0.5.23's NIXL layouts as a :class:`~statemachine.backend.KVBackend`.
+
+Frame by frame in ``spec/sglang-wire.md`` (SGW-3 registration, SGW-4 metadata, SGW-6
+BOOTSTRAP, SGW-7 ABORT, SGW-8/SGW-9 what comes back). The builders follow
+``NixlKVManager.build_receiver_registration_message`` / ``build_receiver_metadata_message``
+(``nixl/conn.py:3428-3526``). Every registration and metadata message starts with the GUARD
+frame: NIXL's prefill bootstrap thread asserts it (``nixl/conn.py:3379-3382``), strips it, and
+parses the rest with ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq``
+(``nixl/conn.py:302-456``); an exception there ends the thread, so inputs are checked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from statemachine.backend import MetadataRequest
+from statemachine.completion import PrefillEvent
+from statemachine.errors import ConfigurationError
+from statemachine.pool import RankInfo
+from statemachine.sglang.v0_5_23.control import (
+    abort_message,
+    ascii_int,
+    ascii_text,
+    decode_endpoint,
+    decode_prefill_message,
+)
+from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs, pack_lists, pack_u32, pack_u64
+from statemachine.validation import InvalidArgument
+
+#: The first frame of every NIXL registration and metadata message (``nixl/conn.py:78``).
+GUARD = b"NixlMsgGuard"
+#: The tag of a NIXL status message (``nixl/conn.py:515``).
+KV_STATUS_TAG = b"KV_STATUS"
+REGISTRATION_ROOM = b"None"
+REGISTRATION_FRAMES = 25
+METADATA_FRAMES = 11
+_DUMMY = {False: b"0", True: b"1"}
+
+
+class NixlBackend:
+    """The decode side of SGLang 0.5.23's NIXL transfer backend.
+
+    ``decode_ip``/``decode_port``: the decode's own PULL endpoint (statuses and ABORT_ACKs come
+    back there). ``agent_name`` and ``agent_metadata``: this decode's NIXL agent (``agent.name``
+    and ``agent.get_agent_metadata()``); the name identifies the decode peer to the prefill, the
+    metadata is opaque bytes handed to the prefill's agent. ``kv_args``: the KV buffers. The
+    registration does not depend on the rank, so it is built once, here.
+
+    The target instance id (ZMQ-21) is accepted and never put on the wire (SGW-5).
+    """
+
+    __slots__ = ("_endpoint", "_prefix", "_registration", "agent_name", "kv_args")
+
+    def __init__(
+        self,
+        decode_ip: str,
+        decode_port: int,
+        agent_name: str,
+        agent_metadata: bytes,
+        kv_args: DecodeKVArgs,
+    ) -> None:
+        if not isinstance(kv_args, DecodeKVArgs):
+            raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
+        if not isinstance(agent_metadata, bytes):
+            raise InvalidArgument(
+                f"agent_metadata must be the bytes of agent.get_agent_metadata(), got "
+                f"{type(agent_metadata).__name__}"
+            )
+        kv_args.check_for_nixl()
+        self._endpoint = decode_endpoint(decode_ip, decode_port)
+        name = ascii_text("NIXL agent_name", agent_name)
+        self.agent_name = agent_name
+        self.kv_args = kv_args
+        #: ip, port, agent name: frames 2-4 of every registration and metadata message
+        self._prefix = (*self._endpoint, name)
+        self._registration = self._build_registration(agent_metadata)
+
+    @classmethod
+    def factory(
+        cls, agent_name: str, agent_metadata: bytes, kv_args: DecodeKVArgs
+    ) -> Callable[[str, int], NixlBackend]:
+        """A ``backend_factory`` for :class:`~statemachine.decode.manager.DecodeManager`, which
+        calls it with its ack listener's ip and port (the decode's own PULL endpoint)."""
+
+        def build(ip: str, port: int) -> NixlBackend:
+            return cls(ip, port, agent_name, agent_metadata, kv_args)
+
+        return build
+
+    def _build_registration(self, agent_metadata: bytes) -> list[bytes]:
+        args = self.kv_args
+        return [
+            GUARD,
+            REGISTRATION_ROOM,
+            *self._prefix,
+            agent_metadata,
+            pack_u64(args.kv_data_ptrs),
+            pack_u64(args.aux_data_ptrs),
+            pack_lists(args.state_data_ptrs, "Q"),
+            ascii_int(args.gpu_id),
+            ascii_int(args.attn_tp_size),
+            ascii_int(args.engine_rank),
+            ascii_int(args.kv_item_len),
+            pack_lists(args.state_item_lens, "I"),
+            pack_lists(args.state_dim_per_tensor, "I"),
+            b"",  # staging base pointer: no staging buffer (SGW-3)
+            b"",  # staging total size
+            ascii_int(args.nixl_slot_count()),
+            ",".join(args.kv_mem_kinds).encode("ascii"),
+            pack_u64(args.kv_item_lens),
+            pack_lists(args.state_layer_ids, "I"),
+            pack_u32(args.kv_layer_ids),
+            ascii_int(args.dcp_size),
+            ascii_int(args.dcp_rank),
+            pack_lists(args.state_data_lens, "Q"),
+        ]
+
+    def register_frames(self, rank: RankInfo, *, instance_id: str | None = None) -> list[bytes]:
+        return list(self._registration)  # a copy: the caller may keep it
+
+    def metadata_frames(
+        self, rank: RankInfo, request: MetadataRequest, *, instance_id: str | None = None
+    ) -> list[bytes]:
+        dummy = rank.is_dummy
+        return [
+            GUARD,
+            ascii_int(request.room),
+            *self._prefix,
+            b"" if dummy else request.kv_bytes,
+            ascii_int(request.aux_index),  # sent for a dummy too, unlike Mooncake (SGW-4)
+            ascii_int(request.required_dst_info_num),
+            b"" if dummy else request.state_bytes,
+            ascii_int(request.prefix_len),
+            _DUMMY[dummy],
+        ]
+
+    def abort_frames(
+        self,
+        rank: RankInfo,
+        room: int,
+        *,
+        instance_id: str | None = None,
+        generation: int | None = None,
+    ) -> list[bytes]:
+        return abort_message(room, self._endpoint, generation)
+
+    def bootstrap_frames(
+        self, rank: RankInfo, room: int, *, instance_id: str | None = None
+    ) -> list[bytes]:
+        """Refused (SGW-6): 0.5.23 runs the ``prefill_complete`` policy with Mooncake only
+        (``arg_groups/pd_disaggregation_hook.py:199-243``), and NIXL's prefill bootstrap thread
+        reads its socket without the BOOTSTRAP handler, so a BOOTSTRAP fails its GUARD assert and
+        ends the thread (``nixl/conn.py:3355-3382``)."""
+        raise ConfigurationError(
+            "SGLang 0.5.23 supports the prefill_complete decode allocation policy with the "
+            "Mooncake transfer backend only; a BOOTSTRAP would end a NIXL prefill's bootstrap "
+            "thread. Run NIXL prefills and this decode with the 'early' policy"
+        )
+
+    def decode_message(self, frames: Sequence[bytes]) -> PrefillEvent | None:
+        """NIXL statuses are ``[KV_STATUS, room, status, prefill rank, reason]`` (SGW-8)."""
+        return decode_prefill_message(frames, KV_STATUS_TAG)

@@ -1,0 +1,91 @@
+"""docs/integration.md's "In front of an SGLang 0.5.23 prefill", run as written against SGLang.
+
+The section's code block is extracted and executed against SGLang 0.5.23's own bootstrap server
+with two of its prefill ranks (tp 2, ``CommonKVManager`` in prefill mode, registered by SGLang's
+``register_to_bootstrap``). Those ranks start no thread, so the test reads their PULL sockets
+itself and parses every frame with SGLang's own Mooncake parsers (spec/sglang-wire.md).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from sglang_support import import_sglang, requires_sglang, sglang_bootstrap_server
+from sglang_support import sglang_prefill_rank as prefill_rank
+from sglang_wire_support import mooncake_module
+
+from statemachine.lifecycle import KVPoll
+
+pytestmark = requires_sglang
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "integration.md"
+HEADING = "## In front of an SGLang 0.5.23 prefill"
+SESSION = "10.1.2.3:17001"
+
+
+def example() -> dict[str, Any]:
+    text = DOC.read_text(encoding="utf-8")
+    assert HEADING in text, "docs/integration.md lost its SGLang section"
+    block = re.search(r"```python\n(.*?)```", text.split(HEADING, 1)[1], re.S)
+    assert block is not None, "the SGLang section lost its code block"
+    namespace: dict[str, Any] = {"__name__": "integration_sglang_example"}
+    exec(compile(block.group(1), str(DOC), "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture
+def prefill() -> Iterator[tuple[str, list[Any]]]:
+    """SGLang's bootstrap server and its two tp ranks; yields the address and the managers."""
+    with ExitStack() as stack:
+        addr = stack.enter_context(sglang_bootstrap_server())
+        ranks = [stack.enter_context(prefill_rank(addr, tp_size=2, tp_rank=r)) for r in (0, 1)]
+        yield addr, ranks
+
+
+def received(rank: Any) -> list[bytes]:
+    sock = rank.server_socket
+    assert sock.poll(5000, zmq.POLLIN), "the prefill rank received nothing within 5 s"
+    frames: list[bytes] = sock.recv_multipart()
+    return frames
+
+
+@requires_sglang
+def test_sglang_example_registers_and_sends_metadata_sglang_parses(
+    prefill: tuple[str, list[Any]],
+) -> None:
+    addr, ranks = prefill
+    conn, mooncake = import_sglang(), mooncake_module()
+    code = example()
+    manager = code["make_sglang_manager"](SESSION)
+    try:
+        acks = manager.acks
+        assert acks is not None
+        receiver = code["start_request"](manager, addr, 77, [5, 6, 7])
+        assert receiver.failure is None
+        assert manager.plan_for(addr).tp_ranks == (0, 1)  # decode tp 1 pulls from both ranks
+        for rank in ranks:
+            registration = mooncake.KVArgsRegisterInfo.from_zmq(received(rank))
+            assert (registration.endpoint, registration.dst_port) == (acks.ip, acks.port)
+            assert registration.mooncake_session_id == SESSION
+            assert registration.dst_kv_ptrs == [0x7F0000000000, 0x7F0000100000]
+            assert registration.dst_kv_item_lens == [4096, 4096]
+            info = mooncake.TransferInfo.from_zmq(received(rank))
+            assert (info.room, info.endpoint, info.dst_port) == (77, acks.ip, acks.port)
+            assert info.mooncake_session_id == SESSION
+            assert list(info.dst_kv_indices) == [5, 6, 7]
+            assert (info.dst_aux_index, info.is_dummy, info.required_dst_info_num) == (0, False, 1)
+        # The scheduler gives up on the request: every rank is told, in SGLang's ABORT layout.
+        receiver.abort()
+        assert receiver.poll() == KVPoll.Failed
+        for rank in ranks:
+            notice = conn.AbortNotification.from_zmq(received(rank))
+            assert (notice.room, notice.decode_ip, notice.decode_port) == (77, acks.ip, acks.port)
+        assert manager.stats().in_flight == 0
+    finally:
+        manager.close()
