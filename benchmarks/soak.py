@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             result.transport.sockets_open <= config.tp_size * config.pp_size,
         ),
         (
-            f"acks still expected after the loops stopped: {result.acks.expected}",
-            result.acks.expected == 0,
+            f"rooms still expected after the loops stopped: {result.manager.in_flight}",
+            result.manager.in_flight == 0,
         ),
         (
             f"connections to the bootstrap port left open: {sockets.established}",

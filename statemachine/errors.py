@@ -174,7 +174,35 @@ class PrefillRestarted(PeerLost):
 
 
 class TransferFailed(PeerLost):
-    """A prefill rank reported that the KV transfer of this room failed."""
+    """A prefill rank reported that the KV transfer of this room failed.
+
+    ``reason`` is the prefill's own text (SGLang's status reason frame), or SGLang's default
+    when the prefill sent none; ``prefill_rank`` the sender's id, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        addr: str | None = None,
+        reason: str | None = None,
+        prefill_rank: int | None = None,
+    ) -> None:
+        super().__init__(message, addr=addr)
+        self.reason = reason
+        self.prefill_rank = prefill_rank
+
+
+class FailedOnAnotherRank(PeerLost):
+    """``failure_exception()`` found no local reason: the room failed on another rank.
+
+    SGLang's decode scheduler asks a receiver for its failure after a sibling rank of the room
+    failed (its poll is reduced over the rank group); the receiver then fails too, even one
+    that had succeeded, and its error says the failure came "from another rank"
+    (SGLang's ``is_from_another_rank``). Retry the request.
+    """
+
+    is_from_another_rank = True
 
     """The request was aborted by its owner."""
 

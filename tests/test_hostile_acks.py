@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 import zmq
@@ -16,7 +17,8 @@ from attack_support import rss_after_one_message
 from http_support import wait_until
 from zmq_support import AckRecorder
 
-from statemachine.decode.ranks.acks import AckListener, ack_frames
+from statemachine.completion import PrefillEvent, PrefillStatus
+from statemachine.decode.ranks.acks import MAX_FRAME_BYTES, AckListener, ack_frames
 from statemachine.validation import InvalidArgument
 
 
@@ -44,21 +46,47 @@ def send_frames(port: int, messages: list[list[bytes]]) -> None:
 
 
 def test_ack2_too_many_frames_cuts_the_sender_and_the_listener_serves_on() -> None:
+    """Past MAX_FRAMES (6: SGLang's 5-frame NIXL status fits) the sender is cut at that frame,
+    so its next message, on the same connection, is never read."""
     with AckListener() as acks:
         done = AckRecorder()
         acks.expect(7, 1, done)
-        send_frames(acks.port, [[b"ack", b"7", b"0", b"0", b"extra"]])
+        send_frames(acks.port, [[b"ack", b"7", b"0", b"0", *[b"extra"] * 3], ack_frames(7, 0, 0)])
         assert wait_until(lambda: acks.stats().malformed == 1)
-        assert done.rooms == []
+        time.sleep(0.2)
+        assert done.rooms == [] and acks.stats().received == 0
         send_frames(acks.port, [ack_frames(7, 0, 0)])  # a new connection: served
         assert done.wait(5)
 
 
 def test_ack2_oversized_frame_cuts_the_sender() -> None:
     with AckListener() as acks:
-        send_frames(acks.port, [[b"ack", b"1" * 300, b"0", b"0"]])
+        send_frames(acks.port, [[b"ack", b"1" * (MAX_FRAME_BYTES + 1), b"0", b"0"]])
         assert wait_until(lambda: acks.stats().malformed == 1)
         assert acks.stats().received == 0
+
+
+def test_ack2_a_five_frame_status_with_a_long_reason_reaches_the_decoder() -> None:
+    """The bounds fit SGLang's NIXL status (5 frames, the last a reason of up to 2 KB)."""
+    seen: list[list[bytes]] = []
+    events: list[PrefillEvent] = []
+    got = threading.Event()
+
+    def decoder(frames: Sequence[bytes]) -> PrefillEvent | None:
+        seen.append(list(frames))
+        return PrefillStatus(int(frames[1]), int(frames[2]), int(frames[3]), frames[4].decode())
+
+    def on_event(event: PrefillEvent) -> bool:
+        events.append(event)
+        got.set()
+        return True
+
+    reason = b"r" * MAX_FRAME_BYTES
+    with AckListener(decoder=decoder, on_event=on_event) as acks:
+        send_frames(acks.port, [[b"KV_STATUS", b"7", b"0", b"1", reason]])
+        assert got.wait(5)
+    assert seen == [[b"KV_STATUS", b"7", b"0", b"1", reason]]
+    assert events == [PrefillStatus(7, 0, 1, reason.decode())]
 
 
 def test_ack2_small_malformed_messages_are_dropped_not_cut() -> None:

@@ -14,8 +14,15 @@ and knows every receiver in flight by room. From that it does what no single rec
   receiver: it stores the reason on it (one attribute store) and wakes it (``on_change``); the
   owner's next ``poll``/``send_metadata``/``init`` fires ``PeerLost``.
 * **Single-flight fetches** per pool key (:mod:`statemachine.decode.flight`).
-* **Completion.** ``send_metadata`` registers the ack expectation (the room is given once) and
-  every terminal path forgets it.
+* **Completion** as SGLang 0.5.23's decode manager applies prefill statuses: every message on
+  the decode's PULL endpoint becomes an event through the backend's ``decode_message``; a room
+  completes when ``required_prefill_response_num`` *distinct* prefill ranks reported success; a
+  Failed status fails it, terminally; ``complete(room, prefill_rank=...)`` counts the same way.
+* **ABORT and deferred release**: each room's ranks are told once (legacy ABORT before the
+  metadata, an ABORT with a generation after it, on the waiting timeout and on any failure);
+  the KV of such a room may be freed when every rank acknowledged the generation or 30 s
+  passed (:meth:`kv_release`). **Allocation policy**: ``prefill_complete`` checked against the
+  prefill's and run as SGLang's BOOTSTRAP handshake.
 * **dp-rank resolution** in SGLang's order, with one batched ``POST /query_dp_ranks`` per
   address per :meth:`step` for all pending rooms, and **rank plans** derived from the prefill's
   topology (:mod:`statemachine.decode.plan`).
@@ -43,11 +50,19 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from statemachine.backend import KVBackend, SimpleBackend
+from statemachine.backend import KVBackend, SimpleBackend, decode_reply
+from statemachine.completion import (
+    STATUS_FAILED,
+    STATUS_SUCCESS,
+    STATUS_WAITING_FOR_INPUT,
+    AbortAck,
+    PrefillEvent,
+)
+from statemachine.decode import holds
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
@@ -56,8 +71,10 @@ from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import Endpoint, Mode, ZmqTransport, endpoint_url
 from statemachine.decode.receiver import (
     DEFAULT_WAITING_TIMEOUT_S,
+    PREFILL_COMPLETE,
     BootstrapReceiver,
     Decode,
+    transfer_failed,
 )
 from statemachine.decode.source import BootstrapSource
 from statemachine.discovery.changes import (
@@ -80,7 +97,7 @@ from statemachine.errors import (
     PrefillRestarted,
     RankDead,
     SendFailed,
-    TransferFailed,
+    TopologyMismatch,
 )
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import Topology
@@ -89,6 +106,9 @@ from statemachine.validation import Topology
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0
 #: How long a request waits for another request's fetch of the same key.
 DEFAULT_FLIGHT_TIMEOUT_S = 30.0
+#: SGLang's ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``: an aborted room's KV
+#: is freed after this even if some prefill rank never acknowledged the ABORT.
+DEFAULT_KV_RELEASE_TIMEOUT_S = 30.0
 Completion = Literal["acks", "external"]
 
 _session_ids = itertools.count(1)
@@ -126,6 +146,10 @@ class ManagerStats:
     sockets_open: int
     endpoints_retained: int
     dp_queries: int
+    #: prefill messages for rooms not in flight, and stale ABORT_ACKs (dropped, MGR-13/15)
+    dropped_events: int = 0
+    #: rooms whose KV is held after an ABORT with a generation (MGR-15)
+    kv_held: int = 0
 
 
 class DecodeManager:
@@ -133,8 +157,12 @@ class DecodeManager:
 
     Every part may be given (then the caller owns and closes it) or left to the manager
     (created here, closed by :meth:`close`). ``completion="acks"`` (default) listens for the
-    reference prefill rank's acks on ``ack_ip``; ``"external"`` is for a transfer engine that
-    reports completion itself (call ``receiver.mark_transferred()`` or :meth:`complete`).
+    reference prefill rank's acks (or, through the backend's ``decode_message``, SGLang's
+    statuses) on ``ack_ip``; ``"external"`` is for a transfer engine that reports completion
+    itself (call :meth:`complete` per prefill rank, or ``receiver.mark_transferred()``).
+    ``staging=True`` says the decode runs SGLang's staging buffer (attn-tp sizes may differ);
+    this library does not implement it, so a prefill whose attn-tp differs from the layout's
+    is refused (``TopologyMismatch``). ``kv_release_timeout_s``: see :meth:`kv_release`.
     """
 
     def __init__(
@@ -159,6 +187,8 @@ class DecodeManager:
         clock: Callable[[], float] = time.monotonic,
         fanout: bool = True,
         single_flight: bool = True,
+        staging: bool = False,
+        kv_release_timeout_s: float = DEFAULT_KV_RELEASE_TIMEOUT_S,
     ) -> None:
         if completion not in ("acks", "external"):
             raise ConfigurationError(f"completion must be 'acks' or 'external', not {completion!r}")
@@ -173,10 +203,17 @@ class DecodeManager:
         for name, value in (
             ("bootstrap_timeout_s", bootstrap_timeout_s),
             ("flight_timeout_s", flight_timeout_s),
+            ("kv_release_timeout_s", kv_release_timeout_s),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigurationError(f"{name} must be a positive number, not {value!r}")
         self._owned: list[Callable[[], None]] = []  # closers of the parts made here, in order
+        # Set before the ack listener exists: its thread may deliver at once.
+        self._decoder: Callable[[Sequence[bytes]], PrefillEvent | None] = decode_reply
+        self._inflight: dict[int, BootstrapReceiver] = {}
+        self.clock = clock
+        self._holds = holds.AbortHolds(kv_release_timeout_s, clock)
+        self._unknown_events = 0
         try:
             self._build(
                 source, pool, transport, backend, backend_factory, completion, ack_ip,
@@ -196,6 +233,12 @@ class DecodeManager:
             self._close_owned()
             raise
         self.layout = layout
+        policy = None if layout is None else layout.decode_allocation_policy
+        #: SGLang's decode allocation policy is compared with each prefill's (MGR-16)
+        self.policy_checked = layout is not None
+        #: ``prefill_complete``: init() runs the BOOTSTRAP handshake (MGR-16)
+        self.prefill_complete = policy == PREFILL_COMPLETE
+        self.staging = bool(staging)
         self.waiting_timeout_s = float(waiting_timeout_s)
         self.bootstrap_timeout_s = float(bootstrap_timeout_s)
         self.flight_timeout_s = float(flight_timeout_s)
@@ -204,7 +247,6 @@ class DecodeManager:
         #: evidence (a request fails on its own send or timeout only), no single-flight.
         self.fanout = fanout
         self.flights: Flights | None = Flights() if single_flight else None
-        self._inflight: dict[int, BootstrapReceiver] = {}
         self._lock = threading.Lock()  # guards everything below (never taken on the hit path)
         self._pending: dict[str, dict[int, BootstrapReceiver]] = {}
         self._topologies: dict[str, Topology] = {}
@@ -354,7 +396,7 @@ class DecodeManager:
         self.transport: ZmqTransport = transport
         self.acks: AckListener | None = None
         if completion == "acks":
-            self.acks = AckListener(ack_ip)
+            self.acks = AckListener(ack_ip, decoder=self._decode, on_event=self._on_event)
             self._owned.append(self.acks.close)
         if backend is None:
             assert self.acks is not None  # checked above for "external"
@@ -365,6 +407,9 @@ class DecodeManager:
             else:
                 backend = SimpleBackend(self.acks.ip, self.acks.port, session_id)
         self.backend: KVBackend = backend
+        decode_message = getattr(backend, "decode_message", None)  # checked by Decode below
+        if callable(decode_message):
+            self._decoder = decode_message
         self.health: HealthMonitor | None = None
         # With etcd there may be no HTTP server at the address: the watch and the leases
         # replace the health monitor.
@@ -428,6 +473,46 @@ class DecodeManager:
             plan = self._plans[addr] = derive_plan(addr, self.topology(addr), self.layout)
         return plan
 
+    def check_prefill(self, addr: str) -> None:
+        """SGLang 0.5.23's ``init()`` checks (MGR-16, MGR-17): this decode's allocation policy
+        equals the prefill's, ``prefill_complete`` needs a prefill of attn tp, cp and pp 1, and
+        staging (not implemented here) is refused where it would be used."""
+        assert self.layout is not None  # policy_checked implies a layout
+        topology = self.topology(addr)
+        if self.staging and topology.attn_tp_size != self.layout.tp_size:
+            raise TopologyMismatch(
+                f"{addr}: prefill attn tp size {topology.attn_tp_size} differs from this "
+                f"decode's {self.layout.tp_size} and staging is on: SGLang's staging buffer is "
+                "not implemented here; run without staging (the plan maps the ranks), or with "
+                "equal attn tp sizes"
+            )
+        mine = self.layout.decode_allocation_policy
+        theirs = topology.decode_allocation_policy
+        if theirs is None:
+            return  # a prefill that does not report it (older than the policy): nothing to check
+        if mine is None:
+            if theirs != PREFILL_COMPLETE:
+                return  # unset here: SGLang's default, early, which needs nothing
+            # Such a prefill sends its statuses only to decodes that sent BOOTSTRAP: without
+            # the handshake this request would wait out its timeout.
+            mine = "early (DecodeLayout.decode_allocation_policy unset)"
+        if theirs != mine:
+            raise TopologyMismatch(
+                f"{addr}: decode allocation policy mismatch: prefill={theirs}, decode={mine}; "
+                "set --disaggregation-decode-allocation-policy identically on both roles "
+                "(DecodeLayout.decode_allocation_policy here)"
+            )
+        if mine == PREFILL_COMPLETE and (
+            topology.attn_tp_size,
+            topology.attn_cp_size,
+            topology.pp_size,
+        ) != (1, 1, 1):
+            raise TopologyMismatch(
+                f"{addr}: the {PREFILL_COMPLETE} policy needs a prefill of attention tp 1, cp 1 "
+                f"and pp 1, not tp {topology.attn_tp_size}, cp {topology.attn_cp_size}, pp "
+                f"{topology.pp_size}: use the policy 'early' for this prefill"
+            )
+
     def _pend(self, receiver: BootstrapReceiver) -> None:
         with self._lock:
             self._pending.setdefault(receiver.addr, {})[receiver.room] = receiver
@@ -459,35 +544,77 @@ class DecodeManager:
 
     # --- completion -------------------------------------------------------------------------
 
-    def complete(self, room: int) -> bool:
-        """A transfer engine reports ``room`` transferred; False if no receiver is in flight."""
+    def complete(self, room: int, *, prefill_rank: int = 0) -> bool:
+        """A transfer engine reports that prefill rank ``prefill_rank`` sent ``room``'s KV.
+
+        Counted as SGLang counts statuses (MGR-13): once per distinct prefill rank; the room
+        is transferred when ``required_prefill_response_num`` ranks reported (one call with
+        the default rank for a one-rank plan). False if no receiver is in flight or the rank
+        already reported.
+        """
         receiver = self._inflight.get(room)
         if receiver is None:
             return False
-        receiver.mark_transferred()
+        return receiver._responded(prefill_rank)
+
+    def fail_room(self, room: int, reason: str | None, *, prefill_rank: int | None = None) -> bool:
+        """A prefill rank reported ``room``'s transfer failed; its receiver fails with it, and
+        no later success can complete it (MGR-14)."""
+        receiver = self._inflight.get(room)
+        if receiver is None:
+            return False
+        error = transfer_failed(receiver, reason, prefill_rank)
+        _stamp(error, self.clock())
+        receiver._failed_by_prefill(error)
         return True
 
-    def fail_room(self, room: int, reason: str) -> bool:
-        """A prefill rank reported ``room``'s transfer failed; its receiver fails with it."""
-        receiver = self._inflight.get(room)
-        if receiver is None:
+    def _decode(self, frames: Sequence[bytes]) -> PrefillEvent | None:
+        """The ack listener's decoder: the backend's (read when each message arrives)."""
+        return self._decoder(frames)
+
+    def _on_event(self, event: PrefillEvent) -> bool:
+        """One message from a prefill rank (the ack listener's thread), applied as SGLang
+        0.5.23's ``apply_prefill_status`` / ``handle_abort_ack_message`` do; False when it was
+        dropped (no such room in flight, or a stale ABORT_ACK)."""
+        if isinstance(event, AbortAck):
+            if self._holds.acked(event):
+                return True
+            self._unknown_events += 1
             return False
-        error = TransferFailed(
-            f"room {room}: the prefill reported a failed transfer ({reason}); retry the request",
-            addr=receiver.addr,
-        )
-        error.evidence_at = self.clock()
-        self._lose(receiver, error)
+        receiver = self._inflight.get(event.room)
+        if receiver is None:  # cleared or never here: dropped, as SGLang drops it
+            self._unknown_events += 1
+            return False
+        status = event.status
+        if status == STATUS_SUCCESS:
+            receiver._responded(event.prefill_rank)
+        elif status == STATUS_FAILED:
+            self.fail_room(event.room, event.reason, prefill_rank=event.prefill_rank)
+        elif status == STATUS_WAITING_FOR_INPUT and self.prefill_complete:
+            receiver._prefill_ready()
+        # anything else: not a status the decode acts on (SGLang logs and ignores it)
         return True
+
+    def kv_release(self, room: int) -> bool:
+        """Whether ``room``'s KV pages may be freed (SGLang's deferred decode KV release).
+
+        A room whose ABORT carried a generation (sent after its metadata: on the waiting
+        timeout, on any failure, on abort) is *held*: the prefill may still be writing into its
+        pages. It may be freed once every rank it was sent to acknowledged that generation
+        (ABORT_ACK), or ``kv_release_timeout_s`` after the ABORT, whichever comes first; a room
+        that was never held may be freed at once. Memory is bounded (MGR-15).
+        """
+        return self._holds.released(room)
+
+    def kv_holds(self) -> holds.HoldStats:
+        """The deferred-release bookkeeping: rooms held now, released by acks or by timeout,
+        holds evicted at the bound, stale acks (MGR-15)."""
+        return self._holds.stats()
 
     def _ended(self, receiver: BootstrapReceiver, error: BootstrapError | None) -> None:
-        """A receiver reached a final state: forget it, its ack expectation, its pending room."""
+        """A receiver reached a final state: forget it and its pending room."""
         if self._inflight.get(receiver.room) is receiver:
             del self._inflight[receiver.room]
-        if receiver._expecting:
-            receiver._expecting = False
-            if self.acks is not None:
-                self.acks.forget(receiver.room)
         if receiver._pending:
             receiver._pending = False
             with self._lock:
@@ -510,19 +637,42 @@ class DecodeManager:
                 self._detection_total += latency
                 self._detection_max = max(self._detection_max, latency)
 
-    def _notify_abort(self, receiver: BootstrapReceiver) -> None:
-        """Tell every rank of an aborted room once, best effort, skipping known-dead ones."""
-        for generation in receiver.entries.values():
-            for rank in generation.ranks:
-                endpoint = (rank.ip, rank.port)
-                if self.transport.is_down(endpoint):
-                    continue
-                # A failed send means the rank is gone: nothing left to free there.
-                with contextlib.suppress(SendFailed):
-                    frames = self.backend.abort_frames(
-                        rank, receiver.room, instance_id=generation.instance_id
-                    )
-                    self.transport.send(endpoint, frames)
+    def _notify_abort(self, receiver: BootstrapReceiver, *, armed: bool) -> None:
+        """Tell every rank of the room once (MGR-15), best effort, skipping known-dead ones.
+
+        ``armed``: the metadata went out, so the prefill may be writing our pages: the ABORT
+        carries a new generation and the room's KV is held until every rank acknowledged it
+        (:meth:`kv_release`). Otherwise SGLang's legacy ABORT (no generation), nothing held.
+        Nothing is sent for a room that has no ranks yet (before ``init``).
+        """
+        if receiver._notified:
+            return
+        ranks = receiver.ranks()
+        if not ranks:
+            return
+        receiver._notified = True
+        generation_id = self._holds.hold(receiver.room, len(ranks)) if armed else None
+        for generation, rank in ranks:
+            endpoint = (rank.ip, rank.port)
+            if self.transport.is_down(endpoint):
+                continue
+            # A failed send means the rank is gone: nothing left to free there.
+            with contextlib.suppress(SendFailed):
+                frames = self.backend.abort_frames(
+                    rank,
+                    receiver.room,
+                    instance_id=generation.instance_id,
+                    generation=generation_id,
+                )
+                self.transport.send(endpoint, frames)
+
+    def _send_bootstrap(self, receiver: BootstrapReceiver) -> None:
+        """``prefill_complete``: BOOTSTRAP to every rank of the room (SendFailed propagates:
+        a rank that cannot hear the handshake will never answer it)."""
+        make = self.backend.bootstrap_frames
+        for generation, rank in receiver.ranks():
+            frames = make(rank, receiver.room, instance_id=generation.instance_id)
+            self.transport.send((rank.ip, rank.port), frames)
 
     # --- generations and their sockets -----------------------------------------------------
 
@@ -627,8 +777,11 @@ class DecodeManager:
         return failed
 
     def _lose(self, receiver: BootstrapReceiver, error: BootstrapError) -> bool:
-        """Store the reason on a receiver in flight (one attribute store) and wake its owner."""
-        if receiver.ended or receiver._lost is not None:
+        """Store the reason on a receiver in flight (one attribute store) and wake its owner.
+
+        A room whose every response arrived is left alone: as SGLang's node-failure handler
+        fails only rooms not yet Success, evidence after the transfer changes nothing."""
+        if receiver.ended or receiver._lost is not None or receiver._acked:
             return False
         receiver._lost = error
         wake = receiver.on_change
@@ -755,6 +908,8 @@ class DecodeManager:
                 sockets_open=sockets,
                 endpoints_retained=sum(len(e) for e in self._retained.values()),
                 dp_queries=self._dp_queries,
+                dropped_events=self._unknown_events,
+                kv_held=self._holds.stats().held,
             )
 
     def close(self) -> None:
@@ -767,9 +922,6 @@ class DecodeManager:
         error = ManagerClosed("the decode manager was closed while this request was in flight")
         for receiver in self.in_flight():
             self._lose(receiver, error)
-            if receiver._expecting and self.acks is not None:
-                receiver._expecting = False
-                self.acks.forget(receiver.room)
         with self._lock:
             retained = list(self._retained.values())
             self._retained.clear()

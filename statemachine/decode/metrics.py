@@ -70,6 +70,12 @@ class PrometheusCollector:
             sum_value=stats.detection.total_s,
         )
         yield gauge(f"{p}_requests_in_flight", "Receivers not yet ended.", stats.in_flight)
+        yield gauge(f"{p}_kv_held_rooms", "Rooms whose KV waits for ABORT acks.", stats.kv_held)
+        yield counter(
+            f"{p}_prefill_events_dropped",
+            "Prefill messages for rooms not in flight, and stale ABORT acks.",
+            stats.dropped_events,
+        )
         yield gauge(f"{p}_rooms_pending_dp", "Rooms waiting for their dp rank.", stats.pending_dp)
         yield gauge(f"{p}_zmq_sockets_open", "Cached ZMQ sockets open.", stats.sockets_open)
         yield gauge(

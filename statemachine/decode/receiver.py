@@ -11,9 +11,12 @@ Receivers are made by a :class:`~statemachine.decode.manager.DecodeManager`, whi
 shared parts, knows every receiver in flight, and completes or fails them. The API follows
 SGLang's decode-side receiver (``init``, ``send_metadata``, ``poll``, ``failure_exception``,
 ``abort``, ``clear``, ``invalidate_cached_bootstrap_infos``). One thread drives a receiver; the
-only cross-thread inputs are two single attribute stores, each consumed by the owner's next
-call: :meth:`mark_transferred` (the ack listener) and the manager's failure fan-out (``_lost``,
-turned into ``PeerLost`` by ``init``/``send_metadata``/``poll``). So no lock per receiver.
+cross-thread inputs are single stores, each consumed by the owner's next call: the prefill's
+reports from the ack listener's thread (a success adds its rank to ``_responses`` and, at the
+plan's ``required_prefill_response_num``, sets ``_acked``; a failure sets ``_reported``; the
+handshake answer sets ``_ready``) and the manager's failure fan-out (``_lost``), turned into
+``Complete`` / ``PeerLost`` / ``PrefillReady`` by ``init``/``send_metadata``/``poll``. So no
+lock per receiver.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ from statemachine.errors import (
     BootstrapHTTPError,
     BootstrapTimeout,
     ConfigurationError,
+    FailedOnAnotherRank,
     InvalidRoom,
     InvalidTransition,
     ManagerClosed,
     PeerLost,
     SendFailed,
+    TransferFailed,
     WaitingTimeout,
 )
 from statemachine.lifecycle import KVPoll
@@ -70,7 +75,15 @@ _receiver_ids = itertools.count(1)
 _INIT_NEEDS = "init() runs once, on a new receiver; create a new receiver for a new request"
 _SEND_NEEDS = "send_metadata() runs once, after init() returned WaitingForInput"
 _INVALIDATE_NEEDS = "only a failed receiver has generations to invalidate (it does so itself)"
-_FAILURE_NEEDS = "the request succeeded: only an unfinished or failed request has a failure"
+_FAILURE_NEEDS = "failure_exception() cannot run while init() is fetching on the owner's thread"
+_HANDSHAKE_NEEDS = (
+    "under the prefill_complete policy, send_metadata() runs once poll() returned "
+    "WaitingForInput (the prefill answered the BOOTSTRAP handshake)"
+)
+#: SGLang's reason for a Failed status that carries none (``common/conn.py:312-314``).
+DEFAULT_FAILED_REASON = "Failed to get kvcache from prefill instance, it might be dead"
+#: The policy under which the decode allocates KV only once the prefill finished (§ MGR-16).
+PREFILL_COMPLETE = "prefill_complete"
 
 _TERMINAL = frozenset({life.DONE, life.INVALIDATED, life.ABORTED})
 #: Where ``Hit`` leads from ``idle``, read from the Machine's table once (the hit path's step).
@@ -200,11 +213,16 @@ class BootstrapReceiver:
     __slots__ = (
         "_acked",
         "_dp_rank",
-        "_expecting",
         "_failure",
         "_lost",
         "_m",
+        "_metadata_sent",
+        "_needed",
+        "_notified",
         "_pending",
+        "_ready",
+        "_reported",
+        "_responses",
         "_sent_at",
         "addr",
         "entries",
@@ -248,8 +266,22 @@ class BootstrapReceiver:
         #: when the metadata was sent (or, while the dp rank is pending, when that began)
         self._sent_at = 0.0
         self._acked = False
-        self._expecting = False
         self._pending = False
+        # Completion by distinct prefill responses (MGR-13): written by the ack listener's
+        # thread (or a transfer engine's), read by the owner's poll.
+        #: how many distinct prefill ranks must report success (known once the plan is)
+        self._needed: int | None = None
+        #: the prefill ranks that reported success for this room (made at the first report,
+        #: under the manager's lock: a hit that never hears from the prefill allocates none)
+        self._responses: set[int] | None = None
+        #: a failure the prefill reported: terminal, and it wins over any success (MGR-14)
+        self._reported: BootstrapError | None = None
+        #: the prefill answered the BOOTSTRAP handshake (MGR-16)
+        self._ready = False
+        #: the metadata went out (or began to): a later ABORT carries a generation (MGR-15)
+        self._metadata_sent = False
+        #: the room's prefill ranks were sent an ABORT (at most once per room, MGR-15)
+        self._notified = False
         #: Called (from any thread) when this receiver has news for its owner: acks arrived or
         #: the manager failed it. A scheduler can set it to wake its wait.
         self.on_change: Callable[[], None] | None = None
@@ -279,9 +311,17 @@ class BootstrapReceiver:
             )
 
     def _fail(self, event: str, error: BootstrapError) -> KVPoll:
-        """Take a failure event, then drop this receiver's own generations (LIFE-3)."""
+        """Take a failure event, then drop this receiver's own generations (LIFE-3); tell the
+        prefill ranks as SGLang 0.5.23 does (MGR-15)."""
         self._failure = error
+        prior = self.state
         self._fire(event)
+        if self._metadata_sent:
+            # SGLang's transfer queue force-arms an ABORT for every failed room whose
+            # metadata went out: the prefill may be writing into our pages.
+            self._m._notify_abort(self, armed=True)
+        elif prior == life.HANDSHAKING:
+            self._m._notify_abort(self, armed=False)  # SGLang's abort() on the prefill wait
         self._invalidate(event)
         self._m._ended(self, error)
         return KVPoll.Failed
@@ -305,10 +345,18 @@ class BootstrapReceiver:
         batched ``POST /query_dp_ranks`` (:meth:`DecodeManager.step`) and ``init`` returns
         ``Bootstrapping`` until then: call it again after a step. Returns ``poll()``:
         WaitingForInput on success, Failed on failure, Bootstrapping while the dp rank is
-        pending.
+        pending. Under the ``prefill_complete`` allocation policy a successful init sends
+        BOOTSTRAP to every rank and returns Bootstrapping: ``poll()`` says WaitingForInput
+        once the prefill answered (MGR-16).
         """
         if self.state != life.IDLE:
             raise InvalidTransition(self.state, life.HIT, method="init", requires=_INIT_NEEDS)
+        result = self._init(prefill_dp_rank)
+        if result is KVPoll.WaitingForInput and self._m.prefill_complete:
+            return self._handshake()
+        return result
+
+    def _init(self, prefill_dp_rank: int | None) -> KVPoll:
         if self._lost is not None:
             return self._fail(life.PEER_LOST, self._lost)
         if prefill_dp_rank is not None:
@@ -328,6 +376,12 @@ class BootstrapReceiver:
                         return KVPoll.Bootstrapping
             except BootstrapError as error:
                 return self._fail(life.FETCH_FAIL, error)
+        if m.policy_checked:
+            try:
+                m.check_prefill(self.addr)  # SGLang checks in init(), before the routes
+            except BootstrapError as error:
+                return self._fail(life.FETCH_FAIL, error)
+        self._needed = plan.required_prefill_response_num
         pool = m.pool
         missing: list[PoolKey] | None = None
         for key in plan.keys_for(self.addr, dp_rank):
@@ -362,7 +416,10 @@ class BootstrapReceiver:
         request (``SendFail`` from ``idle``, as SGLang does) instead of raising.
         """
         state = self.state
-        if state == life.CACHED or state == life.IDLE:
+        if state == life.HANDSHAKING and self._ready:
+            self._fire(life.PREFILL_READY)  # the answer arrived since the last poll
+            state = life.READY
+        if state == life.CACHED or state == life.IDLE or state == life.READY:
             if self._lost is not None:
                 return self._fail(life.PEER_LOST, self._lost)
             if state == life.IDLE:
@@ -376,10 +433,12 @@ class BootstrapReceiver:
                         "failed and published nothing: retry it with a new receiver",
                     ),
                 )
+        elif state == life.FAILED or state == life.INVALIDATED or state == life.ABORTED:
+            # SGLang records the failure and returns; the recorded reason (init's) stays.
+            return KVPoll.Failed
         else:
-            raise InvalidTransition(
-                state, life.SEND_OK, method="send_metadata", requires=_SEND_NEEDS
-            )
+            requires = _HANDSHAKE_NEEDS if state == life.HANDSHAKING else _SEND_NEEDS
+            raise InvalidTransition(state, life.SEND_OK, method="send_metadata", requires=requires)
         m = self._m
         if m.watermarked:
             # etcd: a watch event marked a generation we hold (retired after we adopted it):
@@ -387,15 +446,19 @@ class BootstrapReceiver:
             marked = m._marked(self)
             if marked is not None:
                 return self._fail(life.PEER_LOST, marked)
-        request = MetadataRequest(self.room, kv_indices, aux_index, prefix_len)
-        needed = self.expected_acks()
-        if needed == 0:
+        plan = self.plan
+        request = MetadataRequest(
+            self.room,
+            kv_indices,
+            aux_index,
+            prefix_len,
+            required_dst_info_num=1 if plan is None else plan.required_dst_info_num,
+        )
+        if self._needed == 0:
             self._acked = True  # every rank is a dummy for us: nothing will be transferred
-        elif m.acks is not None:
-            m.acks.expect(self.room, needed, self.mark_transferred)
-            self._expecting = True
         transport = m.transport
         backend = m.backend
+        self._metadata_sent = True  # from the first send on, the prefill may write our pages
         try:
             for generation in self.entries.values():
                 transport.send_metadata(generation, backend, request)
@@ -407,27 +470,62 @@ class BootstrapReceiver:
         return KVPoll.Transferring
 
     def mark_transferred(self, room: int | None = None) -> None:
-        """Every rank acknowledged the transfer (called from the ack listener's thread, or by
-        a transfer engine that reports completion itself). ``poll()`` completes the request.
+        """The whole room arrived, as a transfer engine that reports completion itself says
+        (no per-rank count; :meth:`DecodeManager.complete` counts ranks). ``poll()``
+        completes the request unless the prefill reported a failure (MGR-14).
 
         ``room`` is accepted so this method can be an ``AckListener`` callback as it is.
         """
         self._acked = True
-        self._expecting = False  # the listener dropped the expectation when it fired
+        self._wake()
+
+    def _responded(self, prefill_rank: int) -> bool:
+        """A Success from ``prefill_rank`` (any thread). Counts once per distinct rank; the
+        room is transferred when ``required_prefill_response_num`` ranks did (SGLang's
+        ``apply_prefill_status``). Returns whether this report was new."""
+        with self._m._lock:  # the listener's and an engine's thread may both report
+            responses = self._responses
+            if responses is None:
+                responses = self._responses = set()
+            elif prefill_rank in responses:
+                return False
+            responses.add(prefill_rank)
+            count = len(responses)
+        needed = self._needed
+        if needed is not None and count >= needed and self._reported is None:
+            self._acked = True
+            self._wake()
+        return True
+
+    def _failed_by_prefill(self, error: BootstrapError) -> None:
+        """A Failed status (any thread): terminal, and it wins over an unpolled success."""
+        if self._reported is None:
+            self._reported = error
+            self._wake()
+
+    def _prefill_ready(self) -> None:
+        """The prefill's WaitingForInput answer to our BOOTSTRAP (any thread)."""
+        self._ready = True
+        self._wake()
+
+    def _wake(self) -> None:
         wake = self.on_change
         if wake is not None:
             wake()
 
     def expected_acks(self) -> int:
-        """How many acks complete this request: one per non-dummy rank of each generation."""
-        return sum(1 for g in self.entries.values() for rank in g.ranks if not rank.is_dummy)
+        """How many distinct prefill ranks must report success: the plan's
+        ``required_prefill_response_num`` (0 before the plan is known)."""
+        return self._needed or 0
 
     def poll(self) -> KVPoll:
         """SGLang-compatible status; completes, times out (``elapsed >= timeout``) or applies
         the manager's fan-out failure."""
         state = self.state
         if state == life.WAITING:
-            if self._acked:  # every ack arrived: the transfer is done, whatever came after
+            if self._reported is not None:  # Failed is terminal: no success may follow it
+                self._fail(life.PEER_LOST, self._reported)
+            elif self._acked:  # every response arrived: done, whatever evidence came after
                 self._fire(life.COMPLETE)
                 self._m._ended(self, None)
             elif self._lost is not None:
@@ -441,12 +539,45 @@ class BootstrapReceiver:
                         "request; retry it (its generation was dropped and will be refetched)"
                     ),
                 )
-        elif state == life.CACHED or state == life.IDLE:
-            if self._lost is not None:
-                self._fail(life.PEER_LOST, self._lost)
+        elif state == life.CACHED or state == life.IDLE or state == life.READY:
+            lost = self._reported or self._lost
+            if lost is not None:
+                self._fail(life.PEER_LOST, lost)
             elif self._pending and self._bootstrap_expired():
                 self._fail(life.FETCH_FAIL, self._bootstrap_timeout())
+        elif state == life.HANDSHAKING:
+            self._poll_handshake()
         return life.POLL_OF_STATE[self.state]
+
+    def _handshake(self) -> KVPoll:
+        """``prefill_complete``: BOOTSTRAP to every rank, then wait for the prefill (MGR-16)."""
+        m = self._m
+        self._sent_at = m.clock()  # the prefill wait clock (SGLang's waiting timeout value)
+        self._fire(life.HANDSHAKE)
+        try:
+            m._send_bootstrap(self)
+        except SendFailed as error:
+            m._send_failed(error)
+            return self._fail(life.SEND_FAIL, error)
+        return KVPoll.Bootstrapping
+
+    def _poll_handshake(self) -> None:
+        lost = self._reported or self._lost
+        if lost is not None:
+            self._fail(life.PEER_LOST, lost)
+        elif self._ready:
+            self._fire(life.PREFILL_READY)
+        elif self._m.clock() - self._sent_at >= self._m.waiting_timeout_s:
+            self._fail(
+                life.TIMEOUT,
+                WaitingTimeout(
+                    f"room {self.room}: timed out waiting for prefill completion: {self.addr} "
+                    f"did not answer the BOOTSTRAP handshake within "
+                    f"{self._m.waiting_timeout_s:g} s; retry the request, and check that the "
+                    "prefill runs with --disaggregation-decode-allocation-policy "
+                    "prefill_complete"
+                ),
+            )
 
     @property
     def failure(self) -> BootstrapError | None:
@@ -456,25 +587,25 @@ class BootstrapReceiver:
     def failure_exception(self) -> None:
         """Raise the recorded failure (as SGLang's receiver does).
 
-        With no local reason (another rank of the room failed, as SGLang's caller infers) an
-        unfinished receiver fails now with a generic :class:`PeerLost`, which is raised.
+        With no local reason, the room failed on another rank (SGLang's caller asks after a
+        sibling rank's poll said Failed): the receiver fails now - an unfinished one and, as
+        in SGLang, a succeeded one too - and :class:`FailedOnAnotherRank` is raised.
         """
         if self._failure is not None:
             raise self._failure
         state = self.state
-        if state in (life.IDLE, life.CACHED, life.WAITING):
-            self._fail(
-                life.PEER_LOST,
-                self._lost
-                or PeerLost(
-                    f"room {self.room}: failed with no local reason (another rank of this room "
-                    "failed); retry the request",
-                    addr=self.addr,
-                ),
+        lost = self._reported or self._lost
+        if lost is None:
+            lost = FailedOnAnotherRank(
+                f"room {self.room}: failed with no local reason, from another rank of this "
+                "room (that rank's failure is the cause); retry the request",
+                addr=self.addr,
             )
-            assert self._failure is not None
-            raise self._failure
-        raise InvalidTransition(
+        if state in life.TABLE[life.PEER_LOST]:
+            self._fail(life.PEER_LOST, lost)
+            raise lost
+        # fetching/fetched/registered exist only inside init() on the owner's thread.
+        raise InvalidTransition(  # pragma: no cover
             state, life.PEER_LOST, method="failure_exception", requires=_FAILURE_NEEDS
         )
 
@@ -483,11 +614,12 @@ class BootstrapReceiver:
         (so it frees the slot); idempotent. No invalidation: an abort says nothing about the
         prefill."""
         state = self.state
-        if state in life.ACTIVE_STATES:
+        if state in life.ACTIVE_STATES or state == life.DONE:
             self._failure = Aborted(f"room {self.room} aborted in state {state}")
             self._fire(life.ABORT)
-            if state == life.WAITING:
-                self._m._notify_abort(self)
+            # Once the room has its ranks (after init), every rank is told once: the legacy
+            # ABORT before the metadata, one with a generation after it (MGR-15).
+            self._m._notify_abort(self, armed=self._metadata_sent)
             self._m._ended(self, self._failure)
 
     def clear(self) -> None:
@@ -498,6 +630,8 @@ class BootstrapReceiver:
         if state in life.ACTIVE_STATES:
             self._failure = Aborted(f"room {self.room} cleared in state {state}")
             self._fire(life.ABORT)
+            if self._m.prefill_complete:  # SGLang tells the prefill here under this policy
+                self._m._notify_abort(self, armed=self._metadata_sent)
             self._m._ended(self, self._failure)
         self.entries = {}
 
@@ -711,6 +845,18 @@ class BootstrapReceiver:
             fresh[key] = m._generation(tuple(ranks), instance_ids.pop(), stamp)
         return fresh
 
+    def ranks(self) -> list[tuple[Generation, RankInfo]]:
+        """Every (generation, rank) of this room, each endpoint once (what an ABORT or a
+        BOOTSTRAP goes to)."""
+        seen: set[tuple[str, int]] = set()
+        out: list[tuple[Generation, RankInfo]] = []
+        for generation in self.entries.values():
+            for rank in generation.ranks:
+                if (rank.ip, rank.port) not in seen:
+                    seen.add((rank.ip, rank.port))
+                    out.append((generation, rank))
+        return out
+
     @property
     def ended(self) -> bool:
         """True once the request reached a final state (done, invalidated or aborted)."""
@@ -718,3 +864,16 @@ class BootstrapReceiver:
 
     def __repr__(self) -> str:
         return f"BootstrapReceiver(id={self.id}, room={self.room}, state={self.state!r})"
+
+
+def transfer_failed(
+    receiver: BootstrapReceiver, reason: str | None, rank: int | None
+) -> BootstrapError:
+    """The typed error of a prefill-reported failure, carrying the prefill's reason."""
+    text = reason or DEFAULT_FAILED_REASON
+    return TransferFailed(
+        f"room {receiver.room}: the prefill reported a failed transfer ({text}); retry the request",
+        addr=receiver.addr,
+        reason=text,
+        prefill_rank=rank,
+    )

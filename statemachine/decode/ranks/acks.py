@@ -1,28 +1,38 @@
-"""Decode-side completion listener: prefill ranks PUSH an ack per request when its KV is sent.
+"""Decode-side completion listener: what prefill ranks PUSH to the decode's own PULL endpoint.
 
-In SGLang the decode learns that a transfer finished from its transfer backend; the reference
-prefill rank process (:mod:`statemachine.prefill.rank`) stands in for that with a small ack
-message ``[b"ack", room, tp_rank, pp_rank]`` (ASCII integers, ZMQ-11) pushed to the ack
-endpoint named in the metadata. :class:`AckListener` listens on an ephemeral port as a
-``PULL`` peer (a ``ZMQ_STREAM`` socket, see ACK-2 below) and, on a daemon thread, counts acks
-per room: ``expect(room, n_acks, callback)`` fires
-``callback(room)`` once, when acks from ``n_acks`` *distinct* ranks arrived (a rank that acks
-twice counts once). Acks for rooms nobody expects are counted and dropped, so memory is bounded
-by the rooms currently expected (ZMQ-12).
+SGLang 0.5.23's prefill ranks push a *status* per room to the endpoint named in the metadata
+(Mooncake ``[room, status, prefill_rank]``, NIXL ``[KV_STATUS, room, status, prefill_rank,
+reason]``) and an ``ABORT_ACK`` once an aborted room drained; the reference prefill rank
+(:mod:`statemachine.prefill.rank`) pushes a small ack ``[b"ack", room, tp_rank, pp_rank]``
+(ASCII integers, ZMQ-11). :class:`AckListener` listens on an ephemeral port as a ``PULL`` peer
+(a ``ZMQ_STREAM`` socket, see ACK-2 below) and, on a daemon thread, turns every message into a
+:data:`~statemachine.completion.PrefillEvent` through a *decoder* - the manager passes its
+backend's ``decode_message``, so each backend parses its own wire; without one, the reference
+layout's replies are read (:func:`~statemachine.backend.decode_reply`).
 
-Call ``expect`` *before* sending the metadata: an ack that arrives first is dropped as unknown.
+Two ways to consume the events. A :class:`~statemachine.decode.manager.DecodeManager` passes
+``on_event`` and gets every event (it counts distinct prefill responses per room itself,
+``spec/manager.md`` MGR-13). Standalone, ``expect(room, n, callback)`` fires ``callback(room)``
+once, when successes from ``n`` *distinct* prefill ranks arrived (a rank that reports twice
+counts once); events for rooms nobody expects are counted and dropped, so memory is bounded by
+the rooms currently expected (ZMQ-12). Call ``expect`` *before* sending the metadata: an ack
+that arrives first is dropped as unknown.
 
 Bounded memory per message (ACK-2): libzmq delivers a multipart message only once all of
 its frames arrived, and ``MAXMSGSIZE`` bounds each frame, not their number, so one message of
 200,000 small frames made a ``PULL`` socket buffer ~130 MB. The listener therefore binds a
 ``ZMQ_STREAM`` socket (raw TCP bytes, read in small chunks with a low high-water mark) and
 speaks the receiving side of ZMTP 3.0 itself (:class:`_ZmtpPull`): greeting, NULL handshake,
-then frames parsed as they arrive. A peer whose message has more than four frames, or a frame
-larger than 256 bytes, is disconnected at that frame; nothing of it is buffered. Senders are
+then frames parsed as they arrive. A peer whose message has more than :data:`MAX_FRAMES` frames,
+or a frame larger than :data:`MAX_FRAME_BYTES`, is disconnected at that frame; nothing of it is
+buffered. The bounds fit the largest message a 0.5.23 prefill sends the decode's PULL endpoint
+besides staging and AUX_DATA, which this listener does not take: NIXL's 5-frame status whose
+last frame is the failure reason (a line of text). Senders are
 ordinary libzmq ``PUSH`` sockets and see a normal ``PULL`` peer.
 
-Trust boundary (ACK-3): an ack is not authenticated. Anyone who can reach the ack port can
-complete a room that is currently expected (never one that is not, and never twice). Like
+Trust boundary (ACK-3): a message is not authenticated. Anyone who can reach the ack port can
+complete or fail a room that is currently in flight (never one that is not, and a rank counts
+once), or release a held room's KV early with its current abort generation. Like
 SGLang's own ZMQ channels, the ack port belongs on the cluster-internal network between
 prefill and decode; bind it to that interface, never to a public one.
 """
@@ -34,15 +44,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
-from statemachine.backend import MalformedFrames
+from statemachine.backend import MalformedFrames, decode_reply
+from statemachine.completion import STATUS_SUCCESS, PrefillEvent, PrefillStatus
 from statemachine.validation import require_rank_ip
 
 ACK_KIND = b"ack"
 ACK_FRAMES = 4
-_MAX_ACK_BYTES = 256
+#: Most frames one message may have (NIXL's status is 5; one spare for a trailing frame).
+MAX_FRAMES = 6
+#: Largest frame (a failure reason is one line of text; a room is at most 20 digits).
+MAX_FRAME_BYTES = 2048
 #: Largest ZMTP command we read (a peer's READY with its metadata).
 _MAX_COMMAND_BYTES = 1024
 #: Connected senders at a time; past it a new one displaces the longest-silent one.
@@ -76,6 +91,10 @@ _HANDSHAKE = _GREETING + _ready_command(b"PULL")
 _log = logging.getLogger(__name__)
 
 AckCallback = Callable[[int], None]
+#: One multipart message -> an event, or None (not a message of this wire: dropped).
+Decoder = Callable[[Sequence[bytes]], PrefillEvent | None]
+#: Takes one event; returns False if it was dropped (no such room: counted as unknown).
+EventCallback = Callable[[PrefillEvent], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +126,13 @@ def parse_ack(frames: Sequence[bytes]) -> Ack:
 
 @dataclass(frozen=True, slots=True)
 class AckStats:
-    received: int  # well-formed acks
+    received: int  # well-formed messages (acks, statuses, abort acks)
     completed: int  # rooms whose callback fired
-    unknown: int  # acks for rooms nobody expected (dropped)
-    duplicates: int  # second ack from the same rank for an expected room (ignored)
-    malformed: int  # messages that were not acks (dropped)
+    unknown: int  # events for rooms nobody expected or in flight (dropped)
+    duplicates: int  # second success from the same rank for an expected room (ignored)
+    malformed: int  # messages the decoder did not take (dropped)
     callback_errors: int  # callbacks that raised (logged, the listener keeps running)
-    expected: int  # rooms currently expected
+    expected: int  # rooms currently expected (standalone ``expect``; 0 under a manager)
 
 
 class _Pending:
@@ -122,13 +141,22 @@ class _Pending:
     def __init__(self, needed: int, callback: AckCallback) -> None:
         self.needed = needed
         self.callback = callback
-        self.ranks: set[tuple[int, int]] = set()
+        self.ranks: set[int] = set()
 
 
 class AckListener:
     """PULL socket + daemon thread that completes rooms; see the module docstring."""
 
-    def __init__(self, ip: str = "127.0.0.1", *, max_peers: int = MAX_PEERS) -> None:
+    def __init__(
+        self,
+        ip: str = "127.0.0.1",
+        *,
+        max_peers: int = MAX_PEERS,
+        decoder: Decoder | None = None,
+        on_event: EventCallback | None = None,
+    ) -> None:
+        self._decode: Decoder = decode_reply if decoder is None else decoder
+        self._on_event = on_event
         # The ip travels in every metadata message as the address prefill ranks connect to:
         # a peer IP literal (not 0.0.0.0, not a name), checked before any socket exists.
         self.ip = require_rank_ip("AckListener ip", ip)
@@ -263,32 +291,50 @@ class AckListener:
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
-            ack = parse_ack(frames)
-        except MalformedFrames:
+            event = self._decode(frames)
+        except Exception:  # a decoder must not raise; if one does, the thread lives on
+            _log.exception("ack decoder raised")
+            event = None
+        if event is None:
             self._on_malformed()
             return
         with self._lock:
             self._received += 1
-            pending = self._pending.get(ack.room)
+        if self._on_event is not None:
+            if not self._call(self._on_event, event, event.room):
+                with self._lock:
+                    self._unknown += 1
+            return
+        if not isinstance(event, PrefillStatus) or event.status != STATUS_SUCCESS:
+            with self._lock:
+                self._unknown += 1  # standalone, only successes complete a room
+            return
+        with self._lock:
+            pending = self._pending.get(event.room)
             if pending is None:
                 self._unknown += 1
                 return
-            rank = (ack.tp_rank, ack.pp_rank)
-            if rank in pending.ranks:
+            if event.prefill_rank in pending.ranks:
                 self._duplicates += 1
                 return
-            pending.ranks.add(rank)
+            pending.ranks.add(event.prefill_rank)
             if len(pending.ranks) < pending.needed:
                 return
-            del self._pending[ack.room]
+            del self._pending[event.room]
             self._completed += 1
         # Outside the lock: a callback may call expect()/forget() itself.
+        self._call(pending.callback, event.room, event.room)
+
+    def _call(self, callback: Callable[[Any], object], argument: object, room: int) -> bool:
+        """``callback(argument)``; False if it returned False. A callback that raises is
+        logged and counted, and the listener serves on."""
         try:
-            pending.callback(ack.room)
+            return callback(argument) is not False
         except Exception:
             with self._lock:
                 self._callback_errors += 1
-            _log.exception("ack callback for room %d raised", ack.room)
+            _log.exception("ack callback for room %d raised", room)
+            return True
 
 
 # --- the receiving side of ZMTP 3.0 over a ZMQ_STREAM socket ----------------------------------
@@ -314,8 +360,8 @@ class _ZmtpPull:
 
     Each peer's bytes are parsed as they arrive; a buffer never holds more than one chunk plus
     one partial frame header and body (at most a few hundred bytes past the chunk), and a
-    message is handed on as soon as its last frame is in: at most ACK_FRAMES frames of at most
-    _MAX_ACK_BYTES each, or the peer is cut off there.
+    message is handed on as soon as its last frame is in: at most MAX_FRAMES frames of at most
+    MAX_FRAME_BYTES each, or the peer is cut off there.
     """
 
     def __init__(
@@ -399,7 +445,7 @@ class _ZmtpPull:
                 size = buf[pos + 1]
                 header = 2
             command = bool(flags & _FLAG_COMMAND)
-            if size > (_MAX_COMMAND_BYTES if command else _MAX_ACK_BYTES):
+            if size > (_MAX_COMMAND_BYTES if command else MAX_FRAME_BYTES):
                 raise _Cut  # cut at the header: the body is never buffered
             if end - pos < header + size:
                 break
@@ -415,8 +461,8 @@ class _ZmtpPull:
                 raise _Cut
             frames = peer.frames
             frames.append(body)
-            if len(frames) > ACK_FRAMES:
-                raise _Cut  # a fifth frame: this is no ack, and the rest is never read
+            if len(frames) > MAX_FRAMES:
+                raise _Cut  # no message we take is this long; the rest is never read
             if not flags & _FLAG_MORE:
                 peer.frames = []
                 self._on_message(frames)
