@@ -20,6 +20,7 @@ from sglang_support import import_sglang, requires_sglang, sglang_bootstrap_serv
 from sglang_support import sglang_prefill_rank as prefill_rank
 from sglang_wire_support import mooncake_module
 
+from statemachine.errors import TransferFailed
 from statemachine.lifecycle import KVPoll
 
 pytestmark = requires_sglang
@@ -56,7 +57,7 @@ def received(rank: Any) -> list[bytes]:
 
 
 @requires_sglang
-def test_sglang_example_registers_and_sends_metadata_sglang_parses(
+def test_sglang_example_against_sglangs_server_parsers_and_status_sender(
     prefill: tuple[str, list[Any]],
 ) -> None:
     addr, ranks = prefill
@@ -80,12 +81,34 @@ def test_sglang_example_registers_and_sends_metadata_sglang_parses(
             assert info.mooncake_session_id == SESSION
             assert list(info.dst_kv_indices) == [5, 6, 7]
             assert (info.dst_aux_index, info.is_dummy, info.required_dst_info_num) == (0, False, 1)
-        # The scheduler gives up on the request: every rank is told, in SGLang's ABORT layout.
-        receiver.abort()
-        assert receiver.poll() == KVPoll.Failed
+        # SGLang's own status sender on each rank: the room completes once both reported.
+        for rank in ranks:
+            assert receiver.poll() != KVPoll.Success
+            rank.send_kv_status_message(
+                targets=[(acks.ip, acks.port)], bootstrap_room=77, status=KVPoll.Success
+            )
+        assert code["finish_request"](receiver) is None
+        assert receiver.poll() == KVPoll.Success
+        # A second request: one rank reports a failed transfer. Mooncake's status carries no
+        # reason (NIXL's does), so the failure says what SGLang's decode says then.
+        failing = code["start_request"](manager, addr, 78, [8])
+        for rank in ranks:
+            received(rank)  # its metadata (the generation is cached: no registration)
+        ranks[1].send_kv_status_message(
+            targets=[(acks.ip, acks.port)],
+            bootstrap_room=78,
+            status=KVPoll.Failed,
+            failure_reason="RDMA write failed on rank 1",
+        )
+        failure = code["finish_request"](failing)
+        assert isinstance(failure, TransferFailed)
+        assert conn.CommonKVManager.DEFAULT_PREFILL_FAILURE_REASON in str(failure)
+        # The failure is told to every rank, in SGLang's ABORT layout, with a generation
+        # (0.5.23 holds the KV until the ranks acknowledge it).
         for rank in ranks:
             notice = conn.AbortNotification.from_zmq(received(rank))
-            assert (notice.room, notice.decode_ip, notice.decode_port) == (77, acks.ip, acks.port)
+            assert (notice.room, notice.decode_ip, notice.decode_port) == (78, acks.ip, acks.port)
+            assert notice.generation is not None
         assert manager.stats().in_flight == 0
     finally:
         manager.close()
