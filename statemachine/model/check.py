@@ -90,6 +90,8 @@ def load(path: str | Path) -> Loaded:
             mode=_string(c["Mode"], "Mode", where),
             variant=_string(c["Variant"], "Variant", where),
             discovery=_string(c["Discovery"], "Discovery", where),
+            ranks=_model_values(c["Ranks"], "Ranks", where),
+            policy=_string(c["Policy"], "Policy", where),
         )
     except ValueError as exc:
         raise CfgError(f"ASSUME violated: {exc}", path=where) from None
