@@ -126,7 +126,7 @@ def summary(loaded: Loaded, result: Result) -> str:
         f"{result.transitions} transitions, {result.seconds:.2f} s",
     ]
     for name, held in result.verdicts.items():
-        lines.append(f"  {name:<18} {'held' if held else 'VIOLATED'}")
+        lines.append(f"  {name:<26} {'held' if held else 'VIOLATED'}")
     return "\n".join(lines)
 
 
