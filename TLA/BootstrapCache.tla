@@ -8,10 +8,11 @@
 (* which epoch of the prefill's ports it holds.  A prefill restart starts  *)
 (* a new epoch: every port of an older epoch is dead while the key stays   *)
 (* the same.  The receiver actions are exactly the events of the receiver  *)
-(* lifecycle Machine (statemachine/lifecycle.py).  JoinFlight and Ack are  *)
-(* steps of other threads on a receiver's behalf (the single-flight        *)
-(* registry, the ack listener) and change no lifecycle state; Restart,     *)
-(* NodeFailure, RetireInstance and WatchEvent are environment actions.     *)
+(* lifecycle Machine (statemachine/lifecycle.py).  JoinFlight, Ack and    *)
+(* LateAck are steps of other threads on a receiver's behalf (the          *)
+(* single-flight registry, the ack listener) and change no lifecycle       *)
+(* state; Restart, NodeFailure, RetireInstance and WatchEvent are          *)
+(* environment actions.                                                    *)
 (*                                                                         *)
 (* The Python mirror statemachine/model/spec.py has the same variables,    *)
 (* actions and property names, and must find the same distinct states.    *)
@@ -27,7 +28,12 @@
 (*  - instance ids are epochs: the instance answering at a is epoch[a];    *)
 (*  - object ids are recycled: a fetch takes the smallest id nothing       *)
 (*    references, and the data of unreferenced ids is reset, so every      *)
-(*    state has one canonical representation.                              *)
+(*    state has one canonical representation;                              *)
+(*  - Ranks are the prefill ranks a request needs a transfer response      *)
+(*    from (|Ranks| is the plan's required_prefill_response_num); they     *)
+(*    live and restart together, as one prefill instance at one address;   *)
+(*  - a prefill's answer to the handshake and the poll that sees it are    *)
+(*    one step (PrefillReady), taken only while that prefill is alive.     *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
 
@@ -38,7 +44,9 @@ CONSTANTS
     MaxFaults,    \* budget of spurious failures and aborts (see Fairness)
     Mode,         \* ZMQ send semantics: "immediate" or "queueing"
     Discovery,    \* where rank infos come from: "http" (bootstrap server) or "etcd" (watched)
-    Variant       \* "Correct" or a bug variant (see Invalidate, NodeFailure, ...)
+    Variant,      \* "Correct" or a bug variant (see Invalidate, NodeFailure, ...)
+    Ranks,        \* prefill ranks whose transfer responses complete a request (model values)
+    Policy        \* the decode allocation policy: "early" or "prefill_complete" (handshake)
 
 Variants == {"Correct", "NoInvalidation", "InvalidateByKey", "PrefixNodeFailure",
              "RetireStaleObservation", "ReusedPortAcks", "RetireByKey"}
@@ -52,6 +60,8 @@ ASSUME
     /\ Mode \in {"immediate", "queueing"}
     /\ Discovery \in {"http", "etcd"}
     /\ Variant \in Variants
+    /\ Ranks # {}
+    /\ Policy \in {"early", "prefill_complete"}
 
 VARIABLES
     rstate,    \* rstate[r]: lifecycle state of receiver r
@@ -61,12 +71,14 @@ VARIABLES
     objEpoch,  \* objEpoch[o]: the prefill epoch whose ports object o holds
     epoch,     \* epoch[a]: the current epoch (restart count) of the prefill at a
     faults,    \* spurious failures and aborts so far
-    acked,     \* acked[r]: 0, or 1 + the epoch of the prefill process that acked r's transfer
+    acked,     \* acked[r][p]: 0, or 1 + the epoch of the process of rank p that acked r's transfer
     pooled,    \* history: the referenced objects that have been published to the pool
     watched,   \* watched[a]: the newest revision (epoch) of a the etcd watch has delivered
-    marked     \* receivers the fan-out marked failed (their owner's next call fails them)
+    marked,    \* receivers the fan-out marked failed (their owner's next call fails them)
+    notified   \* receivers whose request sent its ABORT notice to every target rank
 
-vars == <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
+vars == <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
+          notified>>
 
 None == 0
 
@@ -74,11 +86,17 @@ None == 0
 \* object per address and every receiver at most one.
 ObjIds == 1 .. (Cardinality(Addrs) + Cardinality(Receivers))
 
-LifecycleStates == {"idle", "fetching", "fetched", "registered", "cached",
-                    "waiting", "done", "failed", "invalidated", "aborted"}
-ActiveStates == {"idle", "fetching", "fetched", "registered", "cached", "waiting"}
+LifecycleStates == {"idle", "fetching", "fetched", "registered", "cached", "handshaking",
+                    "ready", "waiting", "done", "failed", "invalidated", "aborted"}
+ActiveStates == {"idle", "fetching", "fetched", "registered", "cached", "handshaking",
+                 "ready", "waiting"}
 FinalStates == {"done", "invalidated", "aborted"}
 FlightStates == {"fetching", "fetched", "registered"}
+\* States in which the request holds its target ranks (SGLang's bootstrap_infos):
+\* an abort from one of them must tell those ranks (ABORT).
+Initialized == {"cached", "handshaking", "ready", "waiting", "done"}
+
+NoAcks == [p \in Ranks |-> 0]
 
 \* Objects referenced by the pool or by a receiver.
 Referenced(p, g) == ({p[a] : a \in Addrs} \cup {g[r] : r \in Receivers}) \ {None}
@@ -143,7 +161,7 @@ Hit(r, a) ==
                /\ rgen' = rgen
     /\ rstate' = [rstate EXCEPT ![r] = "cached"]
     /\ rkey' = [rkey EXCEPT ![r] = a]
-    /\ UNCHANGED <<pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<pool, objEpoch, epoch, faults, acked, pooled, watched, marked, notified>>
 
 \* The fetch begins: its object remembers the epoch that answers first.
 Miss(r, a) ==
@@ -155,14 +173,14 @@ Miss(r, a) ==
            /\ objEpoch' = [objEpoch EXCEPT ![o] = epoch[a]]
     /\ rstate' = [rstate EXCEPT ![r] = "fetching"]
     /\ rkey' = [rkey EXCEPT ![r] = a]
-    /\ UNCHANGED <<pool, epoch, faults, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<pool, epoch, faults, acked, pooled, watched, marked, notified>>
 
 \* The fetch runs outside any lock; it returns the ports of the current epoch.
 FetchOk(r) ==
     /\ rstate[r] = "fetching"
     /\ objEpoch' = [objEpoch EXCEPT ![rgen[r]] = epoch[rkey[r]]]
     /\ rstate' = [rstate EXCEPT ![r] = "fetched"]
-    /\ UNCHANGED <<rkey, rgen, pool, epoch, faults, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<rkey, rgen, pool, epoch, faults, acked, pooled, watched, marked, notified>>
 
 \* From idle: resolving the dp rank failed or a follower's deadline passed
 \* (spurious), or the flight r follows failed (genuine).  From fetching:
@@ -172,7 +190,7 @@ FetchFail(r) ==
     /\ rstate[r] \in {"idle", "fetching"}
     /\ Failure(IF rstate[r] = "idle" THEN Orphan(r) ELSE objEpoch[rgen[r]] < epoch[rkey[r]])
     /\ FailEarly(r)
-    /\ UNCHANGED <<pool, epoch, acked, watched>>
+    /\ UNCHANGED <<pool, epoch, acked, watched, notified>>
 
 \* Registering KV args with every rank.  In queueing mode a dead port takes
 \* the message silently.
@@ -180,13 +198,14 @@ RegisterOk(r) ==
     /\ rstate[r] = "fetched"
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "registered"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
+                   notified>>
 
 RegisterFail(r) ==
     /\ rstate[r] = "fetched"
     /\ Failure(Mode = "immediate" /\ ~Live(r))
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked, notified>>
 
 \* pool.setdefault(key, fresh): publish when empty, else adopt the winner
 \* (and record it in place of the fresh object).  The followers of the key
@@ -208,64 +227,98 @@ Publish(r) ==
            /\ objEpoch' = Collect(newPool, newGen, objEpoch)
            /\ pooled' = (pooled \cup ({held} \ {None})) \cap Referenced(newPool, newGen)
     /\ rstate' = [rstate EXCEPT ![r] = "cached"]
-    /\ UNCHANGED <<rkey, epoch, faults, acked, watched, marked>>
+    /\ UNCHANGED <<rkey, epoch, faults, acked, watched, marked, notified>>
 
-\* Per-request metadata.  Queueing mode: a dead port takes it silently.
-SendOk(r) ==
+\* Under the "prefill_complete" policy the decode first tells every target
+\* rank it is here (BOOTSTRAP, in init()).  Queueing mode: a dead port takes
+\* it silently (and the prefill never answers: Timeout).
+Handshake(r) ==
     /\ rstate[r] = "cached"
+    /\ Policy = "prefill_complete"
+    /\ r \notin marked
+    /\ Mode = "queueing" \/ Live(r)
+    /\ rstate' = [rstate EXCEPT ![r] = "handshaking"]
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
+                   notified>>
+
+\* The prefill answered the handshake (status WaitingForInput) and a poll saw
+\* it.  Only a live prefill answers.
+PrefillReady(r) ==
+    /\ rstate[r] = "handshaking"
+    /\ Live(r)
+    /\ rstate' = [rstate EXCEPT ![r] = "ready"]
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
+                   notified>>
+
+\* Per-request metadata: at once under "early", after the prefill answered
+\* the handshake under "prefill_complete".  Queueing mode: a dead port takes
+\* it silently.
+SendOk(r) ==
+    /\ \/ rstate[r] = "cached" /\ Policy = "early"
+       \/ rstate[r] = "ready"
     /\ r \notin marked
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "waiting"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
+                   notified>>
 
-\* From idle (no key yet): send_metadata before a successful init.
+\* From idle (no key yet): send_metadata before a successful init.  From
+\* cached, handshaking or ready: the BOOTSTRAP or the metadata send failed.
 SendFail(r) ==
     \/ /\ rstate[r] = "idle"
        /\ rkey[r] = None
        /\ Failure(FALSE)
        /\ FailEarly(r)
-       /\ UNCHANGED <<pool, epoch, acked, watched>>
-    \/ /\ rstate[r] = "cached"
+       /\ UNCHANGED <<pool, epoch, acked, watched, notified>>
+    \/ /\ rstate[r] \in {"cached", "handshaking", "ready"}
        /\ Failure(Mode = "immediate" /\ ~Live(r))
        /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-       /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked>>
+       /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked,
+                      notified>>
 
-\* poll() completes on the ack flag, whenever the ack listener set it.
+\* poll() completes once every target rank has reported its transfer: the
+\* responses are counted per rank, so a rank that reports twice counts once.
 Complete(r) ==
     /\ rstate[r] = "waiting"
-    /\ acked[r] # 0
+    /\ \A p \in Ranks : acked[r][p] # 0
     /\ LET newKey == [rkey EXCEPT ![r] = None]
            newGen == [rgen EXCEPT ![r] = None]
        IN  /\ rkey' = newKey
            /\ rgen' = newGen
            /\ objEpoch' = Collect(pool, newGen, objEpoch)
            /\ pooled' = pooled \cap Referenced(pool, newGen)
-    /\ acked' = [acked EXCEPT ![r] = 0]
+    /\ acked' = [acked EXCEPT ![r] = NoAcks]
     /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "done"]
-    /\ UNCHANGED <<pool, epoch, faults, watched>>
+    /\ UNCHANGED <<pool, epoch, faults, watched, notified>>
 
-\* Only without an ack (poll() looks at the ack first).  Genuine when the
-\* metadata was lost or the prefill died; spurious otherwise.
+\* The prefill never answered the handshake, or some rank never reported
+\* (poll() looks at the responses first).  Genuine when the metadata or the
+\* BOOTSTRAP was lost or the prefill died; spurious otherwise.  The request
+\* tells every target rank it gave up (ABORT), as SGLang 0.5.23 does.
 Timeout(r) ==
-    /\ rstate[r] = "waiting"
-    /\ acked[r] = 0
+    /\ \/ rstate[r] = "handshaking"
+       \/ rstate[r] = "waiting" /\ \E p \in Ranks : acked[r][p] = 0
     /\ Failure(~Live(r))
+    /\ notified' = notified \cup {r}
+    /\ acked' = [acked EXCEPT ![r] = NoAcks]
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched, marked>>
 
 \* The manager's fan-out: evidence that the prefill r depends on died or
 \* restarted (genuine when r was marked or its object is of a dead epoch),
-\* or a spurious one.
+\* or a spurious one.  From done: SGLang's failure_exception() on a
+\* succeeded receiver, after another rank of the room failed.
 PeerLost(r) ==
-    /\ rstate[r] \in {"idle", "cached", "waiting"}
+    /\ rstate[r] \in {"idle", "cached", "handshaking", "ready", "waiting", "done"}
     /\ Failure(r \in marked \/ (rgen[r] # None /\ ~Live(r)))
     /\ IF rstate[r] = "idle"
           THEN /\ FailEarly(r)
-               /\ UNCHANGED <<pool, epoch, acked, watched>>
+               /\ UNCHANGED <<pool, epoch, acked, watched, notified>>
           ELSE /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-               /\ acked' = [acked EXCEPT ![r] = 0]
-               /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched, marked>>
+               /\ acked' = [acked EXCEPT ![r] = NoAcks]
+               /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched, marked,
+                              notified>>
 
 \* Drop pool[k] only if it *is* the recorded object (identity, under the lock),
 \* then forget the record.  Bug variants:
@@ -288,19 +341,22 @@ Invalidate(r) ==
            /\ pooled' = pooled \cap Referenced(newPool, newGen)
     /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "invalidated"]
-    /\ UNCHANGED <<epoch, faults, acked, watched>>
+    /\ UNCHANGED <<epoch, faults, acked, watched, notified>>
 
-\* The owner gives up: no invalidation.  Bounded by the same budget.
+\* The owner gives up: no invalidation.  Bounded by the same budget.  A
+\* request that already holds its target ranks tells each of them (ABORT),
+\* also before its metadata went out and after its transfer finished.
 Abort(r) ==
-    /\ rstate[r] \in ActiveStates
+    /\ rstate[r] \in ActiveStates \cup {"done"}
     /\ Failure(FALSE)
+    /\ notified' = IF rstate[r] \in Initialized THEN notified \cup {r} ELSE notified
     /\ LET newKey == [rkey EXCEPT ![r] = None]
            newGen == [rgen EXCEPT ![r] = None]
        IN  /\ rkey' = newKey
            /\ rgen' = newGen
            /\ objEpoch' = Collect(pool, newGen, objEpoch)
            /\ pooled' = pooled \cap Referenced(pool, newGen)
-    /\ acked' = [acked EXCEPT ![r] = 0]
+    /\ acked' = [acked EXCEPT ![r] = NoAcks]
     /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "aborted"]
     /\ UNCHANGED <<pool, epoch, watched>>
@@ -309,6 +365,7 @@ Abort(r) ==
 NewRequest(r) ==
     /\ rstate[r] \in FinalStates
     /\ rstate' = [rstate EXCEPT ![r] = "idle"]
+    /\ notified' = notified \ {r}
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
 
 -----------------------------------------------------------------------------
@@ -322,18 +379,30 @@ JoinFlight(r, a) ==
     /\ pool[a] = None
     /\ Flight(a)
     /\ rkey' = [rkey EXCEPT ![r] = a]
-    /\ UNCHANGED <<rstate, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<rstate, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
+                   notified>>
 
-\* The ack listener: the prefill process now running at r's address finished
-\* r's transfer.  Only the epoch r's metadata reached can: a live one.  Bug
-\* variant ReusedPortAcks: in queueing mode the frames queued for a dead port
-\* reach a new process that bound the same port, and it acks.
-Ack(r) ==
+\* The ack listener: rank p of the prefill process now running at r's
+\* address finished r's transfer.  Only the epoch r's metadata reached can: a
+\* live one.  A second report from the same rank changes nothing (the first
+\* is kept).  Bug variant ReusedPortAcks: in queueing mode the frames queued
+\* for a dead port reach a new process that bound the same port, and it acks.
+Ack(r, p) ==
     /\ rstate[r] = "waiting"
-    /\ acked[r] = 0
     /\ Live(r) \/ (Variant = "ReusedPortAcks" /\ Mode = "queueing")
-    /\ acked' = [acked EXCEPT ![r] = epoch[rkey[r]] + 1]
-    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, pooled, watched, marked>>
+    /\ acked' = [acked EXCEPT ![r][p] = IF @ = 0 THEN epoch[rkey[r]] + 1 ELSE @]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, pooled, watched, marked,
+                   notified>>
+
+\* A rank's report that arrives after r's request failed (its timeout fired,
+\* or another rank failed it): Failed is terminal, so nothing changes.
+LateAck(r, p) ==
+    /\ rstate[r] = "failed"
+    /\ rgen[r] # None
+    /\ Live(r)
+    /\ rstate' = rstate
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
+                   notified>>
 
 -----------------------------------------------------------------------------
 (* Environment actions: no receiver's lifecycle state changes.             *)
@@ -342,7 +411,8 @@ Ack(r) ==
 Restart(a) ==
     /\ epoch[a] < MaxRestarts
     /\ epoch' = [epoch EXCEPT ![a] = @ + 1]
-    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, faults, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, faults, acked, pooled, watched, marked,
+                   notified>>
 
 \* The prefill at a restarts and the heartbeat notices: the entries of exactly
 \* address a are dropped.  Bug variant PrefixNodeFailure: key.startswith(addr).
@@ -353,7 +423,7 @@ NodeFailure(a) ==
        IN  /\ pool' = newPool
            /\ objEpoch' = Collect(newPool, rgen, objEpoch)
            /\ pooled' = pooled \cap Referenced(newPool, rgen)
-    /\ UNCHANGED <<rstate, rkey, rgen, faults, acked, watched, marked>>
+    /\ UNCHANGED <<rstate, rkey, rgen, faults, acked, watched, marked, notified>>
 
 \* An observer (the health probe, or a receiver whose fetch answered) saw
 \* instance e answer at a, at some time up to now, after it had seen an older
@@ -370,7 +440,7 @@ RetireInstance(a, e) ==
        IN  /\ pool' = newPool
            /\ objEpoch' = Collect(newPool, rgen, objEpoch)
            /\ pooled' = pooled \cap Referenced(newPool, rgen)
-    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, watched, marked>>
+    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, watched, marked, notified>>
 
 \* The etcd watch delivers the next revision of a's registration, after a delay
 \* (revisions order what instance ids cannot).  Entries fetched at an older
@@ -391,9 +461,10 @@ WatchEvent(a) ==
                   {r \in Receivers :
                       /\ rkey[r] = a
                       /\ rgen[r] # None
-                      /\ rstate[r] \in {"idle", "fetched", "registered", "cached", "waiting"}
+                      /\ rstate[r] \in {"idle", "fetched", "registered", "cached",
+                                        "handshaking", "ready", "waiting"}
                       /\ objEpoch[rgen[r]] < w}
-    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked>>
+    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, notified>>
 
 -----------------------------------------------------------------------------
 
@@ -405,10 +476,11 @@ Init ==
     /\ objEpoch = [o \in ObjIds |-> 0]
     /\ epoch = [a \in Addrs |-> 0]
     /\ faults = 0
-    /\ acked = [r \in Receivers |-> 0]
+    /\ acked = [r \in Receivers |-> NoAcks]
     /\ pooled = {}
     /\ watched = [a \in Addrs |-> 0]
     /\ marked = {}
+    /\ notified = {}
 
 Next ==
     \/ \E r \in Receivers :
@@ -419,6 +491,8 @@ Next ==
         \/ RegisterOk(r)
         \/ RegisterFail(r)
         \/ Publish(r)
+        \/ Handshake(r)
+        \/ PrefillReady(r)
         \/ SendOk(r)
         \/ SendFail(r)
         \/ Complete(r)
@@ -428,7 +502,8 @@ Next ==
         \/ Abort(r)
         \/ NewRequest(r)
         \/ \E a \in Addrs : JoinFlight(r, a)
-        \/ Ack(r)
+        \/ \E p \in Ranks : Ack(r, p)
+        \/ \E p \in Ranks : LateAck(r, p)
     \/ \E a \in Addrs :
         \/ Restart(a)
         \/ NodeFailure(a)
@@ -438,7 +513,8 @@ Next ==
 \* Fairness.  Spurious failures and aborts are bounded by MaxFaults, and
 \* restarts by MaxRestarts, so every behaviour has only finitely many of them
 \* and weak fairness on each receiver's own steps (every lifecycle step but
-\* Abort, plus the ack of its transfer) suffices for progress.
+\* Abort, plus the acks of its transfer) suffices for progress.  LateAck
+\* changes nothing, so fairness on it would mean nothing.
 \* Strong fairness on lookups of each key says every key keeps receiving
 \* requests (from some receiver); without it a stale entry of a key nobody
 \* asks for again would never be evicted.  NodeFailure, RetireInstance and
@@ -450,12 +526,13 @@ ReceiverStep(r) ==
     \/ FetchOk(r) \/ FetchFail(r)
     \/ RegisterOk(r) \/ RegisterFail(r)
     \/ Publish(r)
+    \/ Handshake(r) \/ PrefillReady(r)
     \/ SendOk(r) \/ SendFail(r)
     \/ Complete(r) \/ Timeout(r)
     \/ PeerLost(r)
     \/ Invalidate(r)
     \/ NewRequest(r)
-    \/ Ack(r)
+    \/ \E p \in Ranks : Ack(r, p)
 
 Lookup(a) == \E r \in Receivers : Hit(r, a) \/ Miss(r, a)
 
@@ -476,17 +553,19 @@ TypeOK ==
     /\ objEpoch \in [ObjIds -> 0 .. MaxRestarts]
     /\ epoch \in [Addrs -> 0 .. MaxRestarts]
     /\ faults \in 0 .. MaxFaults
-    /\ acked \in [Receivers -> 0 .. (MaxRestarts + 1)]
+    /\ acked \in [Receivers -> [Ranks -> 0 .. (MaxRestarts + 1)]]
     /\ pooled \subseteq ObjIds
     /\ watched \in [Addrs -> 0 .. MaxRestarts]
     /\ marked \subseteq Receivers
+    /\ notified \subseteq Receivers
 
 \* POOL-1/POOL-2: a receiver past setup uses a generation that was published,
 \* so other receivers can find it and its own failure can evict it (or it was
 \* marked failed by the watch, and its next call fails it).
 AdoptionCorrect ==
     \A r \in Receivers :
-        rstate[r] \in {"cached", "waiting"} => (rgen[r] \in pooled \/ r \in marked)
+        rstate[r] \in {"cached", "handshaking", "ready", "waiting"} =>
+            (rgen[r] \in pooled \/ r \in marked)
 
 \* POOL-3: a receiver's step removes or replaces a live entry only as the
 \* invalidation of a receiver that holds that very object: a fresh generation
@@ -508,15 +587,47 @@ ExactNodeFailure ==
               objEpoch[pool[a]] < epoch'[a]
       ]_vars
 
-\* No request succeeds unless the epoch whose ports it used did its transfer.
+\* No request succeeds on a response from another epoch than the one whose
+\* ports it used.
 NoStaleSuccess ==
-    [][\A r \in Receivers : Complete(r) => acked[r] = objEpoch[rgen[r]] + 1]_vars
+    [][\A r \in Receivers :
+          Complete(r) => \A p \in Ranks : acked[r][p] \in {0, objEpoch[rgen[r]] + 1}
+      ]_vars
+
+\* No request succeeds before every target rank reported its transfer
+\* (required_prefill_response_num distinct ranks; a repeated report counts once).
+CompleteNeedsAllResponses ==
+    [][\A r \in Receivers : Complete(r) => \A p \in Ranks : acked[r][p] # 0]_vars
+
+\* Failed is terminal: a failed request only has its entries invalidated;
+\* no late report, status or call completes or revives it.
+FailedIsTerminal ==
+    [][\A r \in Receivers :
+          rstate[r] = "failed" => rstate'[r] \in {"failed", "invalidated"}
+      ]_vars
+
+\* A request that gives up after it learned its target ranks tells them: on
+\* its timeout, and on an abort from any state that holds the ranks (before
+\* the metadata went out too).
+AbortNotified ==
+    [][\A r \in Receivers :
+          (Timeout(r) \/ (rstate[r] \in Initialized /\ rstate'[r] = "aborted")) =>
+              r \in notified'
+      ]_vars
+
+\* Under "prefill_complete" the metadata goes out only after the prefill
+\* answered the handshake.
+HandshakeBeforeSend ==
+    [][\A r \in Receivers :
+          (rstate[r] # "waiting" /\ rstate'[r] = "waiting") =>
+              (Policy = "early" \/ rstate[r] = "ready")
+      ]_vars
 
 \* With etcd: no request starts its transfer on a generation older than the
 \* newest revision the watch has delivered for its address.
 NoStaleStart ==
     [][\A r \in Receivers :
-          (rstate[r] = "cached" /\ rstate'[r] = "waiting") =>
+          (rstate[r] \in {"cached", "ready"} /\ rstate'[r] = "waiting") =>
               objEpoch[rgen[r]] >= watched[rkey[r]]
       ]_vars
 

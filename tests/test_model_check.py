@@ -27,6 +27,10 @@ CI_CONFIGS: dict[str, str | None] = {
     "MCReusedPortAcks.cfg": "NoStaleSuccess",
     "MCEtcd.cfg": None,
     "MCEtcdRetireByKey.cfg": "ExactNodeFailure",
+    "MCOne.cfg": None,
+    "MCResponses.cfg": None,
+    "MCHandshake.cfg": None,
+    "MCTwoReceivers.cfg": None,
 }
 _results: dict[str, tuple[BootstrapCache, Result]] = {}
 
@@ -57,7 +61,7 @@ def test_verdict(name: str) -> None:
     violation = result.first_violation()
     if expected is None:
         assert result.ok and violation is None
-        assert all(result.verdicts.values()) and len(result.verdicts) == 8
+        assert all(result.verdicts.values()) and len(result.verdicts) == 12
     else:
         assert violation is not None and violation.property == expected
         # Safety properties other than the expected one still hold in the variant.
@@ -161,7 +165,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_default_config_passes() -> None:
     done = _cli()
     assert done.returncode == 0, done.stderr
-    assert "3858 distinct states found" in done.stdout
+    assert "4952 distinct states found" in done.stdout
     assert "RequestsSucceed" in done.stdout and "VIOLATED" not in done.stdout
 
 
@@ -189,6 +193,7 @@ GOOD = """
 SPECIFICATION Spec
 CONSTANTS Receivers = {r1, r2}  Addrs = {80, 8000}
     MaxRestarts = 1 MaxFaults = 0 Mode = "queueing" Discovery = "http" Variant = "Correct"
+    Ranks = {p1} Policy = "early"
 INVARIANTS TypeOK
 PROPERTY IdentitySafe StaleEntryEvicted
 CHECK_DEADLOCK FALSE
@@ -231,6 +236,8 @@ def test_cfg_reader_rejects_bad_input(text: str, message: str) -> None:
         (('Mode = "queueing"', 'Mode = "lossy"'), "ASSUME"),
         (("Addrs = {80, 8000}", "Addrs = {0}"), "ASSUME"),
         (("Receivers = {r1, r2}", "Receivers = {1, 2}"), "model values"),
+        (('Policy = "early"', 'Policy = "late"'), "ASSUME"),
+        (("Ranks = {p1}", "Ranks = {}"), "ASSUME"),
         (("IdentitySafe", "Bogus"), "unknown property"),
         (("SPECIFICATION Spec", "SPECIFICATION Other"), "SPECIFICATION"),
     ],

@@ -14,10 +14,30 @@ from statemachine.model.spec import ENV_ACTIONS, HELPER_ACTIONS
 TLA_DIR = Path(__file__).resolve().parents[1] / "TLA"
 
 
+#: One config per allocation policy: each reaches every transition its policy allows (the
+#: handshake states exist only under "prefill_complete"), so together they must reach every
+#: Machine transition, and each must take nothing the Machine does not have.
+EARLY, HANDSHAKE = "MCSmall.cfg", "MCHandshake.cfg"
+HANDSHAKE_STATES = {"handshaking", "ready"}
+
+
 def test_every_machine_transition_is_reachable_and_nothing_else() -> None:
-    for name in ("MCSmall.cfg", "MCImmediate.cfg"):
-        report = compare(load(TLA_DIR / name).model, MACHINE)
-        assert report.ok, (name, report)
+    early = compare(load(TLA_DIR / EARLY).model, MACHINE)
+    handshake = compare(load(TLA_DIR / HANDSHAKE).model, MACHINE)
+    for name, report in ((EARLY, early), (HANDSHAKE, handshake)):
+        assert not report.only_in_model and not report.unmapped_actions, (name, report)
+        assert not report.env_violations and not report.cross_violations, name
+    # Nothing the Machine has is missing from both.
+    assert not early.only_in_machine & handshake.only_in_machine
+    # Under "early" exactly the handshake's transitions are unreachable.
+    assert early.only_in_machine == {
+        t for t in machine_transitions(MACHINE) if {t[1], t[2]} & HANDSHAKE_STATES
+    }
+    # Under "prefill_complete" only SendOk straight from cached is.
+    assert handshake.only_in_machine == {("SendOk", "cached", "waiting")}
+    # MCImmediate (IMMEDIATE sends) reaches what MCSmall reaches.
+    immediate = compare(load(TLA_DIR / "MCImmediate.cfg").model, MACHINE)
+    assert immediate.only_in_machine == early.only_in_machine and not immediate.only_in_model
 
 
 def test_machine_has_the_transitions_we_think() -> None:
@@ -25,9 +45,12 @@ def test_machine_has_the_transitions_we_think() -> None:
     assert ("FetchFail", "idle", "failed") in found
     assert ("Abort", "waiting", "aborted") in found
     assert ("SendFail", "idle", "failed") in found
-    assert {("PeerLost", s, "failed") for s in ("idle", "cached", "waiting")} <= found
-    # 15 events; FetchFail 2 sources, SendFail 2, PeerLost 3, Abort 6, NewRequest 3
-    assert len(found) == 26
+    assert {("PeerLost", s, "failed") for s in ("idle", "cached", "waiting", "done")} <= found
+    assert ("Timeout", "handshaking", "failed") in found
+    assert ("Abort", "done", "aborted") in found
+    # 17 events; FetchFail 2 sources, SendOk 2, SendFail 4, Timeout 2, PeerLost 6, Abort 9,
+    # NewRequest 3, the other ten 1 each
+    assert len(found) == 38
 
 
 def test_environment_and_helper_actions_change_no_lifecycle_state() -> None:
@@ -58,7 +81,14 @@ def test_a_machine_that_drifts_is_caught() -> None:
 def test_every_other_ci_config_takes_only_machine_transitions() -> None:
     """Configs without a fault budget cannot reach the spurious transitions, but whatever they
     reach (the etcd watch's marks and PeerLost included) is a Machine transition."""
-    for name in ("MCTwoKeys.cfg", "MCEtcd.cfg", "MCReusedPortAcks.cfg"):
+    for name in (
+        "MCTwoKeys.cfg",
+        "MCEtcd.cfg",
+        "MCReusedPortAcks.cfg",
+        "MCOne.cfg",
+        "MCResponses.cfg",
+        "MCTwoReceivers.cfg",
+    ):
         report = compare(load(TLA_DIR / name).model, MACHINE)
         assert not report.only_in_model, (name, report.only_in_model)
         assert not report.env_violations and not report.cross_violations, name

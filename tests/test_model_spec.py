@@ -49,6 +49,10 @@ def test_tla_files_exist() -> None:
         "MCTwoKeys.cfg",
         "MCEtcd.cfg",
         "MCEtcdRetireByKey.cfg",
+        "MCOne.cfg",
+        "MCResponses.cfg",
+        "MCHandshake.cfg",
+        "MCTwoReceivers.cfg",
     }
 
 
@@ -74,9 +78,14 @@ def test_next_names_exactly_the_mirror_actions() -> None:
     actions = {name for name in applied if name in defs}
     assert actions == set(spec.ACTIONS)
     receiver_side = (*spec.RECEIVER_ACTIONS, *spec.HELPER_ACTIONS)
-    assert set(spec.KEYED_ACTIONS) == {name for name in receiver_side if len(defs[name].arity) == 2}
+    two = {name for name in receiver_side if len(defs[name].arity) == 2}
+    assert set(spec.KEYED_ACTIONS) | set(spec.RANKED_ACTIONS) == two
     for name in receiver_side:
         assert defs[name].arity[0].operator == "r", name  # the receiver comes first
+    for name in spec.KEYED_ACTIONS:
+        assert defs[name].arity[1].operator == "a", name  # then the address
+    for name in spec.RANKED_ACTIONS:
+        assert defs[name].arity[1].operator == "p", name  # or the prefill rank
     for name in spec.ENV_ACTIONS:
         assert defs[name].arity[0].operator == "a", name  # the address comes first
     assert len(defs["RetireInstance"].arity) == 2  # (a, e): the instance observed

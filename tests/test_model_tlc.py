@@ -2,18 +2,28 @@
 
 ``.ci/run`` points ``TLA2TOOLS_JAR`` at a ``tla2tools.jar`` when one is there; then this runs
 the whole table (``python -m statemachine.model.tlc --ci`` does the same from the command line)
-and requires, for every run, the same set of violated properties and the same distinct-state
-count in TLC and in the mirror. Without a jar the comparison is skipped (and says so); the
-parsing of TLC's messages is tested either way.
+and requires, for every run, the same set of violated properties, the same distinct-state
+count and the same set of distinct states (TLC's ``-dump``) in TLC and in the mirror. Without
+a jar the comparison is skipped (and says so); the parsing of TLC's messages and of its state
+dump is tested either way.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-from statemachine.model.tlc import compare_all, jar_from_environment, parse_output
+from statemachine.model.check import TLA_DIR, load
+from statemachine.model.checker import explore
+from statemachine.model.tlc import (
+    _state_set_problems,
+    compare_all,
+    jar_from_environment,
+    parse_output,
+)
+from statemachine.model.tlcdump import DumpError, parse_value, read_dump, to_state
 
 
 def test_parse_output_reads_every_violation_form() -> None:
@@ -64,3 +74,68 @@ def test_tlc_agrees_with_the_mirror_on_every_cfg_and_mutation() -> None:
     disagreements = [row.row() for row in rows if row.problems]
     assert not disagreements, "\n".join(disagreements)
     assert all(row.tlc is not None and row.tlc.distinct_states for row in rows)
+
+
+# --- TLC's state dump, compared with the mirror's states as sets -----------------------------
+
+DUMP = """State 1:
+/\\ epoch = (80 :> 0)
+/\\ rgen = (r1 :> 0)
+/\\ rkey = (r1 :> 0)
+/\\ watched = (80 :> 0)
+/\\ faults = 0
+/\\ marked = {}
+/\\ pool = (80 :> 0)
+/\\ objEpoch = <<0, 0>>
+/\\ pooled = {}
+/\\ acked = (r1 :> (p1 :> 0))
+/\\ notified = {}
+/\\ rstate = (r1 :> "idle")
+
+"""
+
+
+def test_parse_value_reads_every_form_the_spec_holds() -> None:
+    assert parse_value('(r1 :> "idle" @@ r2 :> "cached")') == {"r1": "idle", "r2": "cached"}
+    assert parse_value("(r1 :> (p1 :> 0 @@ p2 :> 2))") == {"r1": {"p1": 0, "p2": 2}}
+    assert parse_value("<<0, 1, -1>>") == (0, 1, -1)
+    assert parse_value("{r2, r1}") == frozenset({"r1", "r2"})
+    assert parse_value("{}") == frozenset()
+    with pytest.raises(DumpError):
+        parse_value("[a |-> 1]")  # a record: not a value of this spec
+
+
+def test_a_dumped_state_is_the_mirrors_initial_state(tmp_path: Path) -> None:
+    (tmp_path / "s.dump").write_text(DUMP, encoding="utf-8")
+    loaded = load(TLA_DIR / "MCOne.cfg")
+    (values,) = read_dump(tmp_path / "s.dump")
+    assert to_state(loaded.model, values) == loaded.model.init_states()[0]
+
+
+def test_a_state_set_that_differs_is_reported(tmp_path: Path) -> None:
+    loaded = load(TLA_DIR / "MCOne.cfg")
+    graph, _ = explore(loaded.model, fair=False)
+    lines = []
+    for n, state in enumerate(graph.states, 1):
+        lines.append(f"State {n}:")
+        lines.append("/\\ rstate = (r1 :> " + f'"{state.rstate[0]}")')
+        lines.append(f"/\\ rkey = (r1 :> {state.rkey[0]})")
+        lines.append(f"/\\ rgen = (r1 :> {state.rgen[0]})")
+        lines.append(f"/\\ pool = (80 :> {state.pool[0]})")
+        lines.append(f"/\\ objEpoch = <<{', '.join(map(str, state.objEpoch))}>>")
+        lines.append(f"/\\ epoch = (80 :> {state.epoch[0]})")
+        lines.append(f"/\\ faults = {state.faults}")
+        lines.append(f"/\\ acked = (r1 :> (p1 :> {state.acked[0][0]}))")
+        lines.append(f"/\\ pooled = {{{', '.join(map(str, sorted(state.pooled)))}}}")
+        lines.append(f"/\\ watched = (80 :> {state.watched[0]})")
+        lines.append(f"/\\ marked = {{{', '.join(sorted(state.marked))}}}")
+        lines.append(f"/\\ notified = {{{', '.join(sorted(state.notified))}}}")
+        lines.append("")
+    (tmp_path / "s.dump").write_text("\n".join(lines), encoding="utf-8")
+    dumped = read_dump(tmp_path / "s.dump")
+    assert _state_set_problems(loaded, dumped) == []
+    # One state drifts (TLC would have found faults = 7, beyond the budget, where the mirror
+    # has 0): the state only TLC has and the one only the mirror has both show.
+    dumped[0]["faults"] = 7
+    (problem,) = _state_set_problems(loaded, dumped)
+    assert "1 states only TLC reaches, 1 only the mirror" in problem

@@ -513,3 +513,109 @@ def test_threaded_multi_key_trace_is_allowed_and_by_key_deletion_is_caught(
             assert report.violation.rule == "IdentitySafe"
             return
     pytest.fail("the by-key pool's multi-key traces were all accepted")
+
+
+# --- the SGLang 0.5.23 rules: responses per rank, terminal Failed, ABORT notices ------------
+
+
+def ack(room: int, tp_rank: int, instance: str = "a") -> dict[str, Any]:
+    return {
+        "action": "Ack",
+        "room": room,
+        "instance": instance,
+        "target": instance,
+        "tp_rank": tp_rank,
+        "pp_rank": 0,
+    }
+
+
+def completed_room(required: int, acks: list[dict[str, Any]]) -> list[Any]:
+    """One receiver completes room 7 on instance "a"'s generation, with the given acks."""
+    done = rx("Complete", 1, "done", [[K, 1]])
+    done.update(room=7, required=required)
+    return [
+        rx("Miss", 1, "fetching"),
+        rx("FetchOk", 1, "fetched", [[K, 1]]),
+        rx("RegisterOk", 1, "registered", [[K, 1]]),
+        publish_with(K, 1, 1, "a"),
+        rx("Publish", 1, "cached", [[K, 1]]),
+        rx("SendOk", 1, "waiting", [[K, 1]]),
+        done,
+        *acks,
+    ]
+
+
+def test_completion_with_every_required_rank_is_allowed() -> None:
+    report = validate(completed_room(2, [ack(7, 0), ack(7, 1)]))
+    assert report.ok, report.violation
+
+
+def test_completion_on_a_repeated_response_is_caught() -> None:
+    """Two acks, both from tp rank 0: one distinct rank of the two the plan requires."""
+    report = validate(completed_room(2, [ack(7, 0), ack(7, 0)]))
+    assert report.violation is not None
+    assert report.violation.rule == "CompleteNeedsAllResponses"
+    assert "1 distinct prefill ranks" in report.violation.reason
+
+
+def test_a_response_of_another_instance_does_not_count() -> None:
+    report = validate(completed_room(2, [ack(7, 0), ack(7, 1, instance="b")]))
+    assert report.violation is not None
+    assert report.violation.rule in ("CompleteNeedsAllResponses", "NoStaleSuccess")
+
+
+def test_a_late_completion_of_a_failed_request_is_caught() -> None:
+    events = [
+        *miss_publish(1, 1),
+        rx("SendOk", 1, "waiting", [[K, 1]]),
+        rx("Timeout", 1, "failed", [[K, 1]]),
+        rx("Complete", 1, "done", [[K, 1]]),  # the late ack completed it
+    ]
+    report = validate(events)
+    assert report.violation is not None and report.violation.rule == "FailedIsTerminal"
+
+
+def notice(receiver: int) -> dict[str, Any]:
+    return {"action": "AbortNotice", "receiver": receiver, "room": 7}
+
+
+def gives_up(r: int, event: str, told: bool) -> list[Any]:
+    """Receiver r's request gives up after init (timeout or abort), telling its ranks or not."""
+    key = K if r == 1 else K2  # an aborted request leaves its entry pooled: one key each
+    steps = [*miss_publish(r, r, key=key), rx("SendOk", r, "waiting", [[key, r]])]
+    if event == "Abort":
+        steps.append(rx("Abort", r, "aborted", [[key, r]]))
+    else:
+        steps += fail_and_invalidate(r, "Timeout", [[key, r]], 1)
+    if told:
+        steps.append(notice(r))
+    return [*steps, rx("NewRequest", r, "idle")]
+
+
+@pytest.mark.parametrize("event", ["Timeout", "Abort"])
+def test_a_give_up_that_tells_the_ranks_is_allowed(event: str) -> None:
+    report = validate(gives_up(1, event, told=True))
+    assert report.ok, report.violation
+
+
+@pytest.mark.parametrize("event", ["Timeout", "Abort"])
+def test_a_give_up_that_tells_no_rank_is_caught(event: str) -> None:
+    # Receiver 1 records its notices, so the trace is judged; receiver 2 gives up silently.
+    report = validate([*gives_up(1, "Abort", told=True), *gives_up(2, event, told=False)])
+    assert report.violation is not None and report.violation.rule == "AbortNotified"
+    assert report.violation.event["receiver"] == 2
+
+
+def test_an_abort_before_init_needs_no_notice() -> None:
+    events = [
+        *gives_up(1, "Abort", told=True),
+        rx("Miss", 2, "fetching"),
+        rx("Abort", 2, "aborted"),  # no target ranks known yet: nothing to tell
+    ]
+    report = validate(events)
+    assert report.ok, report.violation
+
+
+def test_a_decode_that_records_no_notices_is_not_judged_on_them() -> None:
+    report = validate(gives_up(1, "Timeout", told=False))
+    assert report.ok, report.violation

@@ -90,6 +90,8 @@ def load(path: str | Path) -> Loaded:
             mode=_string(c["Mode"], "Mode", where),
             variant=_string(c["Variant"], "Variant", where),
             discovery=_string(c["Discovery"], "Discovery", where),
+            ranks=_model_values(c["Ranks"], "Ranks", where),
+            policy=_string(c["Policy"], "Policy", where),
         )
     except ValueError as exc:
         raise CfgError(f"ASSUME violated: {exc}", path=where) from None
@@ -124,7 +126,7 @@ def summary(loaded: Loaded, result: Result) -> str:
         f"{result.transitions} transitions, {result.seconds:.2f} s",
     ]
     for name, held in result.verdicts.items():
-        lines.append(f"  {name:<18} {'held' if held else 'VIOLATED'}")
+        lines.append(f"  {name:<26} {'held' if held else 'VIOLATED'}")
     return "\n".join(lines)
 
 

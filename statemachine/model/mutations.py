@@ -33,7 +33,7 @@ class SpecMutation:
 MUTATION_TABLE: tuple[SpecMutation, ...] = (
     SpecMutation(
         "PublishOverwrites",
-        "MCSmall.cfg",
+        "MCTwoReceivers.cfg",
         "IdentitySafe",
         (
             (
@@ -45,14 +45,14 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
     ),
     SpecMutation(
         "LoserKeepsOwn",
-        "MCSmall.cfg",
+        "MCTwoReceivers.cfg",
         "AdoptionCorrect",
         (("(q = r \\/ (rstate[q]", "(q # r /\\ (rstate[q]"),),
         "the publish loser keeps its unpublished object: its failure cannot evict the winner",
     ),
     SpecMutation(
         "InvalidateByKey",
-        "MCSmall.cfg",
+        "MCTwoReceivers.cfg",
         "IdentitySafe",
         (
             (
@@ -64,38 +64,35 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
     ),
     SpecMutation(
         "TimeoutKeepsEntry",
-        "MCSmall.cfg",
+        "MCOne.cfg",
         "StaleEntryEvicted",
         (
             (
-                "    /\\ Failure(~Live(r))\n"
                 '    /\\ rstate\' = [rstate EXCEPT ![r] = "failed"]\n'
-                "    /\\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched,"
+                "    /\\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched,"
                 " marked>>\n",
-                "    /\\ Failure(~Live(r))\n"
-                "    /\\ FailEarly(r)\n"
-                "    /\\ UNCHANGED <<pool, epoch, acked, watched>>\n",
+                "    /\\ FailEarly(r)\n    /\\ UNCHANGED <<pool, epoch, watched>>\n",
             ),
         ),
         "a timeout does not invalidate: in queueing mode stale ports are reused forever",
     ),
     SpecMutation(
         "RetireStaleObservation",
-        "MCSmall.cfg",
+        "MCOne.cfg",
         "ExactNodeFailure",
         (("          ELSE objEpoch[pool[a]] < e\n", "          ELSE objEpoch[pool[a]] # e\n"),),
         "retire every other instance than a possibly stale observation: the newest goes",
     ),
     SpecMutation(
         "CompleteWithoutAck",
-        "MCSmall.cfg",
-        "NoStaleSuccess",
-        (("    /\\ acked[r] # 0\n", ""),),
+        "MCOne.cfg",
+        "CompleteNeedsAllResponses",
+        (("    /\\ \\A p \\in Ranks : acked[r][p] # 0\n", ""),),
         "a request completes without a transfer (garbage KV cache served as the prompt's)",
     ),
     SpecMutation(
         "AckWithoutLiveness",
-        "MCImmediate.cfg",
+        "MCOne.cfg",
         "NoStaleSuccess",
         (('    /\\ Live(r) \\/ (Variant = "ReusedPortAcks" /\\ Mode = "queueing")\n', ""),),
         "a process of another epoch acknowledges a transfer it never did",
@@ -114,7 +111,7 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
     ),
     SpecMutation(
         "HeartbeatFalsePositive",
-        "MCSmall.cfg",
+        "MCOne.cfg",
         "ExactNodeFailure",
         (
             (
@@ -127,14 +124,14 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
     ),
     SpecMutation(
         "NoFairness",
-        "MCSmall.cfg",
+        "MCOne.cfg",
         "RequestsSucceed",
         (("Spec == Init /\\ [][Next]_vars /\\ Fairness", "Spec == Init /\\ [][Next]_vars"),),
         "nothing obliges any step: a request may wait forever",
     ),
     SpecMutation(
         "UnboundedFaults",
-        "MCSmall.cfg",
+        "MCOne.cfg",
         "RequestsSucceed",
         (
             (
@@ -166,10 +163,63 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
     ),
     SpecMutation(
         "NoFanOutMark",
-        "MCEtcd.cfg",
+        "MCHandshake.cfg",
         "NoStaleStart",
         (("                  {r \\in Receivers :\n", "                  {r \\in {} :\n"),),
         "the watch retires entries but fails no in-flight receiver: they send to dead ports",
+    ),
+    SpecMutation(
+        "FirstResponseCompletes",
+        "MCResponses.cfg",
+        "CompleteNeedsAllResponses",
+        (
+            (
+                "    /\\ \\A p \\in Ranks : acked[r][p] # 0\n",
+                "    /\\ \\E p \\in Ranks : acked[r][p] # 0\n",
+            ),
+        ),
+        "responses are counted, not distinct ranks: one rank's (repeated) Success completes the"
+        " request while another rank's KV is still missing",
+    ),
+    SpecMutation(
+        "LateAckCompletes",
+        "MCOne.cfg",
+        "FailedIsTerminal",
+        (("    /\\ rstate' = rstate\n", '    /\\ rstate\' = [rstate EXCEPT ![r] = "done"]\n'),),
+        "a Success that arrives after the request failed (timeout, another rank) completes it",
+    ),
+    SpecMutation(
+        "AbortBeforeSendSilent",
+        "MCOne.cfg",
+        "AbortNotified",
+        (
+            (
+                "notified' = IF rstate[r] \\in Initialized THEN",
+                'notified\' = IF rstate[r] = "waiting" THEN',
+            ),
+        ),
+        "abort() after init() but before send_metadata() tells no prefill rank: the prefill"
+        " keeps the room's KV until its own timeout",
+    ),
+    SpecMutation(
+        "TimeoutSilent",
+        "MCOne.cfg",
+        "AbortNotified",
+        (("    /\\ notified' = notified \\cup {r}\n", "    /\\ notified' = notified\n"),),
+        "the waiting timeout sends the prefill ranks nothing: they hold the room until theirs",
+    ),
+    SpecMutation(
+        "SendWithoutHandshake",
+        "MCHandshake.cfg",
+        "HandshakeBeforeSend",
+        (
+            (
+                '    /\\ \\/ rstate[r] = "cached" /\\ Policy = "early"\n',
+                '    /\\ \\/ rstate[r] = "cached"\n',
+            ),
+        ),
+        "under prefill_complete the metadata goes out before the prefill answered BOOTSTRAP:"
+        " the prefill has no room for it yet",
     ),
 )
 

@@ -11,6 +11,9 @@ Encoding (the same values TLC holds):
 
 * receivers are model values, kept in sorted order; ``rstate``, ``rkey``, ``rgen`` and
   ``acked`` are tuples indexed by that order (a TLA+ function with domain ``Receivers``);
+* prefill ranks are model values, sorted; ``acked[i]`` is a tuple indexed by that order
+  (the function ``acked[r]`` with domain ``Ranks``); ``notified`` and ``marked`` are
+  frozensets of receiver names;
 * addresses are port numbers, sorted; ``pool`` and ``epoch`` are indexed by that order;
 * object ids are ``1 .. |Addrs| + |Receivers|``; ``objEpoch[o]`` is at index ``o - 1``;
   ``pooled`` is a frozenset of object ids;
@@ -44,6 +47,7 @@ VARIABLES: tuple[str, ...] = (
     "pooled",
     "watched",
     "marked",
+    "notified",
 )
 
 MODES: tuple[str, ...] = ("immediate", "queueing")
@@ -67,6 +71,8 @@ RECEIVER_ACTIONS: tuple[str, ...] = (
     "RegisterOk",
     "RegisterFail",
     "Publish",
+    "Handshake",
+    "PrefillReady",
     "SendOk",
     "SendFail",
     "Complete",
@@ -78,9 +84,11 @@ RECEIVER_ACTIONS: tuple[str, ...] = (
 )
 #: Steps other threads take for a receiver (single-flight registry, ack listener): they take
 #: a receiver parameter but change no lifecycle state and have no Machine event.
-HELPER_ACTIONS: tuple[str, ...] = ("JoinFlight", "Ack")
+HELPER_ACTIONS: tuple[str, ...] = ("JoinFlight", "Ack", "LateAck")
 #: Actions that take a receiver and an address.
 KEYED_ACTIONS: frozenset[str] = frozenset({"Hit", "Miss", "JoinFlight"})
+#: Actions that take a receiver and a prefill rank.
+RANKED_ACTIONS: frozenset[str] = frozenset({"Ack", "LateAck"})
 #: Environment actions (first parameter: an address); they change no lifecycle state.
 ENV_ACTIONS: tuple[str, ...] = ("Restart", "NodeFailure", "RetireInstance", "WatchEvent")
 ACTIONS: tuple[str, ...] = RECEIVER_ACTIONS + HELPER_ACTIONS + ENV_ACTIONS
@@ -93,6 +101,10 @@ ACTION_PROPERTIES: tuple[str, ...] = (
     "ExactNodeFailure",
     "NoStaleSuccess",
     "NoStaleStart",
+    "CompleteNeedsAllResponses",
+    "FailedIsTerminal",
+    "AbortNotified",
+    "HandshakeBeforeSend",
 )
 LIVENESS_PROPERTIES: tuple[str, ...] = ("StaleEntryEvicted", "RequestsSucceed")
 CONSTANTS: tuple[str, ...] = (
@@ -103,10 +115,19 @@ CONSTANTS: tuple[str, ...] = (
     "Mode",
     "Discovery",
     "Variant",
+    "Ranks",
+    "Policy",
 )
+POLICIES: tuple[str, ...] = ("early", "prefill_complete")
 FLIGHT_STATES = frozenset({"fetching", "fetched", "registered"})
 #: States in which a watch event marks a receiver holding an older object.
-MARKABLE = frozenset({"idle", "fetched", "registered", "cached", "waiting"})
+MARKABLE = frozenset({"idle", "fetched", "registered", "cached", "handshaking", "ready", "waiting"})
+#: States ``PeerLost`` fails a receiver from (``done``: failure_exception() after success).
+PEER_LOST_FROM = frozenset({"idle", "cached", "handshaking", "ready", "waiting", "done"})
+#: ``Initialized``: the request holds its target ranks; an abort from here tells them.
+INITIALIZED = frozenset({"cached", "handshaking", "ready", "waiting", "done"})
+#: States that hold a published generation (``AdoptionCorrect``).
+HOLDING = frozenset({"cached", "handshaking", "ready", "waiting"})
 
 #: Spec mutations the mirror reproduces (see ``statemachine.model.mutations``).
 MUTATIONS: tuple[str, ...] = (
@@ -124,6 +145,11 @@ MUTATIONS: tuple[str, ...] = (
     "WeakFairLookups",
     "NoWatermark",
     "NoFanOutMark",
+    "FirstResponseCompletes",
+    "LateAckCompletes",
+    "AbortBeforeSendSilent",
+    "TimeoutSilent",
+    "SendWithoutHandshake",
 )
 
 
@@ -137,10 +163,11 @@ class State(NamedTuple):
     objEpoch: tuple[int, ...]
     epoch: tuple[int, ...]
     faults: int
-    acked: tuple[int, ...]
+    acked: tuple[tuple[int, ...], ...]
     pooled: frozenset[int]
     watched: tuple[int, ...]
     marked: frozenset[str]
+    notified: frozenset[str]
 
 
 class Step(NamedTuple):
@@ -164,6 +191,8 @@ class Constants:
     mode: str
     variant: str
     discovery: str = "http"
+    ranks: tuple[str, ...] = ("p1",)
+    policy: str = "early"
 
     def __post_init__(self) -> None:
         # The spec's ASSUME, checked the same way.
@@ -181,6 +210,10 @@ class Constants:
             raise ValueError(f"Variant must be one of {VARIANTS}")
         if self.discovery not in DISCOVERIES:
             raise ValueError(f"Discovery must be one of {DISCOVERIES}")
+        if not self.ranks or list(self.ranks) != sorted(set(self.ranks)):
+            raise ValueError("Ranks must be a non-empty set (kept sorted)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"Policy must be one of {POLICIES}")
 
 
 def _put(values: tuple[int, ...], index: int, value: int) -> tuple[int, ...]:
@@ -188,6 +221,12 @@ def _put(values: tuple[int, ...], index: int, value: int) -> tuple[int, ...]:
 
 
 def _put_state(values: tuple[str, ...], index: int, value: str) -> tuple[str, ...]:
+    return (*values[:index], value, *values[index + 1 :])
+
+
+def _put_acks(
+    values: tuple[tuple[int, ...], ...], index: int, value: tuple[int, ...]
+) -> tuple[tuple[int, ...], ...]:
     return (*values[:index], value, *values[index + 1 :])
 
 
@@ -251,12 +290,17 @@ class BootstrapCache:
         self.queueing = c.mode == "queueing"
         self.variant = c.variant
         self.etcd = c.discovery == "etcd"
+        self.ranks = c.ranks
+        self.no_acks = (0,) * len(c.ranks)
+        self.handshake_policy = c.policy == "prefill_complete"
         self._receiver_table: dict[str, Callable[[State, int], State | None]] = {
             "FetchOk": self.fetch_ok,
             "FetchFail": self.fetch_fail,
             "RegisterOk": self.register_ok,
             "RegisterFail": self.register_fail,
             "Publish": self.publish,
+            "Handshake": self.handshake,
+            "PrefillReady": self.prefill_ready,
             "SendOk": self.send_ok,
             "SendFail": self.send_fail,
             "Complete": self.complete,
@@ -265,11 +309,12 @@ class BootstrapCache:
             "Invalidate": self.invalidate,
             "Abort": self.abort,
             "NewRequest": self.new_request,
-            "Ack": self.ack,
         }
-        self._unkeyed = tuple(
-            (name, self._receiver_table[name]) for name in (*RECEIVER_ACTIONS[2:], "Ack")
-        )
+        self._unkeyed = tuple((name, self._receiver_table[name]) for name in RECEIVER_ACTIONS[2:])
+        self._ranked: dict[str, Callable[[State, int, int], State | None]] = {
+            "Ack": self.ack,
+            "LateAck": self.late_ack,
+        }
         prefix = c.variant == "PrefixNodeFailure" or mutation == "PrefixNodeFailure"
         self._drops = tuple(
             tuple((digit_prefix(a, b) if prefix else a == b) for b in c.addrs) for a in c.addrs
@@ -361,10 +406,11 @@ class BootstrapCache:
                 objEpoch=(0,) * self.n_objects,
                 epoch=(0,) * na,
                 faults=0,
-                acked=(0,) * nr,
+                acked=(self.no_acks,) * nr,
                 pooled=frozenset(),
                 watched=(0,) * na,
                 marked=frozenset(),
+                notified=frozenset(),
             )
         ]
 
@@ -464,10 +510,26 @@ class BootstrapCache:
             rstate=_put_state(s.rstate, i, "cached"),
         )
 
-    def send_ok(self, s: State, i: int) -> State | None:
-        if s.rstate[i] != "cached" or self.receivers[i] in s.marked:
+    def handshake(self, s: State, i: int) -> State | None:
+        if s.rstate[i] != "cached" or not self.handshake_policy:
             return None
-        if not (self.queueing or self.live(s, i)):
+        if self.receivers[i] in s.marked or not (self.queueing or self.live(s, i)):
+            return None
+        return s._replace(rstate=_put_state(s.rstate, i, "handshaking"))
+
+    def prefill_ready(self, s: State, i: int) -> State | None:
+        if s.rstate[i] != "handshaking" or not self.live(s, i):
+            return None
+        return s._replace(rstate=_put_state(s.rstate, i, "ready"))
+
+    def send_ok(self, s: State, i: int) -> State | None:
+        state = s.rstate[i]
+        if state == "cached":
+            if self.handshake_policy and self.mutation != "SendWithoutHandshake":
+                return None
+        elif state != "ready":
+            return None
+        if self.receivers[i] in s.marked or not (self.queueing or self.live(s, i)):
             return None
         return s._replace(rstate=_put_state(s.rstate, i, "waiting"))
 
@@ -476,7 +538,7 @@ class BootstrapCache:
         if state == "idle" and s.rkey[i] == NONE:
             faults = self.failure(s, False)
             return None if faults is None else self.fail_early(s, i, faults)
-        if state != "cached":
+        if state not in ("cached", "handshaking", "ready"):
             return None
         faults = self.failure(s, not self.queueing and not self.live(s, i))
         if faults is None:
@@ -486,7 +548,11 @@ class BootstrapCache:
     def complete(self, s: State, i: int) -> State | None:
         if s.rstate[i] != "waiting":
             return None
-        if s.acked[i] == 0 and self.mutation != "CompleteWithoutAck":
+        if self.mutation == "FirstResponseCompletes":
+            enough = any(s.acked[i])
+        else:
+            enough = self.mutation == "CompleteWithoutAck" or all(s.acked[i])
+        if not enough:
             return None
         rgen = _put(s.rgen, i, NONE)
         return s._replace(
@@ -494,24 +560,34 @@ class BootstrapCache:
             rgen=rgen,
             objEpoch=self.collect(s.pool, rgen, s.objEpoch),
             pooled=self.keep_pooled(s.pooled, s.pool, rgen),
-            acked=_put(s.acked, i, 0),
+            acked=self._no_acks_for(s.acked, i),
             marked=self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "done"),
         )
 
     def timeout(self, s: State, i: int) -> State | None:
-        if s.rstate[i] != "waiting" or s.acked[i] != 0:
+        state = s.rstate[i]
+        if not (state == "handshaking" or (state == "waiting" and not all(s.acked[i]))):
             return None
         faults = self.failure(s, not self.live(s, i))
         if faults is None:
             return None
+        notified = s.notified
+        if self.mutation != "TimeoutSilent":
+            notified = notified | {self.receivers[i]}
+        acked = self._no_acks_for(s.acked, i)
         if self.mutation == "TimeoutKeepsEntry":
-            return self.fail_early(s, i, faults)
-        return s._replace(faults=faults, rstate=_put_state(s.rstate, i, "failed"))
+            return self.fail_early(s, i, faults)._replace(notified=notified, acked=acked)
+        return s._replace(
+            faults=faults,
+            notified=notified,
+            acked=acked,
+            rstate=_put_state(s.rstate, i, "failed"),
+        )
 
     def peer_lost(self, s: State, i: int) -> State | None:
         state = s.rstate[i]
-        if state not in ("idle", "cached", "waiting"):
+        if state not in PEER_LOST_FROM:
             return None
         genuine = self.receivers[i] in s.marked or (s.rgen[i] != NONE and not self.live(s, i))
         faults = self.failure(s, genuine)
@@ -520,7 +596,9 @@ class BootstrapCache:
         if state == "idle":
             return self.fail_early(s, i, faults)
         return s._replace(
-            faults=faults, rstate=_put_state(s.rstate, i, "failed"), acked=_put(s.acked, i, 0)
+            faults=faults,
+            rstate=_put_state(s.rstate, i, "failed"),
+            acked=self._no_acks_for(s.acked, i),
         )
 
     def invalidate(self, s: State, i: int) -> State | None:
@@ -547,19 +625,24 @@ class BootstrapCache:
         )
 
     def abort(self, s: State, i: int) -> State | None:
-        if s.rstate[i] not in ACTIVE_STATES:
+        state = s.rstate[i]
+        if state not in ACTIVE_STATES and state != "done":
             return None
         faults = self.failure(s, False)
         if faults is None:
             return None
         rgen = _put(s.rgen, i, NONE)
+        tells = (
+            state == "waiting" if self.mutation == "AbortBeforeSendSilent" else state in INITIALIZED
+        )
         return s._replace(
             faults=faults,
+            notified=s.notified | {self.receivers[i]} if tells else s.notified,
             rkey=_put(s.rkey, i, NONE),
             rgen=rgen,
             objEpoch=self.collect(s.pool, rgen, s.objEpoch),
             pooled=self.keep_pooled(s.pooled, s.pool, rgen),
-            acked=_put(s.acked, i, 0),
+            acked=self._no_acks_for(s.acked, i),
             marked=self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "aborted"),
         )
@@ -567,7 +650,9 @@ class BootstrapCache:
     def new_request(self, s: State, i: int) -> State | None:
         if s.rstate[i] not in FINAL_STATES:
             return None
-        return s._replace(rstate=_put_state(s.rstate, i, "idle"))
+        r = self.receivers[i]
+        notified = s.notified - {r} if r in s.notified else s.notified
+        return s._replace(rstate=_put_state(s.rstate, i, "idle"), notified=notified)
 
     # --- steps of other threads for a receiver -----------------------------------------------
 
@@ -577,13 +662,30 @@ class BootstrapCache:
             return None
         return s._replace(rkey=_put(s.rkey, i, a))
 
-    def ack(self, s: State, i: int) -> State | None:
-        if s.rstate[i] != "waiting" or s.acked[i] != 0:
+    def ack(self, s: State, i: int, k: int) -> State | None:
+        """``Ack(r, p)`` for receiver index ``i`` and rank index ``k``."""
+        if s.rstate[i] != "waiting":
             return None
         reused = self.variant == "ReusedPortAcks" and self.queueing
         if not (self.live(s, i) or reused or self.mutation == "AckWithoutLiveness"):
             return None
-        return s._replace(acked=_put(s.acked, i, s.epoch[self.addr_index[s.rkey[i]]] + 1))
+        if s.acked[i][k] != 0:
+            return s  # a repeated report from rank p: the first one is kept
+        epoch = s.epoch[self.addr_index[s.rkey[i]]]
+        return s._replace(acked=_put_acks(s.acked, i, _put(s.acked[i], k, epoch + 1)))
+
+    def late_ack(self, s: State, i: int, k: int) -> State | None:
+        """``LateAck(r, p)``: a report for a failed request changes nothing."""
+        if s.rstate[i] != "failed" or s.rgen[i] == NONE or not self.live(s, i):
+            return None
+        if self.mutation == "LateAckCompletes":
+            return s._replace(rstate=_put_state(s.rstate, i, "done"))
+        return s
+
+    def _no_acks_for(
+        self, acked: tuple[tuple[int, ...], ...], i: int
+    ) -> tuple[tuple[int, ...], ...]:
+        return acked if acked[i] == self.no_acks else _put_acks(acked, i, self.no_acks)
 
     # --- environment actions (j: address index) ---------------------------------------------
 
@@ -661,6 +763,10 @@ class BootstrapCache:
                 i, j = self.receivers.index(str(r)), self.addr_index[int(a)]
                 keyed = {"Hit": self.hit, "Miss": self.miss, "JoinFlight": self.join_flight}
                 return keyed[step.action](s, i, j)
+            if step.action in RANKED_ACTIONS:
+                r, p = step.params
+                i, k = self.receivers.index(str(r)), self.ranks.index(str(p))
+                return self._ranked[step.action](s, i, k)
             if step.action in self._receiver_table:
                 (r,) = step.params
                 return self._receiver_table[step.action](s, self.receivers.index(str(r)))
@@ -703,6 +809,11 @@ class BootstrapCache:
                 t = self.join_flight(s, i, j)
                 if t is not None:
                     yield Step("JoinFlight", (r, a)), t
+            for name, ranked in self._ranked.items():
+                for k, p in enumerate(self.ranks):
+                    t = ranked(s, i, k)
+                    if t is not None:
+                        yield Step(name, (r, p)), t
         for j, a in addrs:
             t = self.restart(s, j)
             if t is not None:
@@ -733,15 +844,20 @@ class BootstrapCache:
             and all(0 <= e <= c.max_restarts for e in s.objEpoch)
             and all(0 <= e <= c.max_restarts for e in s.epoch)
             and 0 <= s.faults <= c.max_faults
-            and all(0 <= x <= c.max_restarts + 1 for x in s.acked)
+            and len(s.acked) == len(self.receivers)
+            and all(
+                len(row) == len(self.ranks) and all(0 <= x <= c.max_restarts + 1 for x in row)
+                for row in s.acked
+            )
             and s.pooled <= set(self.object_ids)
             and all(0 <= w <= c.max_restarts for w in s.watched)
             and s.marked <= set(self.receivers)
+            and s.notified <= set(self.receivers)
         )
 
     def adoption_correct(self, s: State) -> bool:
         return all(
-            st not in ("cached", "waiting") or g in s.pooled or r in s.marked
+            st not in HOLDING or g in s.pooled or r in s.marked
             for r, st, g in zip(self.receivers, s.rstate, s.rgen, strict=True)
         )
 
@@ -768,20 +884,51 @@ class BootstrapCache:
                 return False
         return True
 
+    def _completes(self, s: State, t: State, i: int) -> bool:
+        """Is ``s -> t`` a ``Complete(r)`` step for receiver index ``i``?"""
+        return t.rstate[i] == "done" and s.rstate[i] == "waiting" and t == self.complete(s, i)
+
     def no_stale_success(self, s: State, t: State) -> bool:
         for i in range(len(self.receivers)):
-            completes = t.rstate[i] == "done" and s.rstate[i] == "waiting"
-            if (
-                completes
-                and t == self.complete(s, i)
-                and s.acked[i] != s.objEpoch[s.rgen[i] - 1] + 1
-            ):
+            if self._completes(s, t, i):
+                right = s.objEpoch[s.rgen[i] - 1] + 1
+                if any(x not in (0, right) for x in s.acked[i]):
+                    return False
+        return True
+
+    def complete_needs_all_responses(self, s: State, t: State) -> bool:
+        return all(all(s.acked[i]) for i in range(len(self.receivers)) if self._completes(s, t, i))
+
+    def failed_is_terminal(self, s: State, t: State) -> bool:
+        return all(
+            b != "failed" or a in ("failed", "invalidated")
+            for b, a in zip(s.rstate, t.rstate, strict=True)
+        )
+
+    def abort_notified(self, s: State, t: State) -> bool:
+        for i, r in enumerate(self.receivers):
+            before, after = s.rstate[i], t.rstate[i]
+            aborts = before in INITIALIZED and after == "aborted"
+            times_out = (
+                before in ("handshaking", "waiting")
+                and after == "failed"
+                and t == self.timeout(s, i)
+            )
+            if (aborts or times_out) and r not in t.notified:
                 return False
         return True
 
+    def handshake_before_send(self, s: State, t: State) -> bool:
+        if not self.handshake_policy:
+            return True
+        return all(
+            b == "waiting" or a != "waiting" or b == "ready"
+            for b, a in zip(s.rstate, t.rstate, strict=True)
+        )
+
     def no_stale_start(self, s: State, t: State) -> bool:
         for i in range(len(self.receivers)):
-            if s.rstate[i] == "cached" and t.rstate[i] == "waiting":
+            if s.rstate[i] in ("cached", "ready") and t.rstate[i] == "waiting":
                 j = self.addr_index[s.rkey[i]]
                 if s.objEpoch[s.rgen[i] - 1] < s.watched[j]:
                     return False
@@ -800,6 +947,10 @@ class BootstrapCache:
             "ExactNodeFailure": self.exact_node_failure,
             "NoStaleSuccess": self.no_stale_success,
             "NoStaleStart": self.no_stale_start,
+            "CompleteNeedsAllResponses": self.complete_needs_all_responses,
+            "FailedIsTerminal": self.failed_is_terminal,
+            "AbortNotified": self.abort_notified,
+            "HandshakeBeforeSend": self.handshake_before_send,
         }
         return table[name]
 
@@ -857,7 +1008,7 @@ class BootstrapCache:
         return tuple(self.object_ids)
 
     @staticmethod
-    def _show(var: str, value: str | int) -> str:
+    def _show(var: str, value: object) -> str:
         if var == "rstate":
             return str(value)
         if var in ("rkey", "rgen", "pool") and value == NONE:

@@ -27,7 +27,18 @@ implementation can observe, and reports the first event the model does not allow
   transfer acked by a process of another epoch than the one whose ports the request used (the
   model's ``Ack(r)`` guard ``Live(r)``; the ``ReusedPortAcks`` variant). The check runs once all
   events are read, since two processes' ``seq`` numbers do not interleave; acks of a rank that
-  knows no instance, and generations whose instance no ``PoolPublish`` named, are not judged.
+  knows no instance, and generations whose instance no ``PoolPublish`` named, are not judged;
+* ``CompleteNeedsAllResponses``: a ``Complete`` event that carries ``required`` (the plan's
+  ``required_prefill_response_num``) needs acks for its room from that many distinct prefill
+  ranks (the ``Ack`` events' ``tp_rank``, ``pp_rank``, ``cp_rank`` where given) of its
+  generations' instance; a rank that acked twice counts once. Judged at the end too;
+* ``FailedIsTerminal``: nothing but ``Invalidate`` follows ``Failed`` (a late ack, status or
+  call that completes or revives a failed request is named by this rule);
+* ``AbortNotified``: an ``AbortNotice`` event (``receiver``, ``room``: the decode told every
+  target rank it gave up) must belong to each ``Timeout`` and to each ``Abort`` taken from a
+  state that holds the target ranks (``cached`` through ``done``), in the same request (before
+  or after the step, before ``NewRequest``). A trace with no ``AbortNotice`` event at all comes
+  from a decode that does not record them, and is not judged on this rule.
 
 Events are replayed in ``seq`` order. ``BootstrapPool`` takes a pool event's ``seq`` under its
 lock and writes the line after releasing it (POOL-7), so ``seq`` order is the order the lock
@@ -71,6 +82,10 @@ POOL_EVENTS = frozenset(
 )
 #: written by the reference prefill rank (``prefill/rank.py --trace``), not by the decode
 ACK_EVENT = "Ack"
+#: written by the decode when it sends its ABORT to every target rank of a request
+ABORT_NOTICE = "AbortNotice"
+#: the lifecycle states in which a request holds its target ranks (the model's Initialized)
+INITIALIZED = frozenset({"cached", "handshaking", "ready", "waiting", "done"})
 
 
 @dataclass
@@ -101,6 +116,10 @@ class Report:
 class _Receiver:
     state: str = INITIAL
     entries: dict[Key, Token] = field(default_factory=dict)
+    #: this request sent its ABORT notice (the model's ``r \in notified``)
+    notified: bool = False
+    #: this request took a step that must notify: (index, event) of the first such step
+    must_notify: tuple[int, Mapping[str, Any]] | None = None
 
 
 class _Violated(Exception):
@@ -157,10 +176,14 @@ class Validator:
         self.pending_invalidations: list[dict[Key, Token]] = []
         #: the instance id of each generation, where PoolPublish named it
         self.instance_of: dict[Token, str | None] = {}
-        #: prefill-side acks by room: (acking instance, target instance) pairs
-        self.acks: dict[int, list[tuple[str, str | None]]] = {}
+        #: prefill-side acks by room: (acking instance, target instance, acking rank) triples
+        self.acks: dict[int, list[tuple[str, str | None, tuple[Any, ...]]]] = {}
         #: receivers' Complete steps: (index, event, room, generation tokens), judged at the end
         self.completions: list[tuple[int, Mapping[str, Any], int, list[Token]]] = []
+        #: requests that had to notify but had not when they ended: (index, event), judged at
+        #: the end (only if the trace records notices at all)
+        self.unnotified: list[tuple[int, Mapping[str, Any]]] = []
+        self.records_notices = False
         #: position and event being replayed (finish(): the completion it rejects)
         self.index = 0
         self.at: Mapping[str, Any] = {}
@@ -296,17 +319,43 @@ class Validator:
         for name, value in (("instance", instance), ("target", target)):
             if value is not None and not isinstance(value, str):
                 raise TraceFormatError(f"Ack {name} must be a string or null")
+        rank = tuple(event.get(name) for name in ("tp_rank", "pp_rank", "cp_rank"))
         if instance is not None:  # a rank that knows no instance cannot be judged
-            self.acks.setdefault(room, []).append((instance, target))
+            self.acks.setdefault(room, []).append((instance, target, rank))
+
+    def _notice(self, event: Mapping[str, Any]) -> None:
+        rid = event.get("receiver")
+        if rid is None:
+            raise TraceFormatError("AbortNotice event without a receiver id")
+        self.records_notices = True
+        self.receivers.setdefault(rid, _Receiver()).notified = True
+
+    def _end_request(self, receiver: _Receiver) -> None:
+        if receiver.must_notify is not None and not receiver.notified:
+            self.unnotified.append(receiver.must_notify)
+        receiver.notified, receiver.must_notify = False, None
 
     def finish(self) -> None:
         """The checks that need every process's events: raise on a completion acked by a
-        process of another instance than its generations'."""
+        process of another instance than its generations', on one without the responses it
+        required, and on a give-up that told no prefill rank."""
+        for receiver in self.receivers.values():
+            self._end_request(receiver)
+        if self.records_notices and self.unnotified:
+            self.index, self.at = self.unnotified[0]
+            raise _Violated(
+                "AbortNotified",
+                f"receiver {self.at.get('receiver')} took {self.at.get('action')} after it "
+                "learned its target ranks, and its request sent them no ABORT",
+            )
         for index, event, room, tokens in self.completions:
             instances = {i for t in tokens if (i := self.instance_of.get(t)) is not None}
+            required = event.get("required")
+            if required is not None:
+                self._check_responses(index, event, room, instances, _count(event, "required"))
             if not instances:
                 continue
-            for acking, target in self.acks.get(room, ()):
+            for acking, target, _ in self.acks.get(room, ()):
                 if acking not in instances and (target is None or target in instances):
                     self.index, self.at = index, event
                     raise _Violated(
@@ -316,6 +365,29 @@ class Validator:
                         f"{acking!r} (message target {target!r}): a transfer acked by another "
                         "epoch than the one whose ports the request used",
                     )
+
+    def _check_responses(
+        self,
+        index: int,
+        event: Mapping[str, Any],
+        room: int,
+        instances: set[str],
+        required: int,
+    ) -> None:
+        """CompleteNeedsAllResponses: distinct acking ranks (of the generations' instance
+        when it is known) for the room, at least ``required`` of them."""
+        ranks = {
+            rank
+            for acking, _, rank in self.acks.get(room, ())
+            if not instances or acking in instances
+        }
+        if len(ranks) < required:
+            self.index, self.at = index, event
+            raise _Violated(
+                "CompleteNeedsAllResponses",
+                f"receiver {event.get('receiver')} completed room {room} with responses from "
+                f"{len(ranks)} distinct prefill ranks; its plan requires {required}",
+            )
 
     # --- receiver events --------------------------------------------------------------------
 
@@ -328,8 +400,9 @@ class Validator:
         try:
             after = next_state(receiver.state, action)
         except InvalidTransition:
+            rule = "FailedIsTerminal" if receiver.state == "failed" else "lifecycle"
             raise _Violated(
-                "lifecycle", f"receiver {rid}: {action} is not allowed in {receiver.state!r}"
+                rule, f"receiver {rid}: {action} is not allowed in {receiver.state!r}"
             ) from None
         reported = event.get("state")
         if reported is not None and reported != after:
@@ -376,6 +449,11 @@ class Validator:
                 (self.index, event, _count(event, "room"), list(entries.values()))
             )
         self.seen_tokens.update(entries.values())
+        gives_up = action == "Timeout" or (action == "Abort" and receiver.state in INITIALIZED)
+        if gives_up and receiver.must_notify is None:
+            receiver.must_notify = (self.index, event)
+        if action == "NewRequest":
+            self._end_request(receiver)
         receiver.state = after
         receiver.entries = {} if action in ("Invalidate", "NewRequest") else entries
 
@@ -395,6 +473,8 @@ class Validator:
             self._receiver(event)
         elif action == ACK_EVENT:
             self._ack(event)
+        elif action == ABORT_NOTICE:
+            self._notice(event)
         else:
             raise _Violated("model", f"unknown action {action!r}")
 
