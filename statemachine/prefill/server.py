@@ -1007,7 +1007,15 @@ class BootstrapServer:
             or tp >= claim.attn_tp_size
             or pp >= claim.pp_size
         ):
-            return web.json_response({"error": "no such rank"}, status=404)
+            # Name the sizes: a dp rank past the prefill's dp size is the usual cause.
+            return web.json_response(
+                {
+                    "error": f"no rank dp={dp} cp={cp} tp={tp} pp={pp} in this prefill of "
+                    f"dp_size {claim.dp_size}, cp_size {claim.attn_cp_size}, tp_size "
+                    f"{claim.attn_tp_size}, pp_size {claim.pp_size} (ranks count from 0)"
+                },
+                status=404,
+            )
         ip, port = pinned.ranks[(dp, cp, tp, pp)]
         return web.json_response({"rank_ip": ip, "rank_port": port})
 
