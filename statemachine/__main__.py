@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
     except MissingExtra as exc:
+        if "-h" in rest or "--help" in rest:
+            # Its options live in the module that needs the extra: say what the command is
+            # for and what to install, and do not fail a request for help.
+            print(f"usage: {prog(name)} [options]\n\n{SUBCOMMANDS[name][1]}.\n\n{exc}")
+            print("Its options are listed here once the extra is installed.")
+            return 0
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
