@@ -932,7 +932,8 @@ class BootstrapServer:
                 # misconfigured (HTTP-51).
                 raise BadRequest(
                     f"registration claims {claim.describe()} but the registered topology is "
-                    f"{pinned.claim.describe()}: fix this rank's parallel settings"
+                    f"{pinned.claim.describe()}: start this rank with the registered "
+                    "settings, or restart the bootstrap server to register a new topology"
                 )
             # Last writer wins for ports: a restarted rank re-registers its new port (HTTP-52).
             pinned.ranks[key] = endpoint
