@@ -2,11 +2,16 @@
 
 Every case is provoked for real (a ZMQ send to a port nobody binds, a bootstrap server whose
 ranks have not registered, a dp rank past the prefill's dp size, a bad ``ack_ip``, a URL given as
-a bootstrap address, an etcd endpoint nobody serves) and its text is asserted: the words that
+a bootstrap address, an etcd endpoint nobody serves, a prefill rank started before its
+bootstrap server) and its text is asserted: the words that
 name the cause and the words that name the remedy, and the absence of the old misleading text.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import time
 
 import pytest
 from http_support import free_port, rank_payload, running_server
@@ -16,6 +21,7 @@ from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.errors import EtcdUnavailable, NotFound, NotReady, SendFailed
+from statemachine.prefill.readiness import read_prefixed_line
 from statemachine.validation import InvalidArgument, parse_addr
 
 TOKEN = "next-step-token"
@@ -91,3 +97,33 @@ def test_etcd_down_names_the_cause_without_urllib3_text() -> None:
     assert "check that etcd runs at these endpoints" in text
     assert "pd-bootstrap etcd" in text
     assert "HTTPConnectionPool" not in text and "Max retries" not in text
+
+
+def test_rank_without_a_bootstrap_server_says_so_at_its_first_try() -> None:
+    """Before: the rank was silent through all its retries (about 10 s by default)."""
+    port = free_port()
+    args = ["--bootstrap", f"127.0.0.1:{port}", "--token", TOKEN, "--register-attempts", "3"]
+    rank = subprocess.Popen(
+        [sys.executable, "-m", "statemachine.prefill.rank", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert rank.stderr is not None
+        started = time.monotonic()
+        line = read_prefixed_line(
+            rank.stderr.fileno(), b"prefill_rank: ", started + 30, bytearray()
+        )
+        took = time.monotonic() - started
+    finally:
+        rank.kill()
+        rank.wait(timeout=30)
+        if rank.stderr is not None:
+            rank.stderr.close()
+    assert line is not None
+    text = line.decode()
+    assert f"registration with 127.0.0.1:{port} failed" in text
+    assert "connection refused" in text
+    assert f"is the bootstrap server running there ('pd-bootstrap serve --port {port}')?" in text
+    assert "Retrying 2 more time(s)." in text
+    assert took < 10.0  # at the first try (the interpreter's start-up is most of it)

@@ -9,6 +9,7 @@ loopback; a deployment runs its own cluster (docs/etcd.md).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -58,7 +59,15 @@ def main(argv: list[str]) -> int:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
     binary = find_etcd_binary()
     if binary is None:
-        print(NO_BINARY, file=sys.stderr)
+        override = os.environ.get("PD_ETCD_BINARY")
+        if override:
+            print(
+                f"error: PD_ETCD_BINARY={override!r} is not an executable file: point it at "
+                "an etcd binary, or unset it to use the etcd extra's",
+                file=sys.stderr,
+            )
+        else:
+            print(NO_BINARY, file=sys.stderr)
         return 2
     server = EtcdServer(
         binary, client_port=args.port, peer_port=args.peer_port, data_dir=args.data_dir
