@@ -175,6 +175,13 @@ def test_each_help_exits_0_from_the_wheel(installed: Installed, command: str) ->
         assert text in done.stdout, (command, text)
 
 
+def test_prefill_rank_help_from_the_wheel(installed: Installed) -> None:
+    done = _run([installed.python, "-m", "statemachine.prefill.rank", "--help"], cwd=installed.root)
+    assert done.returncode == 0, done.stderr
+    assert "Run one reference prefill rank" in done.stdout
+    assert "(default: auto)" in done.stdout
+
+
 def test_etcd_without_the_etcd_extra_says_which_to_install(installed: Installed) -> None:
     probe = installed.py(
         "from statemachine.discovery.local_server import find_etcd_binary\n"
