@@ -6,6 +6,10 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# SGLang's own release for the interop tests (tests/sglang_interop/, docs/sglang-interop.md).
+SGLANG_STAMP := $(VENV)/.sglang
+SGLANG_REQS  := tests/sglang_interop/requirements.txt
+SGLANG_CONS  := tests/sglang_interop/constraints.txt
 
 .PHONY: demo test lint typecheck pytest crosshair bench tlc clean
 
@@ -19,6 +23,26 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@echo "installed into $(VENV)."
 
+# SGLang's wheel is cp311 only; elsewhere the interop tests skip (tests/sglang_support.py says
+# why) and this target only says so. PIP_CONSTRAINT replaces any constraint file pip's global
+# config names (this machine has /etc/xdg/pip), so the install resolves the same everywhere.
+$(SGLANG_STAMP): $(STAMP) $(SGLANG_REQS) $(SGLANG_CONS)
+	@if ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then \
+		echo "sglang interop: .venv runs Python $$($(PY) -c 'import platform; print(platform.python_version())')," \
+			"SGLang's wheel is cp311 only: the SGLang interop tests will skip (not installed)."; \
+	else \
+		start=$$(date +%s); \
+		echo "sglang interop: installing $$(grep '^sglang==' $(SGLANG_REQS)) (--no-deps) and its light" \
+			"import-time packages into $(VENV), torch & co. made unresolvable (one to two minutes, once)..."; \
+		PIP_CONSTRAINT=$(abspath $(SGLANG_CONS)) $(PY) -m pip install --quiet --no-warn-conflicts --no-deps \
+			"$$(grep '^sglang==' $(SGLANG_REQS))" && \
+		grep -v '^sglang==' $(SGLANG_REQS) > $(VENV)/.sglang-light.txt && \
+		PIP_CONSTRAINT=$(abspath $(SGLANG_CONS)) $(PY) -m pip install --quiet --no-warn-conflicts \
+			-r $(VENV)/.sglang-light.txt -c $(SGLANG_CONS) && \
+		touch $(SGLANG_STAMP) && \
+		echo "sglang interop: installed in $$(( $$(date +%s) - start )) s." ; \
+	fi
+
 demo: $(STAMP)
 	$(PY) -m statemachine demo
 
@@ -31,7 +55,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict statemachine
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(SGLANG_STAMP)
 	$(PY) -m pytest
 
 # Symbolic check of the pool's PEP 316 contracts. The default search is too weak to find pool

@@ -25,6 +25,11 @@ delivers frames queued for a dead rank's port to whatever process binds that por
 target instance lets that process see the frames are not for it and drop them (ZMQ-21), instead
 of acking a transfer it never did. A generation without an instance id gives the layout without
 the frame, which is also what a decode from before this frame sends.
+
+The backend also owns the other direction: :meth:`KVBackend.decode_message` turns one message the
+prefill pushed to the decode's own endpoint into a wire-independent completion event
+(:mod:`statemachine.completion`), so the decode's listener never needs to know a layout. SGLang's
+own layouts, per SGLang release, live in :mod:`statemachine.sglang` (``spec/sglang-wire.md``).
 """
 
 from __future__ import annotations
@@ -37,17 +42,36 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from statemachine.completion import (
+    STATUS_FAILED,
+    STATUS_SUCCESS,
+    STATUS_WAITING_FOR_INPUT,
+    AbortAck,
+    PrefillEvent,
+    PrefillStatus,
+)
 from statemachine.errors import BootstrapError
 from statemachine.pool import RankInfo
 
 REGISTER_KIND = b"register"
 METADATA_KIND = b"metadata"
 ABORT_KIND = b"abort"
+BOOTSTRAP_KIND = b"bootstrap"
+# What the reference prefill rank pushes back (ZMQ-11, ZMQ-22). ``b"ack"`` is the success ack of
+# :func:`statemachine.decode.ranks.acks.ack_frames`; it is repeated here, not imported, because
+# that module imports this one.
+SUCCESS_KIND = b"ack"
+READY_KIND = b"ready"
+FAILED_KIND = b"failed"
+ABORT_ACK_KIND = b"abort_ack"
+#: Longest failure reason a ``failed`` message may carry (UTF-8 bytes).
+MAX_REASON_BYTES = 1024
 _FLAG = {False: b"0", True: b"1"}
 
 _INT32_MIN = -(2**31)
 _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
+_INT64_MAX = 2**63 - 1
 # Strict ASCII decimal: int() alone would also accept b" 7", b"+7" and b"1_000".
 _ASCII_INT = re.compile(rb"-?[0-9]{1,20}")
 _MAX_HOST_LEN = 253
@@ -76,21 +100,57 @@ class MetadataRequest:
     Python; out-of-range or non-integer items raise at construction, so a bad request never
     reaches a socket. numpy is optional: it is only used for an object that already is a numpy
     array (the module is looked up in ``sys.modules``, never imported here).
+
+    The keyword-only fields are what SGLang's layouts carry besides (``spec/sglang-wire.md``):
+
+    * ``required_dst_info_num``: how many decode ranks the prefill rank waits for before it
+      transfers (the plan's ``required_dst_info_num``; 1 unless decode tp > prefill tp);
+    * ``state_indices``: one list of int32 indices per state type of a hybrid model (Mamba,
+      SWA, DSA); an entry None counts as an empty list, as SGLang's NIXL builder does. Packed
+      once into SGLang's list-of-lists container (:func:`pack_int_lists`, code ``i``);
+    * ``device_kv_indices``: the device page indices of a HiSparse decode (Mooncake only); None
+      for every other decode.
+
+    :class:`SimpleBackend` ignores all three.
     """
 
-    __slots__ = ("aux_index", "kv_bytes", "prefix_len", "room")
+    __slots__ = (
+        "aux_index",
+        "device_kv_bytes",
+        "kv_bytes",
+        "prefix_len",
+        "required_dst_info_num",
+        "room",
+        "state_bytes",
+    )
 
     def __init__(
-        self, room: int, kv_indices: Sequence[int] | Any, aux_index: int, prefix_len: int = 0
+        self,
+        room: int,
+        kv_indices: Sequence[int] | Any,
+        aux_index: int,
+        prefix_len: int = 0,
+        *,
+        required_dst_info_num: int = 1,
+        state_indices: Sequence[Sequence[int] | Any | None] | None = (),
+        device_kv_indices: Sequence[int] | Any | None = None,
     ) -> None:
         _check_int("room", room, 0, _UINT64_MAX)
         _check_int("aux_index", aux_index, 0, _INT32_MAX)
         _check_int("prefix_len", prefix_len, 0, _INT32_MAX)
+        _check_int("required_dst_info_num", required_dst_info_num, 1, _INT32_MAX)
         self.room = room
         self.aux_index = aux_index
         self.prefix_len = prefix_len
+        self.required_dst_info_num = required_dst_info_num
         #: the page indices as the wire carries them: ``<i4`` each
         self.kv_bytes: bytes = pack_indices(kv_indices)
+        #: the state indices in SGLang's list-of-lists container (``b""`` for none)
+        self.state_bytes: bytes = _pack_state_indices(state_indices)
+        #: the HiSparse device page indices, ``<i4`` each (``b""`` for none)
+        self.device_kv_bytes: bytes = (
+            b"" if device_kv_indices is None else pack_indices(device_kv_indices)
+        )
 
     @property
     def kv_indices(self) -> tuple[int, ...]:
@@ -98,11 +158,68 @@ class MetadataRequest:
         values: tuple[int, ...] = struct.unpack(f"<{len(self.kv_bytes) // 4}i", self.kv_bytes)
         return values
 
+    @property
+    def state_indices(self) -> tuple[tuple[int, ...], ...]:
+        """The state index lists (decoded from the packed bytes; not for the hot path)."""
+        return unpack_int_lists(self.state_bytes, "i")
+
     def __repr__(self) -> str:
         return (
             f"MetadataRequest(room={self.room}, kv_indices=<{len(self.kv_bytes) // 4} pages>, "
-            f"aux_index={self.aux_index}, prefix_len={self.prefix_len})"
+            f"aux_index={self.aux_index}, prefix_len={self.prefix_len}, "
+            f"required_dst_info_num={self.required_dst_info_num}, "
+            f"state_indices=<{len(self.state_indices)} lists>, "
+            f"device_kv_indices=<{len(self.device_kv_bytes) // 4} pages>)"
         )
+
+
+def _pack_state_indices(lists: Sequence[Sequence[int] | Any | None] | None) -> bytes:
+    if lists is None:
+        return b""
+    if isinstance(lists, (str, bytes, bytearray, memoryview)) or not isinstance(lists, Sequence):
+        raise TypeError(
+            f"state_indices must be a sequence of index lists, not {type(lists).__name__}"
+        )
+    return pack_buffers([b"" if item is None else pack_indices(item) for item in lists])
+
+
+def pack_int_lists(lists: Sequence[Sequence[int]], code: str) -> bytes:
+    """Pack int lists into SGLang's list-of-lists container (``struct`` code ``i``/``I``/``Q``).
+
+    The container: ``b""`` for no list; otherwise a little-endian uint32 count ``n``, ``n``
+    uint32 byte lengths, then each list packed little-endian. Raises ``struct.error`` for a value
+    the code cannot hold.
+    """
+    return pack_buffers([struct.pack(f"<{len(values)}{code}", *values) for values in lists])
+
+
+def pack_buffers(buffers: Sequence[bytes]) -> bytes:
+    """The list-of-lists container over already packed buffers (see :func:`pack_int_lists`)."""
+    if not buffers:
+        return b""
+    header = struct.pack(f"<{len(buffers) + 1}I", len(buffers), *(len(b) for b in buffers))
+    return header + b"".join(buffers)
+
+
+def unpack_int_lists(data: bytes, code: str) -> tuple[tuple[int, ...], ...]:
+    """Inverse of :func:`pack_int_lists`; ``ValueError`` if ``data`` is not such a container."""
+    if not data:
+        return ()
+    width = struct.calcsize(f"<{code}")
+    if len(data) < 4:
+        raise ValueError("int-lists container shorter than its count")
+    (count,) = struct.unpack_from("<I", data)
+    if len(data) < 4 + 4 * count:
+        raise ValueError(f"int-lists container too short for {count} lengths")
+    lengths = struct.unpack_from(f"<{count}I", data, 4)
+    offset = 4 + 4 * count
+    if offset + sum(lengths) != len(data) or any(length % width for length in lengths):
+        raise ValueError("int-lists container lengths do not match its data")
+    lists = []
+    for length in lengths:
+        lists.append(struct.unpack_from(f"<{length // width}{code}", data, offset))
+        offset += length
+    return tuple(lists)
 
 
 def pack_indices(indices: Sequence[int] | Any) -> bytes:
@@ -143,11 +260,12 @@ def pack_indices(indices: Sequence[int] | Any) -> bytes:
 
 
 class KVBackend(Protocol):
-    """Builds the frames of the messages the bootstrap layer sends to a prefill rank.
+    """Builds the frames of the messages the bootstrap layer sends to a prefill rank, and decodes
+    the messages a prefill rank pushes back to the decode.
 
     ``instance_id`` is the instance id of the generation the message goes to (None when the
     source gave none). The transport always passes it; a backend whose transfer engine has its
-    own way to reject a stale peer may ignore it.
+    own way to reject a stale peer, or whose prefill would misread the frame, may ignore it.
     """
 
     def register_frames(self, rank: RankInfo, *, instance_id: str | None = None) -> list[bytes]:
@@ -161,9 +279,35 @@ class KVBackend(Protocol):
         ...
 
     def abort_frames(
+        self,
+        rank: RankInfo,
+        room: int,
+        *,
+        instance_id: str | None = None,
+        generation: int | None = None,
+    ) -> list[bytes]:
+        """The room was aborted: the prefill rank may free its slot. Sent once per rank.
+
+        ``generation`` None is SGLang's legacy abort (sent by ``abort()`` before the metadata:
+        nothing to acknowledge); an int is the abort generation sent after the metadata, on the
+        waiting timeout or on a failure, which the prefill echoes in its :class:`AbortAck` once
+        the room's transfers drained.
+        """
+        ...
+
+    def bootstrap_frames(
         self, rank: RankInfo, room: int, *, instance_id: str | None = None
     ) -> list[bytes]:
-        """The room was aborted: the prefill rank may free its slot. Sent once per rank."""
+        """SGLang's BOOTSTRAP, sent in ``init()`` under the ``prefill_complete`` allocation
+        policy: the prefill answers with a WaitingForInput status once it finished the prefill."""
+        ...
+
+    def decode_message(self, frames: Sequence[bytes]) -> PrefillEvent | None:
+        """One multipart message received on the decode's own endpoint, as a completion event.
+
+        None when the message is not one of this backend's, or is malformed: the caller drops
+        it. Never raises, whatever the frames.
+        """
         ...
 
 
@@ -211,6 +355,21 @@ class AbortMessage:
     target_pp_rank: int
     #: the instance the frames are addressed to; None from a decode that names none
     instance_id: str | None = None
+    #: the abort generation to echo in the ABORT_ACK; None: a legacy abort, acknowledged by none
+    generation: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapMessage:
+    """A parsed BOOTSTRAP: the decode waits for ``room``; the ready status goes to its endpoint."""
+
+    room: int
+    decode_ip: str
+    decode_port: int
+    session_id: str
+    target_pp_rank: int
+    #: the instance the frames are addressed to; None from a decode that names none
+    instance_id: str | None = None
 
 
 # Frame counts, including the kind frame, without the optional target instance frame (ZMQ-21),
@@ -218,6 +377,11 @@ class AbortMessage:
 REGISTER_FRAMES = 11
 METADATA_FRAMES = 10
 ABORT_FRAMES = 4
+BOOTSTRAP_FRAMES = 6
+#: An abort with a generation: the 4 frames, the target instance frame (``b""`` when the
+#: generation has no instance id) and the generation.
+ABORT_GENERATION_FRAMES = 6
+_MAX_PREFILL_RANK_PART = 2**32 - 1
 
 
 class SimpleBackend:
@@ -333,16 +497,116 @@ class SimpleBackend:
         return frames
 
     def abort_frames(
+        self,
+        rank: RankInfo,
+        room: int,
+        *,
+        instance_id: str | None = None,
+        generation: int | None = None,
+    ) -> list[bytes]:
+        _check_int("room", room, 0, _UINT64_MAX)
+        frames = [ABORT_KIND, b"%d" % room, self._session[2], b"%d" % rank.pp_rank]
+        target = self._target(instance_id)
+        if generation is None:
+            frames.extend(target)
+            return frames
+        _check_int("generation", generation, 0, _INT64_MAX)
+        # The instance frame is always present here (b"" for none), so the frame count alone
+        # says which layout this is (ZMQ-22).
+        frames.append(target[0] if target else b"")
+        frames.append(b"%d" % generation)
+        return frames
+
+    def bootstrap_frames(
         self, rank: RankInfo, room: int, *, instance_id: str | None = None
     ) -> list[bytes]:
         _check_int("room", room, 0, _UINT64_MAX)
         return [
-            ABORT_KIND,
+            BOOTSTRAP_KIND,
             b"%d" % room,
-            self._session[2],
+            *self._session,
             b"%d" % rank.pp_rank,
             *self._target(instance_id),
         ]
+
+    def decode_message(self, frames: Sequence[bytes]) -> PrefillEvent | None:
+        return decode_reply(frames)
+
+
+def prefill_rank_id(tp_rank: int, pp_rank: int) -> int:
+    """The prefill-rank id of a reference rank's replies: distinct per (tp rank, pp rank).
+
+    The reference layout names the sender by its tp and pp ranks (ZMQ-11), not by SGLang's
+    single id (whose formula needs the prefill's pp and cp sizes); this packs the pair into one
+    int so completion can count distinct senders the same way for every backend.
+    """
+    return (tp_rank << 32) | pp_rank
+
+
+def ready_frames(room: int, tp_rank: int, pp_rank: int) -> list[bytes]:
+    """The reference rank's answer to BOOTSTRAP: WaitingForInput for ``room`` (ZMQ-22)."""
+    return [READY_KIND, b"%d" % room, b"%d" % tp_rank, b"%d" % pp_rank]
+
+
+def failed_frames(room: int, tp_rank: int, pp_rank: int, reason: str) -> list[bytes]:
+    """A reference-layout failure status carrying the prefill's reason (ZMQ-22)."""
+    return [FAILED_KIND, b"%d" % room, b"%d" % tp_rank, b"%d" % pp_rank, _reason_bytes(reason)]
+
+
+def abort_ack_frames(room: int, tp_rank: int, pp_rank: int, generation: int) -> list[bytes]:
+    """The reference rank's acknowledgement of an abort with a generation (ZMQ-22)."""
+    return [ABORT_ACK_KIND, b"%d" % room, b"%d" % tp_rank, b"%d" % pp_rank, b"%d" % generation]
+
+
+def _reason_bytes(reason: str) -> bytes:
+    encoded = reason.encode("utf-8", errors="replace")[:MAX_REASON_BYTES]
+    return encoded.decode("utf-8", errors="ignore").encode("utf-8")  # no cut character
+
+
+def decode_reply(frames: Sequence[bytes]) -> PrefillEvent | None:
+    """A reference-layout reply (ZMQ-11, ZMQ-22) as a completion event; None if it is not one.
+
+    ``[b"ack", room, tp, pp]`` is Success, ``[b"ready", room, tp, pp]`` WaitingForInput,
+    ``[b"failed", room, tp, pp, reason]`` Failed and ``[b"abort_ack", room, tp, pp, generation]``
+    an :class:`AbortAck`. Every integer is strict non-negative ASCII decimal; tp and pp ranks
+    below 2**32. Never raises.
+    """
+    count = len(frames)
+    if count not in (4, 5):
+        return None
+    kind = bytes(frames[0])
+    expected = 5 if kind in (FAILED_KIND, ABORT_ACK_KIND) else 4
+    if count != expected:
+        return None
+    room = _reply_int(frames[1], _UINT64_MAX)
+    tp_rank = _reply_int(frames[2], _MAX_PREFILL_RANK_PART)
+    pp_rank = _reply_int(frames[3], _MAX_PREFILL_RANK_PART)
+    if room is None or tp_rank is None or pp_rank is None:
+        return None
+    sender = prefill_rank_id(tp_rank, pp_rank)
+    if kind == SUCCESS_KIND:
+        return PrefillStatus(room, STATUS_SUCCESS, sender)
+    if kind == READY_KIND:
+        return PrefillStatus(room, STATUS_WAITING_FOR_INPUT, sender)
+    if kind == FAILED_KIND:
+        raw = bytes(frames[4])
+        if len(raw) > MAX_REASON_BYTES:
+            return None
+        reason = raw.decode("utf-8", errors="replace") or None
+        return PrefillStatus(room, STATUS_FAILED, sender, reason)
+    if kind == ABORT_ACK_KIND:
+        generation = _reply_int(frames[4], _INT64_MAX)
+        return None if generation is None else AbortAck(room, sender, generation)
+    return None
+
+
+def _reply_int(frame: bytes, high: int) -> int | None:
+    """A strict non-negative ASCII integer ``<= high``, else None (never raises)."""
+    raw = bytes(frame)
+    if not raw.isdigit() or len(raw) > 20:  # bytes.isdigit() is ASCII-only
+        return None
+    value = int(raw)
+    return value if value <= high else None
 
 
 def encode_instance_id(instance_id: str) -> bytes:
@@ -403,14 +667,40 @@ def parse_metadata(frames: Sequence[bytes]) -> MetadataMessage:
 
 
 def parse_abort(frames: Sequence[bytes]) -> AbortMessage:
-    """Parse a :class:`SimpleBackend` abort message; :class:`MalformedFrames` if it is not."""
+    """Parse a :class:`SimpleBackend` abort message; :class:`MalformedFrames` if it is not.
+
+    4 frames (5 with the target instance) is a legacy abort; 6 frames carry the target instance
+    (``b""`` for none) and the generation (ZMQ-22).
+    """
     kind = "abort"
-    _check_shape(frames, ABORT_KIND, ABORT_FRAMES, kind)
+    if len(frames) == ABORT_GENERATION_FRAMES and frames[0] == ABORT_KIND:
+        target = bytes(frames[4])
+        instance_id = _instance(frames[:5], ABORT_FRAMES, kind) if target else None
+        generation: int | None = _int(frames[5], kind, "generation", 0, _INT64_MAX)
+    else:
+        _check_shape(frames, ABORT_KIND, ABORT_FRAMES, kind)
+        instance_id = _instance(frames, ABORT_FRAMES, kind)
+        generation = None
     return AbortMessage(
         room=_int(frames[1], kind, "room", 0, _UINT64_MAX),
         session_id=_text(frames[2], kind, "session_id"),
         target_pp_rank=_int(frames[3], kind, "target_pp_rank", 0, _INT32_MAX),
-        instance_id=_instance(frames, ABORT_FRAMES, kind),
+        instance_id=instance_id,
+        generation=generation,
+    )
+
+
+def parse_bootstrap(frames: Sequence[bytes]) -> BootstrapMessage:
+    """Parse a :class:`SimpleBackend` BOOTSTRAP; :class:`MalformedFrames` if it is not."""
+    kind = "bootstrap"
+    _check_shape(frames, BOOTSTRAP_KIND, BOOTSTRAP_FRAMES, kind)
+    return BootstrapMessage(
+        room=_int(frames[1], kind, "room", 0, _UINT64_MAX),
+        decode_ip=_host(frames[2], kind),
+        decode_port=_int(frames[3], kind, "decode_port", 1, 65535),
+        session_id=_text(frames[4], kind, "session_id"),
+        target_pp_rank=_int(frames[5], kind, "target_pp_rank", 0, _INT32_MAX),
+        instance_id=_instance(frames, BOOTSTRAP_FRAMES, kind),
     )
 
 

@@ -33,6 +33,10 @@ FETCHING = "fetching"  # pool miss: asking the bootstrap server for every rank
 FETCHED = "fetched"  # holds a fresh generation, not yet registered with its ranks
 REGISTERED = "registered"  # KV args sent to every rank of the fresh generation
 CACHED = "cached"  # holds the generation the pool holds (hit, won publish, or adopted)
+# Under SGLang's ``prefill_complete`` allocation policy the decode first tells every target
+# rank it is here (BOOTSTRAP) and may send metadata only after the prefill answers.
+HANDSHAKING = "handshaking"  # BOOTSTRAP sent to every target rank; waiting for the prefill
+READY = "ready"  # the prefill answered the handshake; metadata may be sent
 WAITING = "waiting"  # metadata sent; waiting for the KV transfer
 DONE = "done"  # transfer finished: the request succeeded
 FAILED = "failed"  # something failed; its recorded entries are not yet dropped
@@ -45,6 +49,8 @@ STATES: tuple[str, ...] = (
     FETCHED,
     REGISTERED,
     CACHED,
+    HANDSHAKING,
+    READY,
     WAITING,
     DONE,
     FAILED,
@@ -55,7 +61,16 @@ INITIAL = IDLE
 #: States a request ends in; ``NewRequest`` starts the next request from any of them.
 FINAL_STATES: frozenset[str] = frozenset({DONE, INVALIDATED, ABORTED})
 #: States from which the owner may still abort.
-ACTIVE_STATES: tuple[str, ...] = (IDLE, FETCHING, FETCHED, REGISTERED, CACHED, WAITING)
+ACTIVE_STATES: tuple[str, ...] = (
+    IDLE,
+    FETCHING,
+    FETCHED,
+    REGISTERED,
+    CACHED,
+    HANDSHAKING,
+    READY,
+    WAITING,
+)
 
 # --- events (= TLA+ action names) ----------------------------------------------------------
 
@@ -66,6 +81,8 @@ FETCH_FAIL = "FetchFail"
 REGISTER_OK = "RegisterOk"
 REGISTER_FAIL = "RegisterFail"
 PUBLISH = "Publish"
+HANDSHAKE = "Handshake"
+PREFILL_READY = "PrefillReady"
 SEND_OK = "SendOk"
 SEND_FAIL = "SendFail"
 COMPLETE = "Complete"
@@ -87,16 +104,23 @@ _DEFINITION: tuple[tuple[str, str | tuple[str, ...], str], ...] = (
     (REGISTER_OK, FETCHED, REGISTERED),
     (REGISTER_FAIL, FETCHED, FAILED),
     (PUBLISH, REGISTERED, CACHED),
-    (SEND_OK, CACHED, WAITING),
+    (HANDSHAKE, CACHED, HANDSHAKING),
+    (PREFILL_READY, HANDSHAKING, READY),
+    (SEND_OK, (CACHED, READY), WAITING),
     # From IDLE too: send_metadata before a successful init fails the request (as SGLang does).
-    (SEND_FAIL, (IDLE, CACHED), FAILED),
+    (SEND_FAIL, (IDLE, CACHED, HANDSHAKING, READY), FAILED),
     (COMPLETE, WAITING, DONE),
-    (TIMEOUT, WAITING, FAILED),
+    # The prefill may never answer a handshake, as it may never finish a transfer.
+    (TIMEOUT, (HANDSHAKING, WAITING), FAILED),
     # The manager learned that a prefill rank or instance this request depends on is dead or
     # restarted (fan-out), or another rank of the room failed. Applied by the owner's thread.
-    (PEER_LOST, (IDLE, CACHED, WAITING), FAILED),
+    # From DONE too: SGLang's failure_exception() on a succeeded receiver fails it ("from
+    # another rank"), so a decode worker that asks after a sibling rank failed sees Failed.
+    (PEER_LOST, (IDLE, CACHED, HANDSHAKING, READY, WAITING, DONE), FAILED),
     (INVALIDATE, FAILED, INVALIDATED),
-    (ABORT, ACTIVE_STATES, ABORTED),
+    # From DONE too: the owner may abort a request whose KV already arrived (the scheduler
+    # aborts it before decoding); the prefill is told, and the room ends aborted.
+    (ABORT, (*ACTIVE_STATES, DONE), ABORTED),
     (NEW_REQUEST, tuple(sorted(FINAL_STATES)), IDLE),
 )
 EVENTS: tuple[str, ...] = tuple(dict.fromkeys(trigger for trigger, _, _ in _DEFINITION))
@@ -206,6 +230,8 @@ POLL_OF_STATE: Mapping[str, KVPoll] = MappingProxyType(
         FETCHED: KVPoll.Bootstrapping,
         REGISTERED: KVPoll.Bootstrapping,
         CACHED: KVPoll.WaitingForInput,
+        HANDSHAKING: KVPoll.Bootstrapping,
+        READY: KVPoll.WaitingForInput,
         WAITING: KVPoll.Transferring,
         DONE: KVPoll.Success,
         FAILED: KVPoll.Failed,

@@ -106,15 +106,15 @@ class Decode:
         )
 
 
-def _takes_instance_id(function: object) -> bool:
-    """Whether ``function`` accepts ``instance_id=`` (a signature it cannot show is trusted)."""
+def _takes_keyword(function: object, keyword: str) -> bool:
+    """Whether ``function`` accepts ``keyword=`` (a signature it cannot show is trusted)."""
     try:
         parameters = inspect.signature(function).parameters.values()  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return True
     return any(
         p.kind is inspect.Parameter.VAR_KEYWORD
-        or (p.name == "instance_id" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        or (p.name == keyword and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
         for p in parameters
     )
 
@@ -142,20 +142,28 @@ def check_parts(
         raise ConfigurationError(
             f"transport must be a ZmqTransport, not {type(transport).__name__}"
         )
-    for method in ("register_frames", "metadata_frames", "abort_frames"):
+    for method in (
+        "register_frames",
+        "metadata_frames",
+        "abort_frames",
+        "bootstrap_frames",
+        "decode_message",
+    ):
         function = getattr(backend, method, None)
         if not callable(function):
             raise ConfigurationError(
                 f"backend must be a KVBackend with {method}() (e.g. SimpleBackend), "
                 f"not {type(backend).__name__}"
             )
-        if not _takes_instance_id(function):
-            # Checked here, once: otherwise the first send would raise an untyped TypeError.
-            raise ConfigurationError(
-                f"{type(backend).__name__}.{method}() must accept the keyword argument "
-                "instance_id (the target instance, spec/zmq.md ZMQ-21); a backend that has no "
-                "use for it may ignore it"
-            )
+        keywords = {"abort_frames": ("instance_id", "generation"), "decode_message": ()}
+        for keyword in keywords.get(method, ("instance_id",)):
+            if not _takes_keyword(function, keyword):
+                # Checked here, once: otherwise the first send would raise an untyped TypeError.
+                raise ConfigurationError(
+                    f"{type(backend).__name__}.{method}() must accept the keyword argument "
+                    f"{keyword} (spec/zmq.md ZMQ-21, ZMQ-22); a backend that has no use for it "
+                    "may ignore it"
+                )
     if (
         isinstance(waiting_timeout_s, bool)
         or not isinstance(waiting_timeout_s, (int, float))
@@ -677,24 +685,23 @@ class BootstrapReceiver:
             stamp = m._stamp()  # etcd: the watch's revision before the first get_rank
             ranks: list[RankInfo] = []
             instance_ids: set[str | None] = set()
-            for tp_rank in plan.tp_ranks:
-                for pp_rank in range(plan.pp_size):
-                    reply = source.get_rank(
-                        self.addr,
-                        dp_rank=key.dp_rank,
-                        cp_rank=key.cp_rank,
-                        tp_rank=tp_rank,
-                        pp_rank=pp_rank,
+            for tp_rank, pp_rank in plan.fetch_order:
+                reply = source.get_rank(
+                    self.addr,
+                    dp_rank=key.dp_rank,
+                    cp_rank=key.cp_rank,
+                    tp_rank=tp_rank,
+                    pp_rank=pp_rank,
+                )
+                instance_ids.add(reply.instance_id)
+                ranks.append(
+                    RankInfo(
+                        reply.rank_ip,
+                        reply.rank_port,
+                        pp_rank,
+                        tp_rank in plan.dummy_tp_ranks,
                     )
-                    instance_ids.add(reply.instance_id)
-                    ranks.append(
-                        RankInfo(
-                            reply.rank_ip,
-                            reply.rank_port,
-                            pp_rank,
-                            tp_rank in plan.dummy_tp_ranks,
-                        )
-                    )
+                )
             if len(instance_ids) != 1:
                 # The server restarted between two rank queries: the answers mix instances.
                 raise BootstrapHTTPError(

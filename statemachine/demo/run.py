@@ -208,7 +208,7 @@ def run_demo(
         assert manager.acks is not None
         if monitor is not None:
             monitor.watch(addr)
-        plan = RankPlan(tp_ranks=tuple(range(config.tp_size)), pp_size=config.pp_size)
+        plan = RankPlan(tp_ranks=tuple(range(config.tp_size)), pp_ranks=tuple(range(config.pp_size)))
 
         loops = RequestLoops(
             manager,

@@ -17,7 +17,12 @@ the instance id of the server's reply as its own, then prints ``READY <port>`` a
   here is counted and not acked, as a real backend could not transfer without those args;
   so is metadata addressed to another pp rank. Metadata flagged *dummy* is counted and not
   acked: a dummy decode peer only tells the rank it exists; the KV goes to the non-dummy one;
-* *abort*: the decode gave up on the room: its ack still waiting in the heap is dropped.
+* *abort*: the decode gave up on the room: its ack still waiting in the heap is dropped; an
+  abort that carries a generation is answered with ``[b"abort_ack", room, tp_rank, pp_rank,
+  generation]`` to the endpoint the session registered (ZMQ-22);
+* *bootstrap*: PUSH ``[b"ready", room, tp_rank, pp_rank]`` (WaitingForInput) at once to the
+  endpoint named in it, as an SGLang prefill does under the ``prefill_complete`` policy once the
+  prefill finished.
 
 A message whose target instance frame names another instance than this rank's is dropped and
 counted in ``stale_instance``, before anything else is looked at (ZMQ-21): in queueing mode
@@ -64,13 +69,17 @@ import zmq
 from statemachine import cli_help, trace
 from statemachine.backend import (
     ABORT_KIND,
+    BOOTSTRAP_KIND,
     METADATA_KIND,
     REGISTER_KIND,
     MalformedFrames,
+    abort_ack_frames,
     message_kind,
     parse_abort,
+    parse_bootstrap,
     parse_metadata,
     parse_register,
+    ready_frames,
 )
 from statemachine.decode.client import register_rank, route_payload
 from statemachine.decode.ranks.acks import ack_frames
@@ -96,6 +105,8 @@ COUNTERS = (
     "unregistered",
     "misaddressed",
     "stale_instance",
+    "bootstrap",
+    "aborts",
 )
 
 
@@ -334,9 +345,37 @@ class _Rank:
                 abort = parse_abort(frames)
                 if self.stale(abort.instance_id):
                     return
+                self.counts["aborts"] += 1
                 room = abort.room
                 self.due = [item for item in self.due if item[3][1] != b"%d" % room]
                 heapq.heapify(self.due)
+                if abort.generation is not None:
+                    # Nothing of the room is in flight any more (its pending ack is gone), so the
+                    # acknowledgement goes at once, to the session's endpoint (ZMQ-22).
+                    registered = self.sessions.get(abort.session_id)
+                    if registered is None:
+                        self.counts["unregistered"] += 1
+                        return
+                    self.send_ack(
+                        registered,
+                        abort_ack_frames(
+                            room, self.args.tp_rank, self.args.pp_rank, abort.generation
+                        ),
+                    )
+            elif kind == BOOTSTRAP_KIND:
+                bootstrap = parse_bootstrap(frames)
+                if self.stale(bootstrap.instance_id):
+                    return
+                if bootstrap.target_pp_rank != self.args.pp_rank:
+                    self.counts["misaddressed"] += 1
+                    return
+                self.counts["bootstrap"] += 1
+                # The reference rank has no prefill to run: it is ready for the decode's
+                # metadata at once (SGLang's WaitingForInput status under prefill_complete).
+                self.send_ack(
+                    (bootstrap.decode_ip, bootstrap.decode_port),
+                    ready_frames(bootstrap.room, self.args.tp_rank, self.args.pp_rank),
+                )
             else:
                 self.counts["malformed"] += 1
         except MalformedFrames:
