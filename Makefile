@@ -62,7 +62,7 @@ pytest: $(STAMP) $(SGLANG_STAMP)
 # bugs (it found 1 of 8 seeded ones here); 50 uninteresting iterations found all of them.
 # CrossHair prints nothing until it ends (a minute or more), so a ticker says it is still going.
 crosshair: $(STAMP)
-	@echo "crosshair: symbolic check of statemachine/pool.py's contracts (about 45-100 s)..."
+	@echo "crosshair: symbolic check of statemachine/pool.py's contracts (45-100 s on an idle 2-core machine, minutes under load)..."
 	@start=$$(date +%s); \
 	( while sleep 15; do echo "crosshair: still checking ($$(( $$(date +%s) - start )) s)"; done ) & \
 	ticker=$$!; trap 'kill $$ticker 2>/dev/null' EXIT INT TERM; \
