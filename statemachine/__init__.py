@@ -55,7 +55,7 @@ from statemachine.validation import InvalidArgument, RouteReply, Topology
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from statemachine.decode.client import BootstrapClient
+    from statemachine.decode.client import BootstrapClient, route_payload
     from statemachine.decode.health import HealthMonitor
     from statemachine.decode.manager import DecodeManager
     from statemachine.decode.plan import DecodeLayout, RankPlan
@@ -79,6 +79,9 @@ _LAZY = {
     "HealthMonitor": "statemachine.decode.health",
     "RankPlan": "statemachine.decode.plan",
     "ZmqTransport": "statemachine.decode.ranks.transport",
+    # A prefill's PUT /route body; exported here so that examples (docs/etcd.md) need not
+    # know which module builds it.
+    "route_payload": "statemachine.decode.client",
 }
 
 
@@ -137,4 +140,5 @@ __all__ = [
     "UnknownRoom",
     "WaitingTimeout",
     "ZmqTransport",
+    "route_payload",
 ]

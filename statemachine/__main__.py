@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("statemachine.prefill.server", "run the reference bootstrap server"),
     "check": ("statemachine.model.check", "model-check the Python mirror of the TLA+ spec"),
     "table": ("statemachine.lifecycle", "print the lifecycle table and Mermaid diagram"),
+    "etcd": ("statemachine.discovery.etcd_cli", "start a local etcd for trying the etcd source"),
 }
 
 
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
     except MissingExtra as exc:
+        if "-h" in rest or "--help" in rest:
+            # Its options live in the module that needs the extra: say what the command is
+            # for and what to install, and do not fail a request for help.
+            print(f"usage: {prog(name)} [options]\n\n{SUBCOMMANDS[name][1]}.\n\n{exc}")
+            print("Its options are listed here once the extra is installed.")
+            return 0
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -22,6 +22,7 @@ from typing import Any
 
 from transitions import Machine
 
+from statemachine import cli_help
 from statemachine.errors import InvalidTransition
 from statemachine.progname import prog
 
@@ -268,10 +269,17 @@ def table_markdown() -> str:
 
 def main(argv: list[str]) -> int:
     """``python -m statemachine table [--mermaid]``."""
-    if argv and argv != ["--mermaid"]:
-        print(f"usage: {prog('table')} [--mermaid]", file=sys.stderr)
-        return 2
-    if not argv:
+    parser = cli_help.parser(
+        prog("table"),
+        "Print the receiver lifecycle: the Markdown table (event, from, to) derived from the\n"
+        "transitions Machine, then its Mermaid state diagram (as in docs/lifecycle.mmd).",
+    )
+    parser.add_argument("--mermaid", action="store_true", help="print only the diagram")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    if not args.mermaid:
         sys.stdout.write(table_markdown() + "\n")
     sys.stdout.write(mermaid())
     return 0

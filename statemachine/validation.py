@@ -169,11 +169,13 @@ def is_rank_ip(ip: object) -> bool:
     return rank_ip_problem(ip) is None
 
 
-def require_rank_ip(name: str, ip: object) -> str:
-    """``ip`` if it is a peer IP literal, else :class:`InvalidArgument` saying why."""
+def require_rank_ip(name: str, ip: object, *, next_step: str = "") -> str:
+    """``ip`` if it is a peer IP literal, else :class:`InvalidArgument` saying why (and, given
+    ``next_step``, what to pass instead)."""
     problem = rank_ip_problem(ip)
     if problem is not None:
-        raise InvalidArgument(f"{name} {ip!r} {problem}")
+        text = f"{name} {ip!r} is not usable: {problem}"
+        raise InvalidArgument(f"{text}; {next_step}" if next_step else text)
     return ip  # type: ignore[return-value]
 
 
@@ -203,7 +205,11 @@ def parse_addr(addr: object) -> tuple[str, int]:
     if not isinstance(addr, str):
         raise InvalidArgument(f"bootstrap address must be a str, got {type(addr).__name__}")
     if "://" in addr:
-        raise InvalidArgument(f"bad bootstrap address {addr!r}: no scheme: give host:port")
+        # "no scheme" alone reads as "you gave no scheme": say what to write instead.
+        raise InvalidArgument(
+            f"bad bootstrap address {addr!r}: give host:port without a scheme "
+            "(e.g. '10.0.0.7:8998', '[fd00::7]:8998')"
+        )
     host, sep, port_text = addr.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

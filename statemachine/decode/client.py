@@ -361,6 +361,19 @@ def _quoted_error(body: bytes) -> str:
     return text
 
 
+# What to do after a 503 or a 404 from a route the decode asks for: these two statuses are the
+# ones a new deployment meets first (ranks still starting; a dp rank the prefill does not have).
+_NOT_READY_NEXT = (
+    "not every rank of the prefill has registered with this bootstrap server yet (it is "
+    "starting or restarting): retry shortly; if it lasts, check that every prefill rank is "
+    "running and registers at this address"
+)
+_NO_RANK_NEXT = (
+    "the prefill has no rank at these indices: check the prefill dp rank the request was "
+    "routed to against the prefill's dp size, and the decode's layout against its topology"
+)
+
+
 def _status_error(addr: str, status: int, what: str, body: bytes = b"") -> BootstrapHTTPError:
     """The typed error for a non-200 status (HTTP-40..44); a 4xx quotes the server's reason."""
     text = f"{addr}: {what} answered HTTP {status}"
@@ -368,8 +381,12 @@ def _status_error(addr: str, status: int, what: str, body: bytes = b"") -> Boots
     if reason:
         text = f"{text}: {reason}"
     if status == 503:
-        return NotReady(text, addr=addr, status=status)
+        asked_for_ranks = what in ("GET /route", "topology query")
+        next_step = _NOT_READY_NEXT if asked_for_ranks else "the server is not ready: retry shortly"
+        return NotReady(f"{text}: {next_step}", addr=addr, status=status)
     if status == 404:
+        if what == "GET /route":
+            text = f"{text}; {_NO_RANK_NEXT}"
         return NotFound(text, addr=addr, status=status)
     if 400 <= status < 500:
         return RequestRejected(text, addr=addr, status=status)

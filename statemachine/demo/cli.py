@@ -18,6 +18,7 @@ import sys
 from types import FrameType
 from typing import Any
 
+from statemachine import cli_help
 from statemachine.demo.cluster import ClusterError
 from statemachine.demo.modes import OURS, PRESETS, ModeConfig, mode_from_flags
 from statemachine.demo.report import PlotUnavailable, build_report, format_table, plot_timeline
@@ -31,11 +32,17 @@ from statemachine.progname import prog
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog=prog("demo"),
-        description="End-to-end decode-side bootstrap through a prefill restart, on 127.0.0.1.",
+    parser = cli_help.parser(
+        prog("demo"),
+        "Run the decode side through a prefill restart, on 127.0.0.1, and say what it cost.\n\n"
+        "Starts a bootstrap server and prefill rank processes, sends requests from decode loops\n"
+        "in this process, SIGKILLs and restarts the prefill midway, prints a table and writes a\n"
+        "JSON report. Needs the server extra (aiohttp); --plot needs the plot extra.\n\n"
+        "examples:\n"
+        "  %(prog)s                          # ours, 20 s, restart at 10 s\n"
+        "  %(prog)s --compare --plot demo.png  # the three cache designs side by side",
     )
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds (default 20)")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds")
     parser.add_argument("--loops", type=int, default=8, help="concurrent request loops")
     parser.add_argument("--rate", type=float, default=400.0, help="requests/s, all loops")
     parser.add_argument("--tp", type=int, default=2, help="prefill tp size (rank processes)")
@@ -50,7 +57,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--zmq-mode",
         choices=("immediate", "queueing"),
         default=None,
-        help="immediate (ours) or queueing (SGLang's socket options)",
+        help="immediate (ours) or queueing (SGLang's socket options) (default: the mode's)",
     )
     parser.add_argument(
         "--no-invalidation",
@@ -75,11 +82,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=("http", "etcd"),
         default="http",
         help="etcd: start a local etcd and run ours twice, on the HTTP bootstrap source and "
-        "on the etcd watch, side by side (default http: no etcd needed)",
+        "on the etcd watch, side by side (http needs no etcd)",
     )
     parser.add_argument("--compare", action="store_true", help="run all three modes")
     parser.add_argument("--report", default="demo-report.json", help="JSON report file")
-    parser.add_argument("--plot", default=None, metavar="FILE.png", help="timeline plot")
+    parser.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="write a timeline plot (plot extra)"
+    )
     parser.add_argument("--trace", default=None, metavar="FILE", help="NDJSON lifecycle trace")
     parser.add_argument("--quiet", action="store_true", help="no live status line")
     args = parser.parse_args(argv)

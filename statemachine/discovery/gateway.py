@@ -43,6 +43,49 @@ __all__ = [
     "prefix_range_end",
 ]
 
+
+# Where the user looks when no endpoint answers: not the raw urllib3 text ("HTTPConnectionPool
+# (host=..., port=...): Max retries exceeded ..."), which names neither the cause nor a remedy.
+NO_ETCD_HINT = (
+    "check that etcd runs at these endpoints and that they are its client URLs "
+    "(`pd-bootstrap etcd` starts a local one for trying); the call may be retried"
+)
+
+
+def _cause_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it wraps (requests and urllib3 nest the OS error a few levels deep)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo and len(seen) < 32:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        wrapped = [current.__cause__, current.__context__, getattr(current, "reason", None)]
+        todo.extend(e for e in [*wrapped, *current.args] if isinstance(e, BaseException))
+
+
+def why_unreachable(exc: BaseException) -> str:
+    """One endpoint's failure in a few words: refused, timed out, not resolved, reset."""
+    causes = list(_cause_chain(exc))
+    if any(isinstance(c, ConnectionRefusedError) for c in causes):
+        return "connection refused (nothing listens there)"
+    gai = next((c for c in causes if isinstance(c, socket.gaierror)), None)
+    if gai is not None:
+        return f"host name did not resolve ({gai.strerror})"
+    if any(isinstance(c, (requests.exceptions.ConnectTimeout)) for c in causes):
+        return "connect timed out"
+    if any(isinstance(c, (requests.exceptions.ReadTimeout, TimeoutError)) for c in causes):
+        return "no reply within the call's timeout"
+    if any(isinstance(c, ConnectionResetError) for c in causes):
+        return "connection reset"
+    if any(isinstance(c, requests.exceptions.SSLError) for c in causes):
+        return "TLS handshake failed (check the CA file and the URL's scheme)"
+    root = causes[-1]
+    return f"{type(root).__name__}: {str(root)[:120]}"
+
+
 #: Largest single watch message we buffer (etcd's default request limit is 1.5 MiB).
 MAX_WATCH_LINE = 8 << 20
 
@@ -202,7 +245,10 @@ class WatchStream:
                 return
             if exc.args and isinstance(exc.args[0], ReadTimeoutError):
                 raise WatchIdle(f"{self._endpoint}: watch silent past its timeout") from None
-            raise EtcdUnavailable(f"{self._endpoint}: watch stream broke: {exc}") from None
+            raise EtcdUnavailable(
+                f"{self._endpoint}: watch stream broke ({why_unreachable(exc)}); the source "
+                "resumes it from its revision on its own"
+            ) from None
         if buffer.strip() and not self._closed:
             yield self._message(buffer)
         if not self._closed:
@@ -389,7 +435,7 @@ class EtcdGateway:
                 )
                 payload = response.content
             except (requests.RequestException, OSError) as exc:
-                errors.append(f"{self.endpoints[index]}: {exc}")
+                errors.append(f"{self.endpoints[index]}: {why_unreachable(exc)}")
                 session.close()  # a broken connection must not be reused
                 continue
             if response.status_code >= 500 and response.status_code != 501:
@@ -411,7 +457,7 @@ class EtcdGateway:
                     code=code if isinstance(code, int) else None,
                 )
             return obj
-        raise EtcdUnavailable("no etcd endpoint answered: " + "; ".join(errors))
+        raise EtcdUnavailable(f"no etcd endpoint answered ({'; '.join(errors)}): {NO_ETCD_HINT}")
 
     # --- KV ------------------------------------------------------------------------------------
 
@@ -517,7 +563,7 @@ class EtcdGateway:
                 )
             except (requests.RequestException, OSError) as exc:
                 session.close()
-                errors.append(f"{endpoint}: {exc}")
+                errors.append(f"{endpoint}: {why_unreachable(exc)}")
                 continue
             if response.status_code != 200:
                 status = response.status_code
@@ -533,4 +579,6 @@ class EtcdGateway:
             if headers is not None:
                 denied = functools.partial(self._authenticate, headers["Authorization"])
             return WatchStream(response, session, endpoint, denied)
-        raise EtcdUnavailable("no etcd endpoint accepted the watch: " + "; ".join(errors))
+        raise EtcdUnavailable(
+            f"no etcd endpoint accepted the watch ({'; '.join(errors)}): {NO_ETCD_HINT}"
+        )

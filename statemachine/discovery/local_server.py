@@ -70,12 +70,24 @@ class EtcdServer:
     deployment points the registrar and the source at its own cluster (docs/etcd.md).
     """
 
-    def __init__(self, binary: str, *, ready_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        binary: str,
+        *,
+        ready_timeout: float = 30.0,
+        client_port: int = 0,
+        peer_port: int = 0,
+        data_dir: str | None = None,
+    ) -> None:
+        """Ports 0 pick free ones; without ``data_dir`` a temporary one is made and removed
+        by :meth:`close` (a given one is kept: it is the caller's)."""
         self.binary = binary
         self.ready_timeout = ready_timeout
-        self.data_dir = tempfile.mkdtemp(prefix="pd-etcd-")
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self._own_dir = data_dir is None
+        self.data_dir = tempfile.mkdtemp(prefix="pd-etcd-") if data_dir is None else data_dir
+        os.makedirs(self.data_dir, exist_ok=True)
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
         self.starts = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path = os.path.join(self.data_dir, "etcd.log")
@@ -169,4 +181,5 @@ class EtcdServer:
 
     def close(self) -> None:
         self.stop()
-        shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)

@@ -1,4 +1,8 @@
-"""``python -m statemachine check [--config FILE]``: model-check the mirror for one cfg.
+"""``pd-bootstrap check [CFG] [--list]``: model-check the mirror for one cfg.
+
+``CFG`` is a shipped cfg's name (``MCEtcd``, ``MCEtcd.cfg``) or the path of any cfg; ``--list``
+names the shipped ones with their first comment line (which says what each checks and which
+must fail), so a user of the wheel never needs its site-packages path.
 
 Prints progress to stderr while it runs, then a summary (distinct states, depth, seconds, each
 invariant/property held or violated) and, for the first violated one, the counterexample.
@@ -7,11 +11,11 @@ Exit status: 0 all hold, 1 something is violated, 2 usage or cfg error.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from statemachine import cli_help
 from statemachine.model.cfg import Cfg, CfgError, CfgValue, ModelValue, read_cfg
 from statemachine.model.checker import Result, check, format_counterexample
 from statemachine.model.spec import (
@@ -119,9 +123,52 @@ def run(loaded: Loaded, *, progress: bool = False) -> Result:
     )
 
 
+def shown(path: str | Path) -> str:
+    """A cfg's path as the user reads it: relative to the working folder when under it."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(resolved)
+
+
+def shipped() -> list[Path]:
+    """The cfgs shipped with the package (the repository's ``TLA/``, or the wheel's copy)."""
+    return sorted(TLA_DIR.glob("*.cfg"))
+
+
+def describe(path: Path) -> str:
+    """A cfg's first comment line (``\\* CI config: ...``), or nothing."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("\\*"):
+            return line[2:].strip()
+        if line.strip():
+            break
+    return ""
+
+
+def resolve(name: str) -> Path:
+    """A shipped cfg by name (``MCEtcd``, ``MCEtcd.cfg``), else ``name`` as a path."""
+    if "/" not in name and "\\" not in name:
+        candidate = TLA_DIR / (name if name.endswith(".cfg") else f"{name}.cfg")
+        if candidate.is_file():
+            return candidate
+        if not name.endswith(".cfg"):
+            names = ", ".join(p.stem for p in shipped())
+            raise CfgError(f"no shipped cfg named {name!r}: pick one of {names} (or give a path)")
+    return Path(name)
+
+
+def listing() -> str:
+    lines = [f"shipped cfgs (in {TLA_DIR}):"]
+    lines += [f"  {p.stem:<26} {describe(p)}" for p in shipped()]
+    lines.append(f"check one: {prog('check')} NAME (e.g. {prog('check')} MCEtcd)")
+    return "\n".join(lines)
+
+
 def summary(loaded: Loaded, result: Result) -> str:
     lines = [
-        f"config: {loaded.cfg.path}",
+        f"config: {shown(loaded.cfg.path)}",
         f"{result.distinct_states} distinct states found, depth {result.depth}, "
         f"{result.transitions} transitions, {result.seconds:.2f} s",
     ]
@@ -131,25 +178,36 @@ def summary(loaded: Loaded, result: Result) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog("check"),
-        description="Model-check the Python mirror of TLA/BootstrapCache.tla for one cfg.",
+    parser = cli_help.parser(
+        prog("check"),
+        "Model-check the Python mirror of the TLA+ spec (BootstrapCache.tla) for one cfg.\n\n"
+        "Explores every reachable state and reports each invariant and property.\n"
+        "Exit 0: all hold; 1: one is violated (the bug-variant cfgs must fail); 2: usage or\n"
+        "cfg error.",
     )
     parser.add_argument(
-        "--config", default=str(DEFAULT_CONFIG), help="a TLC .cfg (default: TLA/MCSmall.cfg)"
+        "cfg",
+        nargs="?",
+        default="MCSmall",
+        help="a shipped cfg's name (see --list) or the path of a TLC .cfg",
     )
+    parser.add_argument("--config", default=None, help="the same as CFG (kept for old scripts)")
+    parser.add_argument("--list", action="store_true", help="list the shipped cfgs and exit")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
+    if args.list:
+        print(listing())
+        return 0
     try:
-        loaded = load(args.config)
+        loaded = load(resolve(args.config or args.cfg))
     except CfgError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not args.quiet:
-        print(f"checking {loaded.cfg.path} ...", file=sys.stderr)
+        print(f"checking {shown(loaded.cfg.path)} ...", file=sys.stderr)
     result = run(loaded, progress=not args.quiet)
     print(summary(loaded, result))
     violation = result.first_violation()

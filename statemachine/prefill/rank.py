@@ -53,6 +53,7 @@ import argparse
 import collections
 import heapq
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -65,7 +66,7 @@ from typing import IO, Any
 
 import zmq
 
-from statemachine import trace
+from statemachine import cli_help, trace
 from statemachine.backend import (
     ABORT_KIND,
     BOOTSTRAP_KIND,
@@ -85,7 +86,7 @@ from statemachine.decode.ranks.acks import ack_frames
 from statemachine.decode.ranks.transport import Endpoint, endpoint_url
 from statemachine.discovery.layout import DEFAULT_PREFIX
 from statemachine.discovery.registrar import DEFAULT_TTL, EtcdRegistrar, registrar_for
-from statemachine.errors import BootstrapError
+from statemachine.errors import BootstrapError, NotReady, TransportFailure
 from statemachine.prefill.readiness import read_prefixed_line
 
 MAX_SESSIONS = 1024
@@ -449,13 +450,7 @@ def serve(args: argparse.Namespace) -> int:
                 # Decodes address frames to the instance they found in etcd (ZMQ-21).
                 rank.instance_id = registrar.instance_id
             else:
-                rank.instance_id = register_rank(
-                    args.bootstrap,
-                    args.token,
-                    build_payload(args, rank.port),
-                    attempts=args.register_attempts,
-                    backoff_scale=args.register_backoff_scale,
-                )
+                rank.instance_id = register_saying_why(args, build_payload(args, rank.port))
         except BootstrapError as exc:
             print(f"prefill_rank: registration failed: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -500,14 +495,49 @@ def _soonest_ms(due_ms: int | None, expiry_s: float | None) -> int | None:
     return due_ms if expiry_ms is None else min(due_ms, expiry_ms)
 
 
+def register_saying_why(args: argparse.Namespace, payload: dict[str, Any]) -> str | None:
+    """``register_rank`` with the rank's retries, but the first failed try is reported at once:
+    a bootstrap server that is not running would otherwise cost seconds of silence."""
+    try:
+        return register_rank(args.bootstrap, args.token, payload, attempts=1)
+    except (TransportFailure, NotReady) as exc:
+        if args.register_attempts <= 1:
+            raise
+        print(
+            f"prefill_rank: registration with {args.bootstrap} failed ({exc}); is the bootstrap "
+            f"server running there ('pd-bootstrap serve --port {args.bootstrap.rsplit(':', 1)[-1]}"
+            f"')? Retrying {args.register_attempts - 1} more time(s).",
+            file=sys.stderr,
+            flush=True,
+        )
+    time.sleep(args.register_backoff_scale * random.uniform(0.5, 1.0))
+    return register_rank(
+        args.bootstrap,
+        args.token,
+        payload,
+        attempts=args.register_attempts - 1,
+        backoff_scale=args.register_backoff_scale,
+    )
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m statemachine.prefill.rank")
+    parser = cli_help.parser(
+        "python -m statemachine.prefill.rank",
+        "Run one reference prefill rank: bind a ZMQ PULL socket, register it, acknowledge\n"
+        "every transfer request it receives.\n\n"
+        "It registers with the bootstrap server at --bootstrap (start one with\n"
+        "'pd-bootstrap serve'), or in etcd with --discovery etcd, then prints 'READY <port>'.\n"
+        "Page size, KV dtype and the parallel sizes must match what the decode expects: a\n"
+        "bootstrap server keeps the first complete topology it saw until it restarts.",
+    )
     parser.add_argument(
         "--bootstrap",
         required=True,
         help="bootstrap server host:port (with --discovery etcd: the prefill's name in etcd)",
     )
-    parser.add_argument("--token", help="bearer token for PUT /route (--discovery http)")
+    parser.add_argument(
+        "--token", help="bearer token for PUT /route (required with --discovery http)"
+    )
     parser.add_argument(
         "--discovery",
         choices=("http", "etcd"),
@@ -524,18 +554,34 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--instance-id",
         default=None,
-        help="the prefill instance's id, shared by every rank of the instance (etcd)",
+        help="the prefill instance's id, shared by every rank of the instance (etcd; default: "
+        "a new random id per process)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="ip to bind and register")
     for name in ("tp", "pp", "dp", "cp"):
-        parser.add_argument(f"--{name}-rank", type=int, default=0)
-        parser.add_argument(f"--{name}-size", type=int, default=1)
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--ack-delay-ms", type=int, default=0)
-    parser.add_argument("--ack-send-timeout-ms", type=int, default=1000)
-    parser.add_argument("--register-attempts", type=int, default=5)
-    parser.add_argument("--register-backoff-scale", type=float, default=1.0)
+        parser.add_argument(f"--{name}-rank", type=int, default=0, help=f"this rank's {name} rank")
+        parser.add_argument(
+            f"--{name}-size", type=int, default=1, help=f"the prefill's {name} size"
+        )
+    parser.add_argument("--page-size", type=int, default=1, help="KV cache page size (tokens)")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="KV cache dtype, as SGLang names it"
+    )
+    parser.add_argument(
+        "--ack-delay-ms", type=int, default=0, help="wait this long before each completion ack"
+    )
+    parser.add_argument(
+        "--ack-send-timeout-ms", type=int, default=1000, help="give up sending an ack after this"
+    )
+    parser.add_argument(
+        "--register-attempts", type=int, default=5, help="registration tries before giving up"
+    )
+    parser.add_argument(
+        "--register-backoff-scale",
+        type=float,
+        default=1.0,
+        help="scales the back-off between tries (1, 2, 4 ... s, jittered)",
+    )
     parser.add_argument(
         "--avoid-port",
         type=int,
@@ -551,7 +597,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--port",
         type=int,
         default=0,
-        help="bind exactly this port (default: an ephemeral one)",
+        help="bind exactly this port (0: an ephemeral one)",
     )
     args = parser.parse_args(list(argv))
     for name in ("tp", "pp", "dp", "cp"):

@@ -18,7 +18,6 @@ legitimate clients out; accept failures (fd exhaustion) are logged as one rate-l
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import errno
 import hmac
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from statemachine import cli_help
 from statemachine.errors import MissingExtra
 from statemachine.progname import prog
 from statemachine.validation import (
@@ -951,7 +951,8 @@ class BootstrapServer:
                 # misconfigured (HTTP-51).
                 raise BadRequest(
                     f"registration claims {claim.describe()} but the registered topology is "
-                    f"{pinned.claim.describe()}: fix this rank's parallel settings"
+                    f"{pinned.claim.describe()}: start this rank with the registered "
+                    "settings, or restart the bootstrap server to register a new topology"
                 )
             # Last writer wins for ports: a restarted rank re-registers its new port (HTTP-52).
             pinned.ranks[key] = endpoint
@@ -1049,7 +1050,15 @@ class BootstrapServer:
             or tp >= claim.attn_tp_size
             or pp >= claim.pp_size
         ):
-            return web.json_response({"error": "no such rank"}, status=404)
+            # Name the sizes: a dp rank past the prefill's dp size is the usual cause.
+            return web.json_response(
+                {
+                    "error": f"no rank dp={dp} cp={cp} tp={tp} pp={pp} in this prefill of "
+                    f"dp_size {claim.dp_size}, cp_size {claim.attn_cp_size}, tp_size "
+                    f"{claim.attn_tp_size}, pp_size {claim.pp_size} (ranks count from 0)"
+                },
+                status=404,
+            )
         ip, port = pinned.ranks[(dp, cp, tp, pp)]
         return web.json_response({"rank_ip": ip, "rank_port": port})
 
@@ -1099,16 +1108,27 @@ class BootstrapServer:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m statemachine serve``: serve until SIGINT/SIGTERM, then exit 0."""
-    parser = argparse.ArgumentParser(prog=prog("serve"), description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8998, help="0 picks a free port")
-    parser.add_argument("--token", default=None, help="bearer token for registration routes")
+    parser = cli_help.parser(
+        prog("serve"),
+        "Run the reference prefill bootstrap server (SGLang's routes) until Ctrl-C or SIGTERM.\n\n"
+        "Prefill ranks register with PUT /route (python -m statemachine.prefill.rank starts\n"
+        "one); decodes ask GET /route. Prints 'listening on HOST:PORT instance ID' once it\n"
+        "listens. State is in memory only: a restart forgets every rank. Needs the server\n"
+        "extra (aiohttp).",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8998, help="port to listen on; 0 picks one")
+    parser.add_argument(
+        "--token", default=None, help="bearer token the ranks must send to register"
+    )
     parser.add_argument(
         "--insecure",
         action="store_true",
         help="with no --token, accept registrations without one (otherwise they get 401)",
     )
-    parser.add_argument("--dp-ttl", type=float, default=DEFAULT_DP_TTL, help="seconds")
+    parser.add_argument(
+        "--dp-ttl", type=float, default=DEFAULT_DP_TTL, help="seconds a room's dp rank is kept"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.token is None and not args.insecure:
         print("warning: no --token: registration routes answer 401", file=sys.stderr)

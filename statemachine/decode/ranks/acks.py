@@ -159,7 +159,13 @@ class AckListener:
         self._on_event = on_event
         # The ip travels in every metadata message as the address prefill ranks connect to:
         # a peer IP literal (not 0.0.0.0, not a name), checked before any socket exists.
-        self.ip = require_rank_ip("AckListener ip", ip)
+        # Named as the user passed it: most reach here through DecodeManager(ack_ip=...).
+        self.ip = require_rank_ip(
+            "ack_ip (DecodeManager(ack_ip=...), AckListener(ip))",
+            ip,
+            next_step="give an IP address of this decode host that the prefill ranks can reach "
+            "(the default 127.0.0.1 serves prefills on this host only)",
+        )
         # An own context: close() can then wake the thread through an inproc pair and
         # terminate the context without touching anybody else's sockets.
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

@@ -83,6 +83,16 @@ _MAX_SLICE_MS = 8
 
 _log = logging.getLogger(__name__)
 
+# What every SendFailed tells the caller to do. Not "invalidate and refetch": a receiver has
+# already failed its request and dropped the generation by the time the caller sees this, and
+# the ranks come from the HTTP bootstrap server or from etcd, which the transport cannot tell.
+NEXT_STEP = (
+    "the request that sent it failed and its cached ranks of this prefill were dropped: retry "
+    "the request, which refetches the prefill's current ranks (from its bootstrap server, or from "
+    "etcd when the manager watches etcd); if every retry fails the same way, the prefill rank "
+    "is not running"
+)
+
 
 @dataclass(frozen=True, slots=True)
 class TransportStats:
@@ -295,8 +305,7 @@ class ZmqTransport:
                             # Its socket failed while we waited for the lock (ZMQ-7).
                             next(self._failures)
                             raise SendFailed(
-                                f"send to {entry.url} failed: peer found dead; invalidate the "
-                                "generation that names it and refetch",
+                                f"send to {entry.url} failed: the peer was found dead; {NEXT_STEP}",
                                 endpoint=entry.url,
                             )
                         continue
@@ -348,7 +357,7 @@ class ZmqTransport:
             next(self._failures)
             raise SendFailed(
                 f"no live peer at {entry.url} within SNDTIMEO={self.send_timeout_ms} ms "
-                f"({exc}); invalidate the generation that names it and refetch",
+                f"({exc}); {NEXT_STEP}",
                 endpoint=entry.url,
             ) from exc
 
@@ -373,8 +382,8 @@ class ZmqTransport:
             if entry.doomed:
                 next(self._failures)
                 raise SendFailed(
-                    f"the socket to {entry.url} was closed while this send waited (its "
-                    "generation was released); refetch",
+                    f"the socket to {entry.url} was closed while this send waited (no live "
+                    f"request uses its ranks any more); {NEXT_STEP}",
                     endpoint=entry.url,
                 )
             left_ms = (deadline - time.monotonic()) * 1000
@@ -393,8 +402,7 @@ class ZmqTransport:
         """No connection took the message within SNDTIMEO: open the circuit, tell the monitor."""
         reason = f"no live peer within SNDTIMEO={self.send_timeout_ms} ms"
         message = (
-            f"no live peer at {entry.url} within SNDTIMEO={self.send_timeout_ms} ms: invalidate "
-            "the generation that names it and refetch its ranks from the bootstrap server"
+            f"no live peer at {entry.url} within SNDTIMEO={self.send_timeout_ms} ms: {NEXT_STEP}"
         )
         entry.down = message  # provisional: lifted if the monitor says a connection is up
         assert self._monitor is not None
@@ -408,7 +416,7 @@ class ZmqTransport:
         self._close_socket(entry)
         next(self._failures)
         raise SendFailed(
-            f"send to {entry.url} failed ({exc}); the socket was closed: refetch and retry",
+            f"send to {entry.url} failed ({exc}), so its socket was closed; {NEXT_STEP}",
             endpoint=entry.url,
         ) from exc
 
@@ -549,8 +557,7 @@ class ZmqTransport:
                 monitor_socket.close(linger=0)
             next(self._failures)
             raise SendFailed(
-                f"cannot connect to {url} ({exc}); the rank's address is unusable: "
-                "invalidate the generation that names it",
+                f"cannot connect to {url} ({exc}): the rank's address is unusable; {NEXT_STEP}",
                 endpoint=url,
             ) from exc
         return socket, monitor_socket
@@ -644,10 +651,7 @@ class ZmqTransport:
                 self._reconnects += 1
                 self._down.pop(endpoint, None)
         else:
-            entry.down = (
-                f"peer at {entry.url} is down ({reason}): invalidate the generation that names "
-                "it and refetch its ranks from the bootstrap server"
-            )
+            entry.down = f"peer at {entry.url} is down ({reason}); {NEXT_STEP}"
             if entry.reported_dead:
                 return
             entry.reported_dead = True
