@@ -93,8 +93,9 @@ def test_http11_get_topology(ready_server: BootstrapServer, client: BootstrapCli
         instance_id=ready_server.instance_id,
         enable_dsa_cache_layer_split=False,
         decode_allocation_policy="early",
-        # A key the client does not interpret (yet) arrives in `extra` (HTTP-22).
-        extra=MappingProxyType({"enable_kv_cache_sharding": False}),
+        # A rank-plan key (spec/plans.md): a field, not `extra`.
+        enable_kv_cache_sharding=False,
+        extra=MappingProxyType({}),
     )
 
 

@@ -40,7 +40,7 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout
 from statemachine.errors import NotFound, NotReady, UnknownRoom
 from statemachine.lifecycle import KVPoll
-from statemachine.validation import TOPOLOGY_KEYS
+from statemachine.validation import PLAN_KEYS, TOPOLOGY_KEYS
 
 pytestmark = requires_sglang
 
@@ -478,9 +478,9 @@ def test_our_client_reads_sglangs_server_after_real_sglang_registrations(checks:
         with sglang_prefill_rank(addr, tp_size=2, tp_rank=1, port=31000) as rank1:
             _, raw = get(addr, TOPOLOGY)
             topology = client.get_topology(addr)
-            for key in sorted(TOPOLOGY_KEYS):
+            for key in sorted(TOPOLOGY_KEYS | PLAN_KEYS):
                 checks.same(f"Topology.{key}", getattr(topology, key), raw.get(key))
-            extra = {k: v for k, v in raw.items() if k not in TOPOLOGY_KEYS}
+            extra = {k: v for k, v in raw.items() if k not in TOPOLOGY_KEYS | PLAN_KEYS}
             checks.same("Topology.extra", dict(topology.extra), extra)
             checks.same("Topology.instance_id (SGLang sends none)", topology.instance_id, None)
             for tp, rank in ((0, rank0), (1, rank1)):
