@@ -27,6 +27,12 @@ from typing import NamedTuple
 
 from statemachine import trace
 
+#: The tp part of a pool key that stands for every prefill tp rank at once (MLA KV-cache
+#: sharding, spec/plans.md PLAN-6). An int, not None: a plain ``int`` field keeps the key's type
+#: small enough for CrossHair's symbolic search of the pool's contracts (``make crosshair``);
+#: with ``int | None`` it no longer found the seeded ``overwrite_not_setdefault`` bug.
+EVERY_TP_RANK = -1
+
 
 class PoolKey(NamedTuple):
     """What a pool entry is for. ``addr`` is compared exactly, never by prefix (POOL-5)."""
@@ -34,8 +40,8 @@ class PoolKey(NamedTuple):
     addr: str
     dp_rank: int
     cp_rank: int
-    #: None: one entry for every tp rank (MLA KV-cache sharding, spec/plans.md PLAN-6).
-    tp_rank: int | None
+    #: A prefill tp rank (>= 0), or :data:`EVERY_TP_RANK`.
+    tp_rank: int
 
 
 class RankInfo(NamedTuple):

@@ -25,7 +25,7 @@ from statemachine.decode.plan import (
 )
 from statemachine.errors import MalformedReply, TopologyMismatch
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import PoolKey
+from statemachine.pool import EVERY_TP_RANK, PoolKey
 from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import topology_reply
 
@@ -187,7 +187,7 @@ def test_plan_6_mla_kv_cache_sharding() -> None:
         plan = derive_plan(ADDR, prefill, DecodeLayout(rank, 2, is_mla=True))
         assert row(plan) == (None, ("0", "1"), 2, 2)
         assert plan.cp_ranks == (0,) and plan.pp_ranks == (0,)
-        assert plan.keys_for(ADDR, 3) == (PoolKey(ADDR, 3, 0, None),)
+        assert plan.keys_for(ADDR, 3) == (PoolKey(ADDR, 3, 0, EVERY_TP_RANK),)
     # Non-MLA never reads the flag for tp (only for cp): an ordinary one-to-one plan.
     assert row(derive_plan(ADDR, prefill, DecodeLayout(1, 2))) == (1, ("1",), 1, 1)
     assert row(derive_plan(ADDR, prefill, DecodeLayout(1, 2, is_hybrid_mla=True))) == (

@@ -41,6 +41,7 @@ from sglang_support import (
 from statemachine.decode.client import BootstrapClient, register_rank, route_payload
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
 from statemachine.errors import TopologyMismatch
+from statemachine.pool import EVERY_TP_RANK
 from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import Topology, topology_reply
 
@@ -120,8 +121,12 @@ def _describe(plan: RankPlan) -> tuple[Any, ...]:
         for cp in plan.cp_ranks
         for tp, pp in plan.fetch_order
     )
-    # SGLang's connection-pool key is the text f"{addr}_{dp}_{cp}_{target tp rank}".
-    keys = tuple(f"{k.addr}_{k.dp_rank}_{k.cp_rank}_{k.tp_rank}" for k in plan.keys_for(ADDR, 0))
+    # SGLang's connection-pool key is the text f"{addr}_{dp}_{cp}_{target tp rank}", the tp part
+    # "None" under KV-cache sharding, where ours is EVERY_TP_RANK.
+    keys = tuple(
+        f"{k.addr}_{k.dp_rank}_{k.cp_rank}_{'None' if k.tp_rank == EVERY_TP_RANK else k.tp_rank}"
+        for k in plan.keys_for(ADDR, 0)
+    )
     return (
         plan.target_tp_rank,
         fetched,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from statemachine.errors import TopologyMismatch
-from statemachine.pool import PoolKey
+from statemachine.pool import EVERY_TP_RANK, PoolKey
 from statemachine.validation import Topology
 
 
@@ -86,8 +86,9 @@ class RankPlan:
         keys = cache.get((addr, dp_rank))
         if keys is None:
             # SGLang names the key by the target tp rank, the string "None" under MLA KV-cache
-            # sharding: None here, so a sharded plan and a rank-0 plan never share an entry.
-            target = self.target_tp_rank
+            # sharding: EVERY_TP_RANK here, so a sharded plan and a rank-0 plan never share an
+            # entry.
+            target = EVERY_TP_RANK if self.target_tp_rank is None else self.target_tp_rank
             keys = tuple(PoolKey(addr, dp_rank, cp_rank, target) for cp_rank in self.cp_ranks)
             cache[(addr, dp_rank)] = keys
         return keys
