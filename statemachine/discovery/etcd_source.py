@@ -63,6 +63,7 @@ from statemachine.validation import (
     Topology,
     parse_addr,
     require_index,
+    require_rank,
     topology_reply,
 )
 
@@ -243,10 +244,7 @@ class EtcdBootstrapSource:
     def get_rank(
         self, addr: str, *, dp_rank: int, cp_rank: int, tp_rank: int, pp_rank: int
     ) -> RouteReply:
-        require_index("dp_rank", dp_rank)
-        require_index("cp_rank", cp_rank)
-        require_index("tp_rank", tp_rank)
-        require_index("pp_rank", pp_rank)
+        require_rank(dp_rank=dp_rank, cp_rank=cp_rank, tp_rank=tp_rank, pp_rank=pp_rank)
         view = self._view(addr)
         record = view.records.get((dp_rank, cp_rank, tp_rank, pp_rank))
         reference = view.reference
@@ -266,15 +264,7 @@ class EtcdBootstrapSource:
         # server takes them from its first registration, and go through the same reply parser.
         registration = json.loads(reference.raw)  # a JSON object: parse_value checked it
         reply = {k: v for k, v in registration.items() if k in TOPOLOGY_KEYS | PLAN_KEYS}
-        reply.update(
-            attn_tp_size=reference.attn_tp_size,
-            attn_cp_size=reference.attn_cp_size,
-            dp_size=reference.dp_size,
-            pp_size=reference.pp_size,
-            page_size=reference.page_size,
-            kv_cache_dtype=reference.kv_cache_dtype,
-            follow_bootstrap_room=reference.follow_bootstrap_room,
-        )
+        reply.update(reference.claim_items(), follow_bootstrap_room=reference.follow_bootstrap_room)
         return topology_reply(reply, addr=addr, status=200, instance_id=reference.instance_id)
 
     def query_dp_ranks(self, addr: str, rooms: Sequence[int]) -> dict[int, int]:
