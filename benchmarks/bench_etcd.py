@@ -448,12 +448,12 @@ def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, di
             transport=transport,
         )
         if transport is not None:
-            manager._owned.append(transport.close)
+            manager.close_with(transport.close)
     try:
         for rank in ranks:
             rank.start()
-        if manager.etcd is not None:
-            etcd_source = manager.etcd
+        etcd_source = manager.source
+        if isinstance(etcd_source, EtcdBootstrapSource):
             _wait(lambda: _ready(etcd_source, addr), 20.0)
         warm = _manager_round(manager, addr, 0, 1)
         _finish_all(warm)
@@ -463,8 +463,8 @@ def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, di
             rank.kill()
         for rank in ranks:
             rank.start(avoid_port=rank.port)  # READY: its new registration is in place
-        if manager.etcd is not None:
-            etcd_source = manager.etcd
+        etcd_source = manager.source
+        if isinstance(etcd_source, EtcdBootstrapSource):
             _wait(lambda: _ready(etcd_source, addr, {r.port for r in ranks}), 20.0)
         after = _manager_round(manager, addr, 1000, AFTER)
         _, failed = _finish_all(in_flight)

@@ -38,6 +38,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection
 from urllib3.connectionpool import HTTPConnectionPool
 
+from statemachine.decode.source import AnswersOnly
 from statemachine.errors import (
     BootstrapHTTPError,
     MalformedReply,
@@ -430,8 +431,11 @@ class _ThreadSessions:
         self.sessions: dict[str, requests.Session] = {}
 
 
-class BootstrapClient:
+class BootstrapClient(AnswersOnly):
     """Queries prefill bootstrap servers over per-thread, per-address keep-alive sessions.
+
+    A :class:`~statemachine.decode.source.BootstrapSource` with nothing of its own to report
+    (:class:`~statemachine.decode.source.AnswersOnly`): its owner probes each address's health.
 
     Safe to share between threads: each thread gets its own sessions. ``close()`` releases the
     *calling* thread's sessions; the sessions of a thread that exits without calling it are

@@ -40,8 +40,8 @@ def read_prefixed_line(fd: int, prefix: bytes, deadline: float, buffer: bytearra
 
 
 #: What a child process prints once it serves, followed by what it serves on (a port; the
-#: etcd registrar: its instance id and lease id).
-READY = b"READY "
+#: etcd registrar: its instance id and lease id), if anything.
+READY = b"READY"
 
 
 def read_ready(fd: int, deadline: float, buffer: bytearray | None = None) -> list[bytes] | None:
@@ -49,4 +49,4 @@ def read_ready(fd: int, deadline: float, buffer: bytearray | None = None) -> lis
     EOF (the child exited first). Other lines are skipped; :class:`TimeoutError` past
     ``deadline`` (``time.monotonic()``)."""
     line = read_prefixed_line(fd, READY, deadline, bytearray() if buffer is None else buffer)
-    return None if line is None else line[len(READY) :].split()
+    return None if line is None else line.split()[1:]
