@@ -115,6 +115,10 @@ class MetadataRequest:
     """
 
     __slots__ = (
+        "ascii_aux_index",
+        "ascii_prefix_len",
+        "ascii_required_dst_info_num",
+        "ascii_room",
         "aux_index",
         "device_kv_bytes",
         "kv_bytes",
@@ -154,6 +158,12 @@ class MetadataRequest:
         self.aux_index = aux_index
         self.prefix_len = prefix_len
         self.required_dst_info_num = required_dst_info_num
+        # The integers as every layout carries them (ASCII decimal), formatted once per request
+        # rather than once per rank.
+        self.ascii_room = b"%d" % room
+        self.ascii_aux_index = b"%d" % aux_index
+        self.ascii_prefix_len = b"%d" % prefix_len
+        self.ascii_required_dst_info_num = b"%d" % required_dst_info_num
         #: the page indices as the wire carries them: ``<i4`` each
         self.kv_bytes: bytes = pack_indices(kv_indices)
         #: the state indices in SGLang's list-of-lists container (``b""`` for none)
@@ -511,12 +521,12 @@ class SimpleBackend:
     ) -> list[bytes]:
         frames = [
             METADATA_KIND,
-            b"%d" % request.room,
+            request.ascii_room,
             *self._session,
             b"%d" % rank.pp_rank,
             request.kv_bytes,
-            b"%d" % request.aux_index,
-            b"%d" % request.prefix_len,
+            request.ascii_aux_index,
+            request.ascii_prefix_len,
             _FLAG[rank.is_dummy],
         ]
         if instance_id is not None:  # the hot path: one dict.get, no call (ZMQ-21)

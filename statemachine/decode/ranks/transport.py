@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, NoReturn
 
 import zmq
 
@@ -76,6 +76,7 @@ QUEUEING_SNDHWM = 1000
 #: What SGLang sets on its context; each monitored endpoint uses three ZMQ sockets.
 CONTEXT_MAX_SOCKETS = 16384
 _EVICTED_RETRIES = 3
+_RETRIES = tuple(range(_EVICTED_RETRIES))  # a tuple iterates cheaper than a new range
 # A message goes to libzmq one frame at a time with plain int flags, through the backend's
 # ``Socket.send``. pyzmq's ``send_multipart`` does the same libzmq calls but computes
 # ``zmq.SNDMORE | flags`` per frame as ``enum.Flag`` arithmetic and goes through the Python-level
@@ -308,7 +309,7 @@ class ZmqTransport:
                 break
         # An entry retired while we waited for its lock is replaced; bounded so that a caller
         # evicting in a tight loop cannot keep a sender spinning.
-        for _ in range(_EVICTED_RETRIES):
+        for _ in _RETRIES:
             entry = self._entries.get(endpoint)  # dict.get is atomic: no lock on the hit path
             if entry is None:
                 entry = self._open(endpoint)
@@ -331,7 +332,14 @@ class ZmqTransport:
                     if self._monitor is None:
                         self._send_blocking(entry, frames)
                     else:
-                        self._send_watched(entry, frames)
+                        # Monitored (ZMQ-19): non-blocking first, which is all a warm socket
+                        # needs; without a connection, wait for one in poll slices.
+                        try:
+                            sent = _push(entry.send_frame, entry.socket, frames)
+                        except zmq.ZMQError as exc:
+                            self._send_error(entry, exc)
+                        if not sent:
+                            self._send_waiting(entry, frames)
                     entry.sends += 1
                     entry.last_used = next(self._ticks)
                     return
@@ -362,9 +370,10 @@ class ZmqTransport:
         """Send one metadata message to every rank of ``generation``, dummy ranks included,
         addressed to the generation's instance (ZMQ-21)."""
         instance_id = generation.instance_id
+        build = backend.metadata_frames
         for rank in generation.ranks:
-            frames = backend.metadata_frames(rank, request, instance_id=instance_id)
-            self.send((rank.ip, rank.port), frames)
+            # rank[:2] is (ip, port) as a plain tuple, built in C.
+            self.send(rank[:2], build(rank, request, instance_id=instance_id))
 
     def _send_blocking(self, entry: _Entry, frames: Sequence[bytes]) -> None:
         """``monitor=False``: a blocking send; any failure closes and evicts (ZMQ-6).
@@ -383,15 +392,10 @@ class ZmqTransport:
                 endpoint=entry.url,
             ) from exc
 
-    def _send_watched(self, entry: _Entry, frames: Sequence[bytes]) -> None:
-        """Monitored send: non-blocking, then wait for a connection in slices (ZMQ-19)."""
+    def _send_waiting(self, entry: _Entry, frames: Sequence[bytes]) -> None:
+        """Monitored send that found no completed connection (a new socket, or the peer just
+        went): wait for one in poll slices until SNDTIMEO or the monitor's verdict (ZMQ-19)."""
         socket = entry.socket
-        try:
-            if _push(entry.send_frame, socket, frames):
-                return
-            # no completed connection right now (new socket, or the peer just went)
-        except zmq.ZMQError as exc:
-            self._send_error(entry, exc)
         deadline = time.monotonic() + self._timeout_s
         slice_ms = _FIRST_SLICE_MS
         while True:
@@ -418,7 +422,7 @@ class ZmqTransport:
             except zmq.ZMQError as exc:
                 self._send_error(entry, exc)
 
-    def _send_timed_out(self, entry: _Entry) -> None:
+    def _send_timed_out(self, entry: _Entry) -> NoReturn:
         """No connection took the message within SNDTIMEO: open the circuit, tell the monitor."""
         reason = f"no live peer within SNDTIMEO={self.send_timeout_ms} ms"
         message = (
@@ -430,7 +434,7 @@ class ZmqTransport:
         next(self._failures)
         raise SendFailed(message, endpoint=entry.url)
 
-    def _send_error(self, entry: _Entry, exc: zmq.ZMQError) -> None:
+    def _send_error(self, entry: _Entry, exc: zmq.ZMQError) -> NoReturn:
         """Any other ZMQError: the socket is unusable; close it (ZMQ-18)."""
         entry.failed = True
         self._close_socket(entry)
@@ -719,15 +723,14 @@ def _push(send: FrameSender, socket: zmq.Socket[bytes], frames: Sequence[bytes])
     caller closes the socket, which discards the part already queued: libzmq never delivers
     half a message).
     """
-    last = len(frames) - 1
-    if last:
+    if len(frames) > 1:
         try:
             send(socket, frames[0], _NOBLOCK_MORE)
         except zmq.Again:
             return False
-        for index in range(1, last):
-            send(socket, frames[index], _NOBLOCK_MORE)
-        send(socket, frames[last], _NOBLOCK)
+        for frame in frames[1:-1]:
+            send(socket, frame, _NOBLOCK_MORE)
+        send(socket, frames[-1], _NOBLOCK)
         return True
     try:
         send(socket, frames[0], _NOBLOCK)
