@@ -292,8 +292,8 @@ def test_zmq15_a_non_bytes_frame_sends_nothing(context: zmq.Context) -> None:
         assert transport.stats().failures == 0
 
 
-def test_zmq15_bytes_like_frames_are_sent_whole_and_in_order(context: zmq.Context) -> None:
-    """Frames go to libzmq one at a time: a message of many frames, some of them bytes-like
+def test_zmq23_bytes_like_frames_are_sent_whole_and_in_order(context: zmq.Context) -> None:
+    """ZMQ-23: frames go to libzmq one at a time: a message of many frames, some bytes-like
     but not bytes (bytearray, memoryview, zmq.Frame), arrives whole, in order, and apart from
     the next message."""
     frames: list[bytes] = [b"k", bytearray(b"ba"), memoryview(b"mv"), zmq.Frame(b"fr")]  # type: ignore[list-item]
@@ -321,8 +321,8 @@ class _CountingContext(zmq.Context):  # type: ignore[type-arg]
     _socket_class = _CountingSocket
 
 
-def test_zmq1_a_socket_class_that_overrides_send_is_honoured() -> None:
-    """The transport hands frames to libzmq through the backend's send only when the socket's
+def test_zmq23_a_socket_class_that_overrides_send_is_honoured() -> None:
+    """ZMQ-23: the transport hands frames to libzmq through the backend's send only if the socket's
     class does not override ``send``; a class that does (a green or instrumented socket) is
     called for every frame."""
     context = _CountingContext()
