@@ -113,7 +113,7 @@ def warm_send_us(mode: str, messages: int) -> float:
     process that drains in libzmq (``zmq_peer --sink``), so the peer never competes with the
     sender for the GIL and its queue never fills."""
     frames = [b"metadata", b"1", b"127.0.0.1", b"5555", b"s", b"0", b"\0" * 64, b"0", b"0"]
-    peer = PeerProcess(sink=1)
+    peer = PeerProcess(sink=True)
     try:
         with _transport(mode, 1000) as transport:
             endpoint = (LOOPBACK, peer.port)

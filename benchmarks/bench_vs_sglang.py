@@ -8,7 +8,7 @@ and its ``MooncakeKVReceiver``. Ours is a :class:`DecodeManager` speaking SGLang
 (:class:`~statemachine.sglang.v0_5_23.MooncakeBackend`) with the default transport (ZMQ
 IMMEDIATE, socket monitor, circuit breaker). Both decodes are tp 1, page size 16, and run
 against the same two prefills on 127.0.0.1: one of tp 1 and one of tp 4, registered with a real
-bootstrap server, whose ranks are ports of one sink process that drains every message in libzmq
+bootstrap server, whose ranks are sink processes that drain every message in libzmq
 (``benchmarks/zmq_peer.py --sink``). The first request to each prefill (a miss: topology fetch,
 registration) is made before timing; every timed request is a pool hit.
 
@@ -98,17 +98,16 @@ INDICES = np.arange(PAGES, dtype=np.int32)
 def prefills() -> Iterator[dict[int, str]]:
     """A tp 1 and a tp 4 prefill on 127.0.0.1: ``{tp size: bootstrap address}``."""
     with ExitStack() as stack:
-        sink = PeerProcess(sink=sum(TP_SIZES))
-        stack.callback(sink.kill)
-        ports = iter(sink.ports)
         addrs = {}
         for tp in TP_SIZES:
             server = BootstrapServer(LOOPBACK, 0, token=TOKEN).start()
             stack.callback(server.stop)
             for tp_rank in range(tp):
+                sink = PeerProcess(sink=True)
+                stack.callback(sink.kill)
                 payload = route_payload(
                     rank_ip=LOOPBACK,
-                    rank_port=next(ports),
+                    rank_port=sink.port,
                     tp_rank=tp_rank,
                     tp_size=tp,
                     page_size=PAGE_SIZE,

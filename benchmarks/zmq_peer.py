@@ -2,21 +2,19 @@
 process that prints ``READY <port>`` and drains what it receives, so a benchmark can SIGKILL
 a real peer. ``python -m benchmarks.zmq_peer`` runs it (bounded to 10 minutes).
 
-``python -m benchmarks.zmq_peer --sink N`` is the hot-path benchmarks' peer: one PULL socket
-bound to ``N`` ports (``READY <port> <port> ...``), drained by libzmq itself (``zmq.proxy`` into
-a PUB socket nobody subscribes to), so that the receiving side keeps up with a sender measured
-in microseconds per message and never fills its queue. It ends when its stdin closes.
+``python -m benchmarks.zmq_peer --sink`` is the hot-path benchmarks' peer: its PULL socket is
+drained by libzmq itself (``zmq.proxy`` into a PUB socket nobody subscribes to, which drops every
+message in C), so it keeps up with a sender measured in microseconds per message and its
+sender's queue never fills. Also bounded to 10 minutes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import selectors
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import zmq
@@ -27,19 +25,15 @@ LOOPBACK = "127.0.0.1"
 class PeerProcess:
     """Start the peer; ``port`` once it is ready; ``kill()`` is SIGKILL and reap."""
 
-    def __init__(self, timeout: float = 20.0, *, sink: int = 0) -> None:
-        args = ["--sink", str(sink)] if sink else []
+    def __init__(self, timeout: float = 20.0, *, sink: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.zmq_peer", *args],
+            [sys.executable, "-m", "benchmarks.zmq_peer", *(["--sink"] if sink else [])],
             stdout=subprocess.PIPE,
-            # The sink ends when its stdin closes (the benchmark exited, however it ended).
-            stdin=subprocess.PIPE if sink else subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
         )
-        #: every port bound (one unless ``sink``); ``port`` is the first
-        self.ports = self._wait_ready(timeout)
-        self.port = self.ports[0]
+        self.port = self._wait_ready(timeout)
 
-    def _wait_ready(self, timeout: float) -> list[int]:
+    def _wait_ready(self, timeout: float) -> int:
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         buffer = b""
@@ -54,7 +48,7 @@ class PeerProcess:
                 if not chunk:
                     raise RuntimeError("peer exited before READY")
                 buffer += chunk
-        return [int(port) for port in buffer.split(b"\n", 1)[0].split()[1:]]
+        return int(buffer.split(b"\n", 1)[0].split()[1])
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -66,30 +60,24 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _sink(ports: int) -> int:
+def _sink() -> int:
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
     pull.setsockopt(zmq.RCVHWM, 0)
-    bound = [pull.bind_to_random_port(f"tcp://{LOOPBACK}") for _ in range(ports)]
+    port = pull.bind_to_random_port(f"tcp://{LOOPBACK}")
     drop = context.socket(zmq.PUB)  # no subscriber: every message is dropped, in C
     drop.setsockopt(zmq.LINGER, 0)
     drop.bind("inproc://sink")
-    thread = threading.Thread(target=_proxy, args=(pull, drop), daemon=True)
-    thread.start()
-    print("READY " + " ".join(map(str, bound)), flush=True)
-    sys.stdin.read()  # until the benchmark closes it or exits
+    print(f"READY {port}", flush=True)
+    signal.alarm(600)  # the bound: zmq.proxy never returns, SIGALRM's default ends the process
+    zmq.proxy(pull, drop)
     return 0
 
 
-def _proxy(pull: zmq.Socket[bytes], drop: zmq.Socket[bytes]) -> None:
-    with contextlib.suppress(zmq.ZMQError):
-        zmq.proxy(pull, drop)
-
-
 def _main() -> int:
-    if sys.argv[1:2] == ["--sink"]:
-        return _sink(int(sys.argv[2]))
+    if sys.argv[1:] == ["--sink"]:
+        return _sink()
     context = zmq.Context()
     sock = context.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
