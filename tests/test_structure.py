@@ -179,22 +179,33 @@ def topology_field_lists(modules: dict[str, tuple[Path, ast.Module]]) -> list[st
     return found
 
 
-def _bytes_constants(tree: ast.Module) -> Iterator[tuple[int, bytes]]:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, bytes):
-            yield node.lineno, node.value
+def _ready_constant(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and (
+        (isinstance(node.value, bytes) and node.value.startswith(b"READY"))
+        or (isinstance(node.value, str) and node.value.startswith("READY"))
+    )
 
 
 def ready_readers(paths: list[Path]) -> list[str]:
-    """Code that matches a ``READY`` line itself instead of calling ``read_ready``."""
+    """Code that matches a ``READY`` line itself instead of calling ``read_ready``: a bytes
+    ``READY`` constant (what a reader of a child's stdout compares with), or a ``READY`` text
+    compared with, or passed to a method (``startswith``, ``partition``, ...)."""
     found = []
     for path in paths:
         if path == PACKAGE / "prefill" / "readiness.py":
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        for line, value in _bytes_constants(tree):
-            if value.startswith(b"READY"):
-                found.append(f"{path.relative_to(REPO)}:{line} {value!r}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                operands = list(node.args)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, bytes):
+                operands = [node]
+            else:
+                continue
+            if any(_ready_constant(operand) for operand in operands):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
     return found
 
 
