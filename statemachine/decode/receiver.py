@@ -271,7 +271,7 @@ class BootstrapReceiver:
         #: how many distinct prefill ranks must report success (known once the plan is)
         self._needed: int | None = None
         #: the prefill ranks that reported success for this room (made at the first report,
-        #: under the manager's lock: a hit that never hears from the prefill allocates none)
+        #: under _RESPONSES_LOCK: a hit that never hears from the prefill allocates none)
         self._responses: set[int] | None = None
         #: a failure the prefill reported: terminal, and it wins over any success (MGR-14)
         self._reported: BootstrapError | None = None
