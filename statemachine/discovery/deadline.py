@@ -70,9 +70,10 @@ class Timer:
     """An armed deadline. ``push(seconds)`` moves it later (one attribute store: cheap enough
     to do per watch message); ``cancel()`` disarms it."""
 
-    __slots__ = ("armed", "exchange", "reason", "when")
+    __slots__ = ("_watchdog", "armed", "exchange", "reason", "when")
 
-    def __init__(self, exchange: Exchange, reason: str, when: float) -> None:
+    def __init__(self, watchdog: Watchdog, exchange: Exchange, reason: str, when: float) -> None:
+        self._watchdog = watchdog
         self.exchange = exchange
         self.reason = reason
         self.when = when
@@ -82,38 +83,55 @@ class Timer:
         self.when = time.monotonic() + seconds
 
     def cancel(self) -> None:
-        self.armed = False
+        self._watchdog._disarm(self)
 
 
 class Watchdog:
-    """Ends each armed :class:`Exchange` whose deadline passes (one daemon thread, started on
-    first use). A timer pushed later is re-queued when its old time comes, so moving a
-    deadline costs no lock."""
+    """Ends each armed :class:`Exchange` whose deadline passes. One daemon thread, started on
+    first use and ended ``linger`` seconds after the last timer was disarmed (a process that
+    stops calling etcd keeps no thread). A timer pushed later is re-queued when its old time
+    comes, so moving a deadline costs no lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, linger: float = 0.5) -> None:
+        self._linger = linger
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
+        self._armed = 0
         self._thread: threading.Thread | None = None
 
     def arm(self, exchange: Exchange, seconds: float, reason: str) -> Timer:
-        timer = Timer(exchange, reason, time.monotonic() + seconds)
+        timer = Timer(self, exchange, reason, time.monotonic() + seconds)
         with self._cond:
             heapq.heappush(self._heap, (timer.when, next(self._seq), timer))
+            self._armed += 1
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="etcd-deadlines", daemon=True
-                )
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="etcd-deadlines", daemon=True)
+                thread.start()
+                self._thread = thread
             if self._heap[0][2] is timer:
                 self._cond.notify()
         return timer
 
+    def _disarm(self, timer: Timer) -> bool:
+        """Disarm ``timer`` (under the lock: a cancel racing the firing counts once)."""
+        with self._cond:
+            if not timer.armed:
+                return False
+            timer.armed = False
+            self._armed -= 1
+            if not self._armed:
+                self._cond.notify()
+            return True
+
     def _run(self) -> None:
         with self._cond:
             while True:
-                if not self._heap:
-                    self._cond.wait()
+                if not self._armed:
+                    self._heap.clear()  # only disarmed timers are left
+                    if not self._cond.wait(self._linger) and not self._armed:
+                        self._thread = None
+                        return
                     continue
                 when, _, timer = self._heap[0]
                 now = time.monotonic()
@@ -127,6 +145,7 @@ class Watchdog:
                     heapq.heappush(self._heap, (timer.when, next(self._seq), timer))
                     continue
                 timer.armed = False
+                self._armed -= 1
                 timer.exchange.end(timer.reason)
 
 
