@@ -7,7 +7,9 @@ test names the finding it reproduces; bounds are generous correctness bounds, ne
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 import uuid
@@ -19,7 +21,7 @@ import pytest
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.layout import RankKey, encode_value, rank_key
-from statemachine.errors import NotReady
+from statemachine.errors import EtcdUnavailable, NotReady
 from tests.etcd_gateway_support import (
     FakeGateway,
     created,
@@ -239,6 +241,32 @@ def test_close_ends_the_thread_during_a_trickled_list() -> None:
         assert thread is not None and thread.is_alive()
         source.close()  # joins for at most connect_timeout + 1 s
         assert not thread.is_alive()
+
+
+def test_a_reply_trickling_its_headers_ends_at_the_call_deadline() -> None:
+    """The deadline covers the whole exchange, headers too (not only the body's reads)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.1):
+                    conn.sendall(b"a")
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    gateway = EtcdGateway([f"http://127.0.0.1:{listener.getsockname()[1]}"], call_deadline=0.5)
+    try:
+        with pytest.raises(EtcdUnavailable, match="call_deadline"):
+            gateway.get_prefix(PREFIX.encode() + b"/")
+    finally:
+        stop.set()
+        server.join(BOUND)
+        listener.close()
 
 
 def test_a_watch_trickling_bytes_trips_the_idle_timeout() -> None:

@@ -441,10 +441,15 @@ class WatchStream:
             ) from None
         finally:
             idle.cancel()
-        if buffer.strip() and not self._closed:
+        if self._closed or self._exchange.ended == "closed":
+            return
+        if self._exchange.ended == "idle":  # the shutdown reads as an EOF
+            raise WatchIdle(
+                f"{self._endpoint}: no complete watch message for {self._idle_timeout:g} s"
+            )
+        if buffer.strip():
             yield self._message(bytes(buffer))
-        if not self._closed:
-            raise EtcdUnavailable(f"{self._endpoint}: watch stream ended")
+        raise EtcdUnavailable(f"{self._endpoint}: watch stream ended")
 
     def _message(self, line: bytes) -> WatchMessage:
         try:
@@ -675,6 +680,9 @@ class EtcdGateway:
                         payload = _read_capped(response, self.max_reply_bytes, url)
                     finally:
                         response.close()
+                    if exchange.ended is not None:
+                        # Shut down mid-reply: the EOF it caused can read as a short reply.
+                        raise OSError(f"exchange ended ({exchange.ended})")
             except EtcdReplyTooLarge:
                 session.close()  # the rest of the reply is never read
                 raise
@@ -849,6 +857,9 @@ class EtcdGateway:
                         timeout=(self.timeout[0], read_timeout),
                         allow_redirects=False,
                     )
+                    if exchange.ended is not None:
+                        response.close()  # shut down mid-headers: not a real acceptance
+                        raise OSError(f"exchange ended ({exchange.ended})")
             except (requests.RequestException, OSError) as exc:
                 session.close()
                 if exchange.ended == "closed":
