@@ -13,13 +13,16 @@ Every module under ``statemachine/`` is parsed with ``ast`` (nothing is imported
 * the topology's field list (``validation.TopologyClaim``) is written once: no other class
   declares those fields, no literal collection of strings spells them all out;
 * one READY-line reader (``prefill/readiness.py``) and one rank-index check
-  (``validation.require_rank``) for every caller.
+  (``validation.require_rank``) for every caller;
+* every ``from statemachine... import name`` in the package, the tests and the benchmarks
+  names something that module has (a name moved to its one owner is imported from there).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -346,3 +349,33 @@ def test_one_rank_index_check() -> None:
     assert rank_checks(MODULES) == []
     seeded = ast.parse("def get_rank(dp_rank):\n    require_index('dp_rank', dp_rank)\n")
     assert len(rank_checks({"statemachine.seeded": (PACKAGE / "seeded.py", seeded)})) == 1
+
+
+def stale_imports(paths: list[Path]) -> list[str]:
+    """``from statemachine.x import name`` where ``statemachine.x`` has no ``name``."""
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and node.module
+                and node.module.split(".")[0] == "statemachine"
+            ):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name) and not _is_module(
+                    f"{node.module}.{alias.name}"
+                ):
+                    found.append(
+                        f"{path.relative_to(REPO)}:{node.lineno} {node.module}.{alias.name}"
+                    )
+    return found
+
+
+def test_every_import_of_the_package_names_what_is_there() -> None:
+    paths = sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "tests").rglob("*.py"))
+    paths += sorted((REPO / "benchmarks").glob("*.py"))
+    assert stale_imports(paths) == []
