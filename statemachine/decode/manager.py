@@ -54,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from statemachine.backend import KVBackend, SimpleBackend, decode_reply
 from statemachine.completion import (
@@ -83,7 +83,6 @@ from statemachine.decode.source import BootstrapQueries, BootstrapSource, as_sou
 from statemachine.errors import (
     BootstrapError,
     ConfigurationError,
-    InvalidRoom,
     ManagerClosed,
     PeerLost,
     PrefillDead,
@@ -204,6 +203,11 @@ class DecodeManager:
         # Set before the ack listener exists: its thread may deliver at once.
         self._decoder: Callable[[Sequence[bytes]], PrefillEvent | None] = decode_reply
         self._inflight: dict[int, BootstrapReceiver] = {}
+        #: ReceiverHost.admit_room: the room table's setdefault until close() (the receivers
+        #: admitted are those receiver() made, the type in_flight() and get() hand back).
+        self.admit_room = cast(
+            "Callable[[int, HostedReceiver], HostedReceiver]", self._inflight.setdefault
+        )
         self.clock = clock
         self._holds = holds.AbortHolds(kv_release_timeout_s, clock)
         self._unknown_events = 0
@@ -372,18 +376,6 @@ class DecodeManager:
         ``layout`` (:meth:`plan_for`); ``prefill_dp_rank`` is the router's, if any.
         """
         return BootstrapReceiver(self, addr, room, plan, prefill_dp_rank=prefill_dp_rank)
-
-    def admit(self, receiver: HostedReceiver) -> None:
-        """A new receiver (its constructor calls this): known by room from now on."""
-        if self._closed:
-            raise ManagerClosed("the decode manager is closed: create a new one")
-        # The receivers admitted are those receiver() made: BootstrapReceivers, the type that
-        # in_flight() and get() hand back to callers.
-        if self._inflight.setdefault(receiver.room, receiver) is not receiver:  # type: ignore[arg-type]
-            raise InvalidRoom(
-                f"room {receiver.room} is already in flight: finish, abort or clear its "
-                "receiver before reusing the room"
-            )
 
     def in_flight(self) -> list[BootstrapReceiver]:
         """The receivers not yet ended (a snapshot)."""
@@ -850,6 +842,7 @@ class DecodeManager:
         if self._closed:
             return
         self._closed = True
+        self.admit_room = _refuse_room
         error = ManagerClosed("the decode manager was closed while this request was in flight")
         for receiver in self.in_flight():
             receiver.lose(error)
@@ -891,6 +884,11 @@ def _items_of(receiver: HostedReceiver) -> tuple[tuple[PoolKey, Generation], ...
         except RuntimeError:  # pragma: no cover - resized while copied; look again
             continue
     return ()  # pragma: no cover
+
+
+def _refuse_room(room: int, receiver: HostedReceiver) -> HostedReceiver:
+    """``admit_room`` of a closed manager."""
+    raise ManagerClosed("the decode manager is closed: create a new one")
 
 
 def _note_evidence(error: BootstrapError, now: float) -> None:

@@ -285,7 +285,11 @@ class BootstrapReceiver:
         #: the manager failed it. A scheduler can set it to wake its wait.
         self.on_change: Callable[[], None] | None = None
         # Known to the manager by room (one dict store): what the fan-out scans.
-        manager.admit(self)
+        if manager.admit_room(room, self) is not self:
+            raise InvalidRoom(
+                f"room {room} is already in flight: finish, abort or clear its receiver "
+                "before reusing the room"
+            )
 
     # --- lifecycle plumbing -------------------------------------------------------------
 

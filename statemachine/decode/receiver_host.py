@@ -105,10 +105,11 @@ class ReceiverHost(Protocol):
     def check_prefill(self, addr: str) -> None: ...
 
     # --- what a receiver tells its manager ---------------------------------------------------
-    def admit(self, receiver: HostedReceiver) -> None:
-        """A new receiver: known by its room from now on (ManagerClosed, or InvalidRoom when
-        the room is in flight already)."""
-        ...
+    #: A new receiver registers itself by room: ``admit_room(room, receiver)`` returns the
+    #: receiver in flight for ``room`` (``receiver`` itself unless the room is taken), and
+    #: raises ManagerClosed once the manager closed. While the manager is open it is the room
+    #: table's own ``dict.setdefault``: the hit path's one store, no Python call around it.
+    admit_room: Callable[[int, HostedReceiver], HostedReceiver]
 
     def receiver_ended(self, receiver: HostedReceiver, error: BootstrapError | None) -> None:
         """The receiver reached a final state (``error`` None: it completed)."""
