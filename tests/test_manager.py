@@ -516,6 +516,21 @@ def test_mgr_4_every_terminal_path_forgets_the_ack_expectation(slow_prefill: Pre
         assert manager.stats().in_flight == 0
 
 
+def test_mgr_13_a_repeated_report_counts_once_and_complete_says_so(slow_prefill: Prefill) -> None:
+    """MGR-13: ``complete(room, prefill_rank=r)`` returns whether the report was new; a rank
+    reporting twice counts once (the room of two ranks still waits for the other), and the
+    second call says False. Catches a repeat taken as new (``complete`` would return True)."""
+    with manager_for() as manager:
+        (receiver,) = in_flight_waiting(manager, slow_prefill, range(1, 2))
+        assert receiver.expected_acks() == TP
+        assert manager.complete(1, prefill_rank=0) is True
+        assert manager.complete(1, prefill_rank=0) is False
+        assert receiver.poll() == KVPoll.Transferring
+        assert manager.complete(1, prefill_rank=1) is True
+        assert receiver.poll() == KVPoll.Success
+        assert manager.complete(1, prefill_rank=1) is False  # no longer in flight
+
+
 def test_mgr_4_external_completion_for_engines_that_report_it() -> None:
     """completion='external': no ack listener; the transfer engine calls complete(room)."""
     server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()

@@ -442,9 +442,10 @@ MUTANTS: tuple[CodeMutant, ...] = (
         RECEIVER,
         (("            elif prefill_rank in responses:\n                return False\n", ""),),
         (
+            T_MANAGER + "test_mgr_13_a_repeated_report_counts_once_and_complete_says_so",
             "tests/test_sglang_receiver.py::test_mgr_13_completion_needs_every_distinct_prefill_rank_and_a_repeat_counts_once",
         ),
-        "a prefill rank reporting Success twice completes a room of two ranks (MGR-13)",
+        "a repeated Success is taken as new: complete() says True (MGR-13; the count is a set)",
     ),
     # --- etcd: the watch's mark, its listener, the watermark -------------------------------------
     CodeMutant(
