@@ -375,7 +375,7 @@ def test_a_marked_generation_fails_its_holder_at_start(
 def _held_outside_the_pool(manager: DecodeManager, addr: str, holder: BootstrapReceiver) -> None:
     """Drop ``holder``'s generation from the pool the way a real failure does: another request
     on the same generation fails (on another rank of its room) and invalidates it by identity.
-    ``holder`` still holds the object; only ``_held`` can tell the watch about it now."""
+    ``holder`` still holds the object; only ``held_by`` can tell the watch about it now."""
     (generation,) = holder.entries.values()
     other = manager.receiver(addr, 900, PLAN, prefill_dp_rank=0)
     assert other.init() == KVPoll.WaitingForInput
@@ -397,8 +397,8 @@ def test_a_watch_event_marks_a_held_generation_no_longer_in_the_pool(
 
     prefix, addr, _ = cluster
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
-    assert source is not None
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     try:
         old = launch(etcd, cluster)
         assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
@@ -425,8 +425,8 @@ def test_a_watch_event_fails_a_transfer_on_a_generation_no_longer_in_the_pool(
     its timeout)."""
     prefix, addr, _ = cluster
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
-    assert source is not None
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     try:
         old = launch(etcd, cluster, ack_delay_ms=60_000)  # its transfers never finish in time
         assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
