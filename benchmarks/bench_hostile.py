@@ -10,6 +10,9 @@
 3. RSS of a process listening for acks after one message of 200,000 frames of 200 bytes:
    ours (``AckListener``) vs the previous design (a ``PULL`` socket with ``MAXMSGSIZE``).
    Goal: <= +1 MB.
+4. The ack listener's process (fd limit 1024) under 1,100 libzmq senders that complete the
+   ZMTP handshake and stay silent (issue 17): CPU share, whether it can still open a file,
+   and the acks of a live sender delivered; baseline: the same process without the flood.
 
 Loopback only. The attack and trickle tools are the test suite's (``tests/attack_support.py``,
 ``tests/http_support.py``), imported from the tests directory so that the benchmark measures
@@ -29,6 +32,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from ack_flood_support import ListenerProcess, SilentHandshakes
 from attack_support import AttackProcess, ServerProcess, rss_after_one_message
 from http_support import TrickleServer
 
@@ -166,6 +170,48 @@ def bench_rss(frames: int) -> None:
     print(f"ratio baseline/ours growth: {grow_base / max(grow_ours, 0.01):.0f}x")
 
 
+def _listener_run(nofile: int, flood: int, seconds: float) -> dict[str, object]:
+    """One listener process: CPU share over ``seconds`` with ``flood`` silent senders (0:
+    none), a probe, and 20 acks from a live sender connecting during it."""
+    import zmq
+
+    from statemachine.decode.ranks.acks import ack_frames
+
+    with ListenerProcess(nofile) as listener:
+        listener.expect(0, 20)
+        with contextlib.ExitStack() as stack:
+            if flood:
+                stack.enter_context(SilentHandshakes(listener.port, flood, mode="zmq"))
+                time.sleep(1.0)
+            listener.restart_cpu_clock()
+            context = zmq.Context()
+            sender = context.socket(zmq.PUSH)
+            sender.setsockopt(zmq.LINGER, 0)
+            sender.connect(f"tcp://127.0.0.1:{listener.port}")
+            for room in range(20):
+                sender.send_multipart(ack_frames(room, 0, 0))
+                time.sleep(seconds / 20)
+            stats = listener.stats()
+            stats["probe"] = listener.probe()
+            sender.close()
+            context.term()
+    return stats
+
+
+def bench_ack_flood(nofile: int, flood: int, seconds: float) -> None:
+    print(f"\n-- ack listener (fd limit {nofile}) under {flood} silent ZMTP senders")
+    quiet = _listener_run(nofile, 0, seconds)
+    loud = _listener_run(nofile, flood, seconds)
+    for name, run in (("baseline (no flood)", quiet), ("ours under the flood", loud)):
+        done = run["completed_rooms"]
+        assert isinstance(done, list)
+        print(
+            f"{name}: CPU {100 * float(str(run['cpu_share'])):.1f} % of a core, probe "
+            f"{run['probe']}, live acks {len(done)}/20, peers {run['peers']} (cap "
+            f"{run['max_peers']}), cut at the cap {run['peers_evicted']}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks bench_hostile")
     parser.add_argument("--deadline", type=float, default=1.0)
@@ -176,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nofile", type=int, default=1024)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--frames", type=int, default=200_000)
+    parser.add_argument("--ack-flood", type=int, default=1100)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     bench_trickle(args.deadline, args.repeats, args.baseline_cap)
     bench_attack(args.slowloris, args.slow_body, args.nofile, args.seconds)
     bench_rss(args.frames)
+    bench_ack_flood(args.nofile, args.ack_flood, args.seconds / 2)
     return 0
 
 

@@ -1,6 +1,11 @@
 """A minimal prefill-rank stand-in for the transport benchmarks: a PULL socket in its own
 process that prints ``READY <port>`` and drains what it receives, so a benchmark can SIGKILL
 a real peer. ``python -m benchmarks.zmq_peer`` runs it (bounded to 10 minutes).
+
+``python -m benchmarks.zmq_peer --sink`` is the hot-path benchmarks' peer: its PULL socket is
+drained by libzmq itself (``zmq.proxy`` into a PUB socket nobody subscribes to, which drops every
+message in C), so it keeps up with a sender measured in microseconds per message and its
+sender's queue never fills. Also bounded to 10 minutes.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ LOOPBACK = "127.0.0.1"
 class PeerProcess:
     """Start the peer; ``port`` once it is ready; ``kill()`` is SIGKILL and reap."""
 
-    def __init__(self, timeout: float = 20.0) -> None:
+    def __init__(self, timeout: float = 20.0, *, sink: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.zmq_peer"],
+            [sys.executable, "-m", "benchmarks.zmq_peer", *(["--sink"] if sink else [])],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
         )
@@ -55,7 +60,24 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _sink() -> int:
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    port = pull.bind_to_random_port(f"tcp://{LOOPBACK}")
+    drop = context.socket(zmq.PUB)  # no subscriber: every message is dropped, in C
+    drop.setsockopt(zmq.LINGER, 0)
+    drop.bind("inproc://sink")
+    print(f"READY {port}", flush=True)
+    signal.alarm(600)  # the bound: zmq.proxy never returns, SIGALRM's default ends the process
+    zmq.proxy(pull, drop)
+    return 0
+
+
 def _main() -> int:
+    if sys.argv[1:] == ["--sink"]:
+        return _sink()
     context = zmq.Context()
     sock = context.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)

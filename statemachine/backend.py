@@ -115,6 +115,10 @@ class MetadataRequest:
     """
 
     __slots__ = (
+        "ascii_aux_index",
+        "ascii_prefix_len",
+        "ascii_required_dst_info_num",
+        "ascii_room",
         "aux_index",
         "device_kv_bytes",
         "kv_bytes",
@@ -135,18 +139,39 @@ class MetadataRequest:
         state_indices: Sequence[Sequence[int] | Any | None] | None = (),
         device_kv_indices: Sequence[int] | Any | None = None,
     ) -> None:
-        _check_int("room", room, 0, _UINT64_MAX)
-        _check_int("aux_index", aux_index, 0, _INT32_MAX)
-        _check_int("prefix_len", prefix_len, 0, _INT32_MAX)
-        _check_int("required_dst_info_num", required_dst_info_num, 1, _INT32_MAX)
+        # One chained test for the usual plain ints; anything else gets the named checks.
+        if not (
+            type(room) is int
+            and 0 <= room <= _UINT64_MAX
+            and type(aux_index) is int
+            and 0 <= aux_index <= _INT32_MAX
+            and type(prefix_len) is int
+            and 0 <= prefix_len <= _INT32_MAX
+            and type(required_dst_info_num) is int
+            and 1 <= required_dst_info_num <= _INT32_MAX
+        ):
+            _check_int("room", room, 0, _UINT64_MAX)
+            _check_int("aux_index", aux_index, 0, _INT32_MAX)
+            _check_int("prefix_len", prefix_len, 0, _INT32_MAX)
+            _check_int("required_dst_info_num", required_dst_info_num, 1, _INT32_MAX)
         self.room = room
         self.aux_index = aux_index
         self.prefix_len = prefix_len
         self.required_dst_info_num = required_dst_info_num
+        # The integers as every layout carries them (ASCII decimal), formatted once per request
+        # rather than once per rank.
+        self.ascii_room = b"%d" % room
+        self.ascii_aux_index = b"%d" % aux_index
+        self.ascii_prefix_len = b"%d" % prefix_len
+        self.ascii_required_dst_info_num = b"%d" % required_dst_info_num
         #: the page indices as the wire carries them: ``<i4`` each
         self.kv_bytes: bytes = pack_indices(kv_indices)
         #: the state indices in SGLang's list-of-lists container (``b""`` for none)
-        self.state_bytes: bytes = _pack_state_indices(state_indices)
+        self.state_bytes: bytes = (
+            b""
+            if state_indices.__class__ is tuple and not state_indices  # the default, ()
+            else _pack_state_indices(state_indices)
+        )
         #: the HiSparse device page indices, ``<i4`` each (``b""`` for none)
         self.device_kv_bytes: bytes = (
             b"" if device_kv_indices is None else pack_indices(device_kv_indices)
@@ -230,6 +255,11 @@ def pack_indices(indices: Sequence[int] | Any) -> bytes:
     """
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(indices, numpy.ndarray):
+        if indices.dtype is _wire_dtype(numpy) and indices.ndim == 1:
+            # What SGLang passes: already the wire's type, so every item is in range and
+            # tobytes() (which also reads a strided view in order) is the whole job.
+            wire: bytes = indices.tobytes()
+            return wire
         if indices.ndim != 1 or indices.dtype.kind not in "iu":
             raise TypeError(
                 f"kv_indices must be a 1-d integer array, not {indices.ndim}-d {indices.dtype}"
@@ -257,6 +287,17 @@ def pack_indices(indices: Sequence[int] | Any) -> bytes:
         values = array("i", values)
         values.byteswap()
     return values.tobytes()
+
+
+_WIRE_DTYPE: Any = None
+
+
+def _wire_dtype(numpy: Any) -> Any:
+    """numpy's little-endian int32 dtype (the wire's ``<i4``), looked up once numpy is in use."""
+    global _WIRE_DTYPE
+    if _WIRE_DTYPE is None:
+        _WIRE_DTYPE = numpy.dtype("<i4")
+    return _WIRE_DTYPE
 
 
 class KVBackend(Protocol):
@@ -480,12 +521,12 @@ class SimpleBackend:
     ) -> list[bytes]:
         frames = [
             METADATA_KIND,
-            b"%d" % request.room,
+            request.ascii_room,
             *self._session,
             b"%d" % rank.pp_rank,
             request.kv_bytes,
-            b"%d" % request.aux_index,
-            b"%d" % request.prefix_len,
+            request.ascii_aux_index,
+            request.ascii_prefix_len,
             _FLAG[rank.is_dummy],
         ]
         if instance_id is not None:  # the hot path: one dict.get, no call (ZMQ-21)

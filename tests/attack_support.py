@@ -337,3 +337,102 @@ class AttackProcess:
                 stats: dict[str, int] = json.loads(line[len("STATS ") :])
                 return stats
         return {}
+
+
+_HEALTH_FLOOD_SCRIPT = r"""
+import selectors, socket, sys, time
+host, port, clients, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+assert host in ("127.0.0.1", "localhost"), "attacks stay on loopback"
+request = b"GET /health HTTP/1.1\r\nHost: bootstrap\r\n\r\n"
+sel = selectors.DefaultSelector()
+stats = {"requests": 0, "reconnects": 0}
+
+def open_one():
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        sock.connect((host, port))
+    except BlockingIOError:
+        pass
+    sel.register(sock, selectors.EVENT_WRITE, bytearray())
+
+for _ in range(clients):
+    open_one()
+print("READY", flush=True)
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    for key, events in sel.select(0.1):
+        sock, buf = key.fileobj, key.data
+        if events & selectors.EVENT_WRITE:  # connected, or a reply was read: ask again
+            try:
+                sock.send(request)
+            except OSError:
+                data = b""
+            else:
+                sel.modify(sock, selectors.EVENT_READ, buf)
+                continue
+        else:
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                data = b""
+        if not data:  # closed by the server: reconnect at once (bounded by the run's time)
+            sel.unregister(sock)
+            sock.close()
+            stats["reconnects"] += 1
+            open_one()
+            continue
+        buf += data
+        head, sep, body = bytes(buf).partition(b"\r\n\r\n")
+        if sep:
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            if len(body) >= length:  # one whole reply: send the next request at once
+                del buf[:]
+                stats["requests"] += 1
+                sel.modify(sock, selectors.EVENT_WRITE, buf)
+print("STATS", stats["requests"], stats["reconnects"], flush=True)
+"""
+
+
+class HealthFlood:
+    """``clients`` keep-alive connections that re-request ``/health`` as fast as they are
+    answered, without a token, from a child process for at most ``seconds``; a connection the
+    server closes is replaced at once. Loopback only."""
+
+    def __init__(self, address: str, clients: int, seconds: float) -> None:
+        import subprocess
+        import sys
+
+        host, _, port = address.rpartition(":")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _HEALTH_FLOOD_SCRIPT, host, port, str(clients), str(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        self.ready = self._proc.stdout.readline().strip() == "READY"
+        self.requests = self.reconnects = 0
+
+    def wait(self) -> None:
+        """Until the flood ends by itself; then ``requests`` and ``reconnects`` are set."""
+        import subprocess
+
+        try:
+            out, _ = self._proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate(timeout=10)
+        for line in out.splitlines():
+            if line.startswith("STATS "):
+                self.requests, self.reconnects = (int(v) for v in line.split()[1:])
+
+    def __enter__(self) -> HealthFlood:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.communicate(timeout=10)

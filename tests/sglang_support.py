@@ -40,6 +40,7 @@ __all__ = [
     "sglang_decode_manager",
     "sglang_prefill_rank",
     "sglang_server_args",
+    "sglang_unavailable",
 ]
 
 _HERE = Path(__file__).resolve().parent
@@ -74,6 +75,13 @@ def _skip_reason() -> str | None:
 
 
 _SKIP_REASON = _skip_reason()
+
+
+def sglang_unavailable() -> str | None:
+    """Why SGLang's wheel cannot run here, or None (what the benchmarks check before using it)."""
+    return _SKIP_REASON
+
+
 requires_sglang = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
 
 

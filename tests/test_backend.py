@@ -100,6 +100,63 @@ def test_metadata_request_rejects_bad_keyword_fields(
         MetadataRequest(1, (), 0, **kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("room", -1, ValueError),
+        ("room", 2**64, ValueError),
+        ("room", True, TypeError),
+        ("room", 1.0, TypeError),
+        ("aux_index", -1, ValueError),
+        ("aux_index", 2**31, ValueError),
+        ("prefix_len", -1, ValueError),
+        ("prefix_len", 2**31, ValueError),
+        ("prefix_len", False, TypeError),
+        ("required_dst_info_num", 2**31, ValueError),
+    ],
+)
+def test_metadata_request_refuses_each_out_of_range_int(
+    field: str, value: object, error: type[Exception]
+) -> None:
+    """Each int field is range-checked on the fast path (plain ints) as on the named checks."""
+    fields: dict[str, object] = {"room": 1, "kv_indices": (), "aux_index": 0, "prefix_len": 0}
+    fields[field] = value
+    with pytest.raises(error, match=field):
+        MetadataRequest(**fields)  # type: ignore[arg-type]
+
+
+def test_metadata_request_takes_int_subclasses_as_before() -> None:
+    """An IntEnum (an int that is not exactly ``int``) takes the named checks, and passes."""
+    import enum
+
+    class Room(enum.IntEnum):
+        SEVEN = 7
+
+    request = MetadataRequest(Room.SEVEN, (1,), Room.SEVEN, Room.SEVEN)
+    assert (request.room, request.aux_index, request.prefix_len) == (7, 7, 7)
+
+
+def test_numpy_indices_of_every_int32_shape_and_byte_order_pack_to_the_wire() -> None:
+    """The int32 fast path: contiguous, strided and big-endian int32 arrays give the same
+    little-endian bytes as the list; a 2-d int32 array is refused, as every 2-d array is."""
+    numpy = pytest.importorskip("numpy")
+    values = [5, -1, 2**31 - 1, -(2**31), 0, 42]
+    expected = struct.pack("<6i", *values)
+    native = numpy.array(values, dtype=numpy.int32)
+    doubled = numpy.array([v for v in values for _ in (0, 1)], dtype=numpy.int32)
+    for indices in (
+        native,
+        doubled[::2],  # a strided view: not contiguous
+        native.astype(">i4"),  # the wire's type in the other byte order
+        numpy.array(values, dtype=numpy.int64),
+    ):
+        assert MetadataRequest(1, indices, 0).kv_bytes == expected, indices.dtype
+    with pytest.raises(TypeError, match="1-d"):
+        MetadataRequest(1, native.reshape(2, 3), 0)
+    with pytest.raises(ValueError, match="int32"):
+        MetadataRequest(1, numpy.array([2**31], dtype=numpy.int64), 0)
+
+
 @given(st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=5), max_size=5))
 def test_int_lists_container_round_trips(lists: list[list[int]]) -> None:
     packed = pack_int_lists(lists, "Q")

@@ -13,12 +13,14 @@ from collections.abc import Sequence
 
 import pytest
 import zmq
+from ack_flood_support import ListenerProcess, SilentHandshakes
 from attack_support import rss_after_one_message
 from http_support import wait_until
+from zmq.utils.monitor import recv_monitor_message
 from zmq_support import AckRecorder
 
 from statemachine.completion import PrefillEvent, PrefillStatus
-from statemachine.decode.ranks.acks import MAX_FRAME_BYTES, AckListener, ack_frames
+from statemachine.decode.ranks.acks import EVICT_GRACE, MAX_FRAME_BYTES, AckListener, ack_frames
 from statemachine.validation import InvalidArgument
 
 
@@ -215,3 +217,200 @@ def test_ack2_silent_connection_is_cut_after_the_handshake_timeout(
             received += chunk
         assert received.startswith(b"\xff")
         assert time.monotonic() - start < 3.0
+
+
+# --- ACK-5 / ACK-6: the ack port under a flood of connections (issue 17) ----------------------
+
+_READY_BODY = b"\x05READY\x0bSocket-Type" + (4).to_bytes(4, "big") + b"PUSH"
+#: What a libzmq PUSH sends first: the ZMTP 3.0 greeting (NULL mechanism) and its READY.
+_ZMTP_PUSH_HELLO = (
+    (b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31))
+    + bytes((0x04, len(_READY_BODY)))
+    + _READY_BODY
+)
+
+
+def _ack_message(room: int) -> bytes:
+    """One ack as raw ZMTP frames (each shorter than 256 bytes)."""
+    frames = ack_frames(room, 0, 0)
+    out = b""
+    for i, frame in enumerate(frames):
+        out += bytes((1 if i < len(frames) - 1 else 0, len(frame))) + frame
+    return out
+
+
+def _disconnects(monitor: zmq.Socket[bytes], seconds: float) -> int:
+    """``EVENT_DISCONNECTED`` events a sender's monitor reports within ``seconds``."""
+    count = 0
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if (
+            monitor.poll(int(left * 1000) + 1)
+            and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        ):
+            count += 1
+    return count
+
+
+def test_ack5_silent_handshakes_cannot_exhaust_a_low_fd_process_nor_lose_a_live_ack() -> None:
+    """Issue 17: 1,100 libzmq senders that complete the handshake and never send exhausted a
+    1,024-fd decode (every open() failed with EMFILE, a live rank's ack was lost) because the
+    cap was a fixed 1,024. Scaled down: 300 such senders against a process limited to 256 fds.
+    The cap now follows the limit (half of it) and silent senders are cut first, so the process
+    can still open files and a rank that connects during the flood delivers every ack."""
+    with ListenerProcess(nofile=256) as listener:
+        listener.expect(0, 20)
+        with SilentHandshakes(listener.port, 300, mode="zmq") as flood:
+            assert flood.opened == 300
+            time.sleep(1.0)  # the flood is in and reconnecting as it is cut
+            first = listener.probe()
+            context = zmq.Context()
+            sender = context.socket(zmq.PUSH)
+            sender.setsockopt(zmq.LINGER, 0)
+            try:
+                sender.connect(f"tcp://127.0.0.1:{listener.port}")
+                for room in range(20):
+                    sender.send_multipart(ack_frames(room, 0, 0))
+                    time.sleep(0.02)
+                assert wait_until(
+                    lambda: len(listener.stats()["completed_rooms"]) == 20, timeout=10
+                )
+            finally:
+                sender.close()
+                context.term()
+            stats = listener.stats()
+            last = listener.probe()
+    assert (first, last) == ("ok", "ok")
+    assert stats["completed_rooms"] == list(range(20))
+    assert stats["max_peers"] == 128
+    assert isinstance(stats["peers"], int) and stats["peers"] <= 128
+    assert isinstance(stats["peers_evicted"], int) and stats["peers_evicted"] > 0
+
+
+def test_ack5_a_silent_sender_is_cut_after_the_silent_timeout_a_talking_one_is_not() -> None:
+    """A sender that completed the handshake and sends nothing holds an fd for nothing: it is
+    cut ``silent_timeout`` after its handshake. One that delivered an ack stays connected."""
+    with AckListener(silent_timeout=0.3) as acks:
+        done = AckRecorder()
+        acks.expect(5, 1, done)
+        with (
+            socket.create_connection(("127.0.0.1", acks.port), timeout=5) as silent,
+            socket.create_connection(("127.0.0.1", acks.port), timeout=5) as talking,
+        ):
+            silent.sendall(_ZMTP_PUSH_HELLO)
+            talking.sendall(_ZMTP_PUSH_HELLO + _ack_message(5))
+            assert done.wait(5)
+            silent.settimeout(5)
+            start = time.monotonic()
+            while silent.recv(4096):  # our greeting and READY, then EOF when cut
+                pass
+            assert time.monotonic() - start < 3.0
+            time.sleep(0.6)  # twice the timeout: the talking one must still be there
+            assert acks.stats().peers == 1
+            assert acks.stats().peers_timed_out == 1
+
+
+def test_ack5_a_flood_of_chattering_senders_does_not_displace_a_proven_one() -> None:
+    """At the cap a proven sender (one that delivered an event for a room in flight) is cut
+    only when nothing else is left: 30 connections that speak ZMTP and send acks for rooms
+    nobody expects (all a flood can send: rooms are not guessable) come and go while the
+    prefill rank's one connection stays up and keeps delivering."""
+    with AckListener(max_peers=8) as acks:
+        done = AckRecorder()
+        acks.expect(1, 1, done)
+        acks.expect(2, 1, done)
+        context = zmq.Context()
+        sender = context.socket(zmq.PUSH)
+        sender.setsockopt(zmq.LINGER, 0)
+        monitor = sender.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        flood: list[socket.socket] = []
+        try:
+            sender.connect(f"tcp://127.0.0.1:{acks.port}")
+            sender.send_multipart(ack_frames(1, 0, 0))
+            assert wait_until(lambda: done.rooms == [1])
+            time.sleep(EVICT_GRACE * 2)  # the flood's newcomers are young, the rank is not
+            for n in range(30):
+                raw = socket.create_connection(("127.0.0.1", acks.port), timeout=5)
+                raw.sendall(_ZMTP_PUSH_HELLO + _ack_message(1000 + n))
+                flood.append(raw)
+            # Each newcomer past the cap cut someone (the rank's connection + 30 = 31 > 8).
+            assert wait_until(lambda: acks.stats().peers_evicted == 23), acks.stats()
+            assert acks.stats().unknown >= 1
+            sender.send_multipart(ack_frames(2, 0, 0))
+            assert wait_until(lambda: done.rooms == [1, 2])
+            assert _disconnects(monitor, 0.2) == 0
+        finally:
+            for raw in flood:
+                raw.close()
+            sender.disable_monitor()
+            monitor.close()
+            sender.close()
+            context.term()
+
+
+def test_ack6_a_heartbeating_sender_is_answered_and_stays_connected() -> None:
+    """Issue 17: a libzmq sender with ZMTP heartbeats (``ZMQ_HEARTBEAT_IVL``) got no PONG from
+    the listener, timed the connection out and reconnected every 0.4 s. The listener now
+    answers each PING (ZMTP 3.1) and the connection stays up."""
+    with AckListener() as acks:
+        done = AckRecorder()
+        acks.expect(3, 1, done)
+        context = zmq.Context()
+        sender = context.socket(zmq.PUSH)
+        sender.setsockopt(zmq.LINGER, 0)
+        sender.setsockopt(zmq.HEARTBEAT_IVL, 100)
+        sender.setsockopt(zmq.HEARTBEAT_TIMEOUT, 300)
+        monitor = sender.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            sender.connect(f"tcp://127.0.0.1:{acks.port}")
+            sender.send_multipart(ack_frames(3, 0, 0))
+            assert done.wait(5)
+            assert _disconnects(monitor, 1.5) == 0
+            assert acks.stats().pongs >= 5
+        finally:
+            sender.disable_monitor()
+            monitor.close()
+            sender.close()
+            context.term()
+
+
+def test_ack5_max_peers_is_checked() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_peers"):
+            AckListener(max_peers=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="silent_timeout"):
+        AckListener(silent_timeout=0)
+
+
+def test_ack5_a_rank_that_just_connected_is_not_cut_for_a_chattering_flood(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sender still mid-handshake is normally the first to go at the cap, but not one that
+    connected less than EVICT_GRACE ago while older chattering senders are there: otherwise
+    a flood sending acks for unknown rooms would cut every new rank before its first ack.
+    (The grace is widened here so that a loaded machine cannot age the rank past it.)"""
+    monkeypatch.setattr("statemachine.decode.ranks.acks.EVICT_GRACE", 3.0)
+    with AckListener(max_peers=8) as acks:
+        done = AckRecorder()
+        acks.expect(4, 1, done)
+        flood: list[socket.socket] = []
+        try:
+            for n in range(8):
+                raw = socket.create_connection(("127.0.0.1", acks.port), timeout=5)
+                raw.sendall(_ZMTP_PUSH_HELLO + _ack_message(2000 + n))
+                flood.append(raw)
+            assert wait_until(lambda: acks.stats().unknown == 8)
+            with socket.create_connection(("127.0.0.1", acks.port), timeout=5) as rank:
+                rank.sendall(_ZMTP_PUSH_HELLO[:64])  # greeting only: still mid-handshake
+                assert wait_until(lambda: acks.stats().peers_evicted == 1)
+                # Each newcomer cuts one of the 7 older chattering ones (never all of them).
+                for n in range(6):
+                    raw = socket.create_connection(("127.0.0.1", acks.port), timeout=5)
+                    raw.sendall(_ZMTP_PUSH_HELLO + _ack_message(3000 + n))
+                    flood.append(raw)
+                assert wait_until(lambda: acks.stats().peers_evicted == 7)
+                rank.sendall(_ZMTP_PUSH_HELLO[64:] + _ack_message(4))
+                assert done.wait(5)
+        finally:
+            for raw in flood:
+                raw.close()

@@ -99,3 +99,63 @@ def test_ack4_start_failure_carries_the_childs_last_stderr_lines(server: Bootstr
     assert "missing or wrong bearer token" in caught.value.stderr_tail
     assert "last stderr lines" in str(caught.value)
     assert "registration failed" in str(caught.value)
+
+
+def test_ack7_a_host_name_decode_ip_is_refused_never_resolved(server: BootstrapServer) -> None:
+    """Issue 17: the rank connected to whatever decode ip a message named, so libzmq resolved
+    host names on the context's only I/O thread: with a silent resolver a live decode's next ack
+    was 7.7 s late. Now a name is refused before any socket exists (HTTP-25), counted and logged,
+    and the live decode is served as before. The name here is ``localhost`` (resolved from
+    /etc/hosts, so no DNS query leaves the machine): before the fix its decode got its ack."""
+    with (
+        PrefillRankProcess(server.address, TOKEN) as rank,
+        AckListener() as live,
+        AckListener() as named,
+        ZmqTransport() as transport,
+    ):
+        generation = Generation((RankInfo(LOOPBACK, rank.port, 0),))
+        named_backend = SimpleBackend("localhost", named.port, "named-decode")
+        live_backend = SimpleBackend(LOOPBACK, live.port, "live-decode")
+        named_done, live_done = AckRecorder(), AckRecorder()
+        named.expect(7, 1, named_done)
+        live.expect(8, 1, live_done)
+        transport.register(generation, named_backend)
+        transport.register(generation, live_backend)
+        transport.send_metadata(generation, named_backend, MetadataRequest(7, (), 0))
+        transport.send_metadata(generation, live_backend, MetadataRequest(8, (), 0))
+        assert live_done.wait(10.0)
+        assert not named_done.wait(0.5)
+        stats = rank.terminate()
+    assert stats is not None
+    assert (stats["refused_ip"], stats["register"], stats["acks_sent"]) == (2, 1, 1)
+
+
+def test_ack8_only_the_session_that_sent_the_metadata_can_abort_its_room(
+    server: BootstrapServer,
+) -> None:
+    """Issue 17: any session, even one that never registered, could abort another decode's
+    room (its pending ack was dropped, so that decode waited for nothing). Now an abort only
+    drops the aborting session's own pending acks."""
+    with (
+        PrefillRankProcess(server.address, TOKEN, ack_delay_ms=400) as rank,
+        AckListener() as owner,
+        AckListener() as other,
+        ZmqTransport() as transport,
+    ):
+        info = RankInfo(LOOPBACK, rank.port, 0)
+        generation = Generation((info,))
+        owner_backend = SimpleBackend(LOOPBACK, owner.port, "owner-decode")
+        other_backend = SimpleBackend(LOOPBACK, other.port, "other-decode")
+        stranger_backend = SimpleBackend(LOOPBACK, other.port, "never-registered")
+        done = AckRecorder()
+        owner.expect(5, 1, done)
+        transport.register(generation, owner_backend)
+        transport.register(generation, other_backend)
+        transport.send_metadata(generation, owner_backend, MetadataRequest(5, (), 0))
+        transport.send((info.ip, info.port), stranger_backend.abort_frames(info, 5))
+        transport.send((info.ip, info.port), other_backend.abort_frames(info, 5))
+        assert done.wait(10.0), "the owner's ack was dropped by another session's abort"
+        stats = rank.terminate()
+    assert stats is not None
+    assert (stats["aborts"], stats["unregistered"], stats["foreign_aborts"]) == (2, 1, 1)
+    assert stats["acks_sent"] == 1

@@ -8,6 +8,7 @@ connections and time.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import socket
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 import requests
-from attack_support import ServerProcess, SlowAttack
+from attack_support import HealthFlood, ServerProcess, SlowAttack
 from http_support import running_server, wait_until
 
 from statemachine.decode.client import BootstrapClient, register_rank
@@ -461,3 +462,43 @@ def test_http57_cli_refuses_a_token_with_whitespace_at_start_up() -> None:
     )
     assert result.returncode == 1
     assert "error: token has leading/trailing whitespace" in result.stderr
+
+
+def test_http71_a_keep_alive_client_is_never_pushed_out_by_clients_re_requesting() -> None:
+    """Issue 17: 1,100 token-less clients re-requesting /health on their own keep-alive
+    connections pushed a legitimate keep-alive client's connection out before nearly every
+    request (the cap closed the connection that had completed a request longest ago when all
+    had completed one). Scaled down: cap 16, 24 such clients. A connection that completed a
+    request is now never closed at the cap, so the legitimate client keeps one connection (one
+    local port) for every request, with no error; newcomers wait in the backlog instead."""
+    with ServerProcess(token=TOKEN, max_connections=16) as srv:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=TIMEOUT)
+        ports: set[int] = set()
+        answered = 0
+
+        def health() -> None:
+            nonlocal answered
+            conn.request("GET", "/health")  # raises if the server closed the connection
+            response = conn.getresponse()
+            response.read()
+            assert response.status == 200
+            assert conn.sock is not None
+            ports.add(conn.sock.getsockname()[1])
+            answered += 1
+
+        try:
+            health()  # connected before the flood, as a running decode is
+            with HealthFlood(srv.address, clients=24, seconds=4.0) as flood:
+                assert flood.ready
+                time.sleep(1.0)  # the flood fills the cap and keeps re-requesting
+                end = time.monotonic() + 2.0
+                while time.monotonic() < end:
+                    health()
+                    time.sleep(0.02)
+                flood.wait()
+        finally:
+            conn.close()
+        stats, _ = srv.stop()
+    assert len(ports) == 1 and answered >= 10
+    assert flood.requests > 100
+    assert stats["connections_peak"] == 16

@@ -87,7 +87,7 @@ def test_zmq13_ranks_register_receive_and_ack(
     assert done.rooms == [41]
     assert acks.stats().received == 3
     common = {"register": 1, "ack_failures": 0, "unregistered": 0, "stale_instance": 0}
-    common.update(bootstrap=0, aborts=0)
+    common.update(bootstrap=0, aborts=0, refused_ip=0, foreign_aborts=0)
     assert stats[0] == {**common, "metadata": 2, "acks_sent": 2, "malformed": 2, "misaddressed": 1}
     assert stats[1] == {**common, "metadata": 1, "acks_sent": 1, "malformed": 0, "misaddressed": 0}
 

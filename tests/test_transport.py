@@ -292,6 +292,54 @@ def test_zmq15_a_non_bytes_frame_sends_nothing(context: zmq.Context) -> None:
         assert transport.stats().failures == 0
 
 
+def test_zmq23_bytes_like_frames_are_sent_whole_and_in_order(context: zmq.Context) -> None:
+    """ZMQ-23: frames go to libzmq one at a time: a message of many frames, some bytes-like
+    but not bytes (bytearray, memoryview, zmq.Frame), arrives whole, in order, and apart from
+    the next message."""
+    frames: list[bytes] = [b"k", bytearray(b"ba"), memoryview(b"mv"), zmq.Frame(b"fr")]  # type: ignore[list-item]
+    frames += [b"%d" % i for i in range(12)]
+    with pull_peer(context) as (peer, port), ZmqTransport() as transport:
+        transport.send((LOOPBACK, port), frames)
+        transport.send((LOOPBACK, port), [b"one"])
+        transport.send((LOOPBACK, port), (b"a", b"b"))
+        expected = [b"k", b"ba", b"mv", b"fr", *(b"%d" % i for i in range(12))]
+        assert recv_n(peer, 3) == [expected, [b"one"], [b"a", b"b"]]
+        assert transport.stats().sends == 3
+
+
+class _CountingSocket(zmq.Socket):  # type: ignore[type-arg]
+    """A socket class with its own ``send``: the transport must call it, not go around it."""
+
+    frames_sent = 0
+
+    def send(self, data: object, flags: int = 0, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        _CountingSocket.frames_sent += 1
+        super().send(data, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+
+class _CountingContext(zmq.Context):  # type: ignore[type-arg]
+    _socket_class = _CountingSocket
+
+
+def test_zmq23_a_socket_class_that_overrides_send_is_honoured() -> None:
+    """ZMQ-23: the transport hands frames to libzmq through the backend's send only if the socket's
+    class does not override ``send``; a class that does (a green or instrumented socket) is
+    called for every frame."""
+    context = _CountingContext()
+    try:
+        with pull_peer(context) as (peer, port):
+            transport = ZmqTransport(context=context)
+            try:
+                before = _CountingSocket.frames_sent
+                transport.send((LOOPBACK, port), [b"a", b"b", b"c"])
+                assert recv_n(peer, 1) == [[b"a", b"b", b"c"]]
+                assert _CountingSocket.frames_sent - before >= 3
+            finally:
+                transport.close()
+    finally:
+        context.term()
+
+
 def test_zmq6_close_is_idempotent_and_later_sends_fail_typed(context: zmq.Context) -> None:
     with pull_peer(context) as (peer, port):
         transport = ZmqTransport()

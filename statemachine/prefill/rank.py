@@ -17,12 +17,20 @@ the instance id of the server's reply as its own, then prints ``READY <port>`` a
   here is counted and not acked, as a real backend could not transfer without those args;
   so is metadata addressed to another pp rank. Metadata flagged *dummy* is counted and not
   acked: a dummy decode peer only tells the rank it exists; the KV goes to the non-dummy one;
-* *abort*: the decode gave up on the room: its ack still waiting in the heap is dropped; an
-  abort that carries a generation is answered with ``[b"abort_ack", room, tp_rank, pp_rank,
-  generation]`` to the endpoint the session registered (ZMQ-22);
+* *abort*: the decode gave up on the room: the acks of *that session* still waiting in the heap
+  are dropped, never another session's (an abort from a session that never registered here
+  changes nothing: ``unregistered``; one for a room only other sessions have pending is counted
+  in ``foreign_aborts``, ACK-8); an abort that carries a generation is answered with
+  ``[b"abort_ack", room, tp_rank, pp_rank, generation]`` to the endpoint the session registered
+  (ZMQ-22);
 * *bootstrap*: PUSH ``[b"ready", room, tp_rank, pp_rank]`` (WaitingForInput) at once to the
   endpoint named in it, as an SGLang prefill does under the ``prefill_complete`` policy once the
   prefill finished.
+
+The decode ip in register, metadata and bootstrap messages must be an IP literal (HTTP-25):
+connecting to a host name would make libzmq resolve it on the context's only I/O thread, where a
+silent resolver delays every decode's acks. A message naming a host name is refused before any
+socket exists, counted in ``refused_ip`` and logged (one stderr line per 10 s at most, ACK-7).
 
 A message whose target instance frame names another instance than this rank's is dropped and
 counted in ``stale_instance``, before anything else is looked at (ZMQ-21): in queueing mode
@@ -88,6 +96,7 @@ from statemachine.discovery.layout import DEFAULT_PREFIX
 from statemachine.discovery.registrar import DEFAULT_TTL, EtcdRegistrar, registrar_for
 from statemachine.errors import BootstrapError, NotReady, TransportFailure
 from statemachine.prefill.readiness import read_prefixed_line
+from statemachine.validation import rank_ip_problem
 
 MAX_SESSIONS = 1024
 #: Decode peers with an ack socket at a time (the least recently used is closed past it).
@@ -107,7 +116,11 @@ COUNTERS = (
     "stale_instance",
     "bootstrap",
     "aborts",
+    "refused_ip",
+    "foreign_aborts",
 )
+#: Seconds between two stderr lines about refused messages (each says how many it stands for).
+LOG_INTERVAL = 10.0
 
 
 class PrefillRankStartFailed(BootstrapError):
@@ -291,7 +304,10 @@ class _Rank:
             self.port = self.pull.bind_to_random_port(f"tcp://{args.host}")
             self.pull.unbind(f"tcp://{args.host}:{old}")
         self.sessions: dict[str, Endpoint] = {}
-        self.due: list[tuple[float, int, Endpoint, list[bytes]]] = []  # heap
+        #: (due time, sequence, ack endpoint, ack frames, room, session id)
+        self.due: list[tuple[float, int, Endpoint, list[bytes], int, str]] = []  # heap
+        self._logged_at: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
         self.seq = 0
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.acks = AckSender(context, self.counts, args.ack_send_timeout_ms)
@@ -306,6 +322,8 @@ class _Rank:
                 if register.target_pp_rank != self.args.pp_rank:
                     self.counts["misaddressed"] += 1
                     return
+                if self.refused(register.decode_ip, "register", register.session_id):
+                    return
                 self.counts["register"] += 1
                 self.sessions.pop(register.session_id, None)  # re-registration: now newest
                 self.sessions[register.session_id] = (register.decode_ip, register.decode_port)
@@ -319,6 +337,8 @@ class _Rank:
                     self.counts["misaddressed"] += 1
                     return
                 self.counts["metadata"] += 1
+                if self.refused(metadata.decode_ip, "metadata", metadata.session_id):
+                    return
                 if metadata.session_id not in self.sessions:
                     self.counts["unregistered"] += 1
                     return
@@ -340,22 +360,26 @@ class _Rank:
                 else:
                     self.seq += 1
                     due = time.monotonic() + self.args.ack_delay_ms / 1000.0
-                    heapq.heappush(self.due, (due, self.seq, endpoint, ack))
+                    heapq.heappush(
+                        self.due, (due, self.seq, endpoint, ack, metadata.room, metadata.session_id)
+                    )
             elif kind == ABORT_KIND:
                 abort = parse_abort(frames)
                 if self.stale(abort.instance_id):
                     return
                 self.counts["aborts"] += 1
                 room = abort.room
-                self.due = [item for item in self.due if item[3][1] != b"%d" % room]
-                heapq.heapify(self.due)
+                registered = self.sessions.get(abort.session_id)
+                if registered is None:
+                    # A session that never registered here has nothing here to abort; above
+                    # all, it must not drop another session's pending ack (ACK-8).
+                    self.counts["unregistered"] += 1
+                    return
+                self.drop_pending(room, abort.session_id)
                 if abort.generation is not None:
-                    # Nothing of the room is in flight any more (its pending ack is gone), so the
-                    # acknowledgement goes at once, to the session's endpoint (ZMQ-22).
-                    registered = self.sessions.get(abort.session_id)
-                    if registered is None:
-                        self.counts["unregistered"] += 1
-                        return
+                    # Nothing of the room is in flight any more for this session (its pending
+                    # ack is gone), so the acknowledgement goes at once, to the session's
+                    # endpoint (ZMQ-22).
                     self.send_ack(
                         registered,
                         abort_ack_frames(
@@ -369,6 +393,8 @@ class _Rank:
                 if bootstrap.target_pp_rank != self.args.pp_rank:
                     self.counts["misaddressed"] += 1
                     return
+                if self.refused(bootstrap.decode_ip, "bootstrap", bootstrap.session_id):
+                    return
                 self.counts["bootstrap"] += 1
                 # The reference rank has no prefill to run: it is ready for the decode's
                 # metadata at once (SGLang's WaitingForInput status under prefill_complete).
@@ -380,6 +406,46 @@ class _Rank:
                 self.counts["malformed"] += 1
         except MalformedFrames:
             self.counts["malformed"] += 1
+
+    def drop_pending(self, room: int, session_id: str) -> None:
+        """Drop ``session_id``'s acks for ``room`` still waiting in the heap; another
+        session's are kept and the abort is counted as foreign (ACK-8)."""
+        kept = [item for item in self.due if item[4] != room or item[5] != session_id]
+        if len(kept) != len(self.due):
+            self.due = kept
+            heapq.heapify(self.due)
+        elif any(item[4] == room for item in kept):
+            self.counts["foreign_aborts"] += 1
+            self.log_refusal(
+                "foreign_abort",
+                f"abort of room {room} from session {session_id!r}, which did not send its "
+                "metadata here: ignored (only the session that sent the metadata can abort it)",
+            )
+
+    def refused(self, decode_ip: str, kind: str, session_id: str) -> bool:
+        """True (counted, logged) if ``decode_ip`` is not an IP literal (HTTP-25, ACK-7)."""
+        problem = rank_ip_problem(decode_ip)
+        if problem is None:
+            return False
+        self.counts["refused_ip"] += 1
+        self.log_refusal(
+            "refused_ip",
+            f"refused {kind} from session {session_id!r}: decode ip {decode_ip[:64]!r} {problem}"
+            " (this rank never resolves names: configure the decode's ack ip as an address)",
+        )
+        return True
+
+    def log_refusal(self, topic: str, message: str) -> None:
+        """One stderr line per LOG_INTERVAL per topic, saying how many it stands for."""
+        now = time.monotonic()
+        last = self._logged_at.get(topic)
+        if last is not None and now - last < LOG_INTERVAL:
+            self._unlogged[topic] = self._unlogged.get(topic, 0) + 1
+            return
+        self._logged_at[topic] = now
+        more = self._unlogged.pop(topic, 0)
+        suffix = f" ({more} more since the last such line)" if more else ""
+        print(f"prefill_rank: {message}{suffix}", file=sys.stderr, flush=True)
 
     def stale(self, target: str | None) -> bool:
         """True (and counted) if a message names an instance other than this rank's."""
@@ -394,7 +460,7 @@ class _Rank:
     def send_due_acks(self) -> int | None:
         """Send the acks whose time has come; return ms until the next one (None: none)."""
         while self.due:
-            due, _, endpoint, frames = self.due[0]
+            due, _, endpoint, frames, _, _ = self.due[0]
             wait = due - time.monotonic()
             if wait > 0:
                 return max(1, int(wait * 1000.0 + 0.999))

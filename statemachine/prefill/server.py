@@ -363,7 +363,7 @@ class _Guard(asyncio.Protocol):
         self.inner = inner
         self.phase = IDLE
         self.since = self.born = 0.0
-        self.served = False  # completed a request: evicted last
+        self.served = False  # completed a request: never evicted at the cap (HTTP-71)
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -745,26 +745,21 @@ class BootstrapServer:
         (headers or body) before idle ones, the oldest first; one younger than EVICT_GRACE
         is spared (a legitimate client sends its request within milliseconds of connecting,
         so a burst of new connections cannot push out one that just connected). A
-        connection that completed a request is closed only when no other is left: a burst
-        of attackers never pushes out a client using its keep-alive connection. False when
-        nothing may be closed now (the accept loop pauses instead).
+        connection that completed a request is never closed here: it stays until its idle
+        deadline (or a phase deadline of its next request) closes it, so a crowd of clients
+        that each completed a request - attackers re-requesting /health included - never
+        pushes out a client using its keep-alive connection; newcomers wait in the backlog
+        instead. False when nothing may be closed now (the accept loop pauses instead).
         """
         victim: _Guard | None = None
         victim_key = (True, 0.0)
         young = self._now() - EVICT_GRACE
-        spared = False
         for other in self._conns:
-            if other.phase == BUSY or other.served:
-                continue
-            if other.born > young:
-                spared = True
+            if other.phase == BUSY or other.served or other.born > young:
                 continue
             key = (other.phase == IDLE, other.since)
             if victim is None or key < victim_key:
                 victim, victim_key = other, key
-        if victim is None and not spared:
-            served = [c for c in self._conns if c.phase != BUSY]
-            victim = min(served, key=lambda c: c.since, default=None)
         if victim is None:
             return False
         self._evicted += 1

@@ -22,13 +22,21 @@ Bounded memory per message (ACK-2): libzmq delivers a multipart message only onc
 its frames arrived, and ``MAXMSGSIZE`` bounds each frame, not their number, so one message of
 200,000 small frames made a ``PULL`` socket buffer ~130 MB. The listener therefore binds a
 ``ZMQ_STREAM`` socket (raw TCP bytes, read in small chunks with a low high-water mark) and
-speaks the receiving side of ZMTP 3.0 itself (:class:`_ZmtpPull`): greeting, NULL handshake,
+speaks the receiving side of ZMTP 3.1 itself (:class:`_ZmtpPull`): greeting, NULL handshake,
 then frames parsed as they arrive. A peer whose message has more than :data:`MAX_FRAMES` frames,
 or a frame larger than :data:`MAX_FRAME_BYTES`, is disconnected at that frame; nothing of it is
 buffered. The bounds fit the largest message a 0.5.23 prefill sends the decode's PULL endpoint
 besides staging and AUX_DATA, which this listener does not take: NIXL's 5-frame status whose
 last frame is the failure reason (a line of text). Senders are
 ordinary libzmq ``PUSH`` sockets and see a normal ``PULL`` peer.
+
+Holding connections (ACK-5, ACK-6): each sender holds an fd of this process, so the peer cap
+follows the fd limit (:func:`default_max_peers`), and at the cap the sender cut to admit a
+newcomer is one that has not yet delivered anything for a room in flight: a flood of silent
+or chattering connections cannot exhaust the process nor displace a prefill rank that
+delivered. A sender silent for :data:`SILENT_TIMEOUT` after its handshake is cut. ZMTP 3.1
+PINGs (libzmq's ``ZMQ_HEARTBEAT_IVL``) are answered with PONGs, so heartbeating senders keep
+their connection.
 
 Trust boundary (ACK-3): a message is not authenticated. Anyone who can reach the ack port can
 complete or fail a room that is currently in flight (never one that is not, and a rank counts
@@ -40,8 +48,10 @@ prefill and decode; bind it to that interface, never to a public one.
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,19 +70,29 @@ MAX_FRAMES = 6
 MAX_FRAME_BYTES = 2048
 #: Largest ZMTP command we read (a peer's READY with its metadata).
 _MAX_COMMAND_BYTES = 1024
-#: Connected senders at a time; past it a new one displaces the longest-silent one.
-MAX_PEERS = 1024
+#: Most connected senders at a time, whatever the fd limit (ACK-5).
+MAX_PEERS = 4096
+#: Fewest: the cap never goes below this, even under a tiny fd limit.
+MIN_PEERS = 16
 #: Seconds a sender has to complete the ZMTP handshake before it is disconnected.
 HANDSHAKE_TIMEOUT = 5.0
+#: Seconds a sender that completed the handshake has to send its first message (ACK-5).
+SILENT_TIMEOUT = 30.0
+#: A sender this young (seconds) is cut at the cap only when nothing else is left but proven
+#: senders: a prefill rank completes the handshake and sends within milliseconds (ACK-5).
+EVICT_GRACE = 0.1
+#: A sender's PINGs answered at most once per this many seconds (ACK-6).
+PONG_INTERVAL = 0.05
 #: Chunks libzmq may hold per sender before it stops reading that sender's TCP socket.
 _STREAM_RCVHWM = 16
 
-# ZMTP 3.0 (rfc.zeromq.org/spec/23): a 64-byte greeting, then a READY command (NULL mechanism).
+# ZMTP 3.1 (rfc.zeromq.org/spec/37): a 64-byte greeting, then a READY command (NULL mechanism);
+# 3.1 adds PING/PONG, which we answer (ACK-6).
 _GREETING = (
     b"\xff"
     + bytes(8)
     + b"\x7f"  # signature
-    + b"\x03\x00"  # version 3.0
+    + b"\x03\x01"  # version 3.1
     + b"NULL".ljust(20, b"\x00")  # mechanism
     + b"\x00"  # as-server: no
     + bytes(31)  # filler
@@ -87,6 +107,24 @@ def _ready_command(socket_type: bytes) -> bytes:
 
 
 _HANDSHAKE = _GREETING + _ready_command(b"PULL")
+_PING = b"\x04PING"
+_PONG = b"\x04PONG"
+#: ZMTP 3.1: a PING's context (after its 2-byte TTL) is echoed in the PONG, up to 16 bytes.
+_PING_CONTEXT_MAX = 16
+
+
+def default_max_peers() -> int:
+    """The peer cap: half the process's fd limit, within MIN_PEERS .. MAX_PEERS (ACK-5).
+
+    Half, not the limit less a fixed reserve as the bootstrap server does: the listener shares
+    its process with the decode's own sockets to every prefill rank (a libzmq socket costs a
+    connection and an eventfd), which grow with the deployment, not with the attack.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_PEERS
+    return max(MIN_PEERS, min(MAX_PEERS, soft // 2))
+
 
 _log = logging.getLogger(__name__)
 
@@ -133,6 +171,10 @@ class AckStats:
     malformed: int  # messages the decoder did not take (dropped)
     callback_errors: int  # callbacks that raised (logged, the listener keeps running)
     expected: int  # rooms currently expected (standalone ``expect``; 0 under a manager)
+    peers: int = 0  # senders connected now (at most ``max_peers``)
+    peers_evicted: int = 0  # senders cut at the cap to admit a newcomer (ACK-5)
+    peers_timed_out: int = 0  # cut for no handshake, or no message, in time (ACK-5)
+    pongs: int = 0  # ZMTP PINGs answered (ACK-6)
 
 
 class _Pending:
@@ -151,10 +193,18 @@ class AckListener:
         self,
         ip: str = "127.0.0.1",
         *,
-        max_peers: int = MAX_PEERS,
+        max_peers: int | None = None,
+        silent_timeout: float = SILENT_TIMEOUT,
         decoder: Decoder | None = None,
         on_event: EventCallback | None = None,
     ) -> None:
+        if max_peers is None:
+            max_peers = default_max_peers()
+        elif type(max_peers) is not int or max_peers < 1:
+            raise ValueError(f"max_peers must be an int >= 1 (or None), not {max_peers!r}")
+        if not silent_timeout > 0:
+            raise ValueError(f"silent_timeout must be positive, not {silent_timeout!r}")
+        self.max_peers = max_peers
         self._decode: Decoder = decode_reply if decoder is None else decoder
         self._on_event = on_event
         # The ip travels in every metadata message as the address prefill ranks connect to:
@@ -181,7 +231,9 @@ class AckListener:
             self._pull.close(linger=0)
             self._context.term()
             raise
-        self._zmtp = _ZmtpPull(self._pull, self._on_message, self._on_malformed, max_peers)
+        self._zmtp = _ZmtpPull(
+            self._pull, self._on_message, self._on_malformed, max_peers, silent_timeout
+        )
         wake_url = f"inproc://ack-listener-wake-{id(self)}"
         self._wake_rx = self._context.socket(zmq.PAIR)
         self._wake_rx.setsockopt(zmq.LINGER, 0)
@@ -262,6 +314,10 @@ class AckListener:
                 malformed=self._malformed,
                 callback_errors=self._callback_errors,
                 expected=len(self._pending),
+                peers=self._zmtp.connected,
+                peers_evicted=self._zmtp.evicted,
+                peers_timed_out=self._zmtp.timed_out,
+                pongs=self._zmtp.pongs,
             )
 
     # --- the listener thread ------------------------------------------------------------------
@@ -272,9 +328,10 @@ class AckListener:
         poller.register(self._wake_rx, zmq.POLLIN)
         try:
             while True:
-                # Wake at least once a second while a sender is mid-handshake, to cut it off
-                # at HANDSHAKE_TIMEOUT; otherwise sleep until something arrives.
-                ready = dict(poller.poll(1000 if self._zmtp.handshaking() else None))
+                # Wake for the next handshake or first-message deadline (ACK-5); otherwise
+                # sleep until something arrives.
+                due = self._zmtp.next_deadline()
+                ready = dict(poller.poll(None if due is None else int(due * 1000.0) + 1))
                 self._zmtp.sweep()
                 if self._wake_rx in ready:
                     return
@@ -295,7 +352,9 @@ class AckListener:
         with self._lock:
             self._malformed += 1
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, frames: list[bytes]) -> bool:
+        """Decode and deliver one message; True if it was taken (a room in flight), which
+        makes its sender *proven* (ACK-5)."""
         try:
             event = self._decode(frames)
         except Exception:  # a decoder must not raise; if one does, the thread lives on
@@ -303,33 +362,35 @@ class AckListener:
             event = None
         if event is None:
             self._on_malformed()
-            return
+            return False
         with self._lock:
             self._received += 1
         if self._on_event is not None:
             if not self._call(self._on_event, event, event.room):
                 with self._lock:
                     self._unknown += 1
-            return
+                return False
+            return True
         if not isinstance(event, PrefillStatus) or event.status != STATUS_SUCCESS:
             with self._lock:
                 self._unknown += 1  # standalone, only successes complete a room
-            return
+            return False
         with self._lock:
             pending = self._pending.get(event.room)
             if pending is None:
                 self._unknown += 1
-                return
+                return False
             if event.prefill_rank in pending.ranks:
                 self._duplicates += 1
-                return
+                return True
             pending.ranks.add(event.prefill_rank)
             if len(pending.ranks) < pending.needed:
-                return
+                return True
             del self._pending[event.room]
             self._completed += 1
         # Outside the lock: a callback may call expect()/forget() itself.
         self._call(pending.callback, event.room, event.room)
+        return True
 
     def _call(self, callback: Callable[[Any], object], argument: object, room: int) -> bool:
         """``callback(argument)``; False if it returned False. A callback that raises is
@@ -343,89 +404,157 @@ class AckListener:
             return True
 
 
-# --- the receiving side of ZMTP 3.0 over a ZMQ_STREAM socket ----------------------------------
+# --- the receiving side of ZMTP 3.1 over a ZMQ_STREAM socket ----------------------------------
 
 
 class _Cut(Exception):
     """The peer broke the protocol or a bound: disconnect it."""
 
 
+#: A sender's standing, lowest first: who is cut first at the cap (ACK-5).
+_HANDSHAKING, _SILENT, _UNPROVEN, _PROVEN = 0, 1, 2, 3
+
+
 class _PeerState:
-    __slots__ = ("buffer", "frames", "last", "since", "stage")
+    __slots__ = ("born", "buffer", "frames", "pong_at", "since", "stage", "tier")
 
     def __init__(self, now: float) -> None:
         self.buffer = bytearray()
         self.frames: list[bytes] = []
         self.stage = 0  # 0: greeting, 1: waiting for READY, 2: messages
-        self.since = now  # connected at
-        self.last = now  # last bytes at
+        self.tier = _HANDSHAKING
+        self.born = now  # connected at
+        self.since = now  # entered its tier at
+        self.pong_at = 0.0  # last PONG sent at
 
 
 class _ZmtpPull:
-    """ZMTP 3.0 PULL side for the peers of one ``ZMQ_STREAM`` socket (listener thread only).
+    """ZMTP 3.1 PULL side for the peers of one ``ZMQ_STREAM`` socket (listener thread only).
 
     Each peer's bytes are parsed as they arrive; a buffer never holds more than one chunk plus
     one partial frame header and body (at most a few hundred bytes past the chunk), and a
     message is handed on as soon as its last frame is in: at most MAX_FRAMES frames of at most
     MAX_FRAME_BYTES each, or the peer is cut off there.
+
+    Peers are kept in four insertion-ordered tiers (ACK-5): mid-handshake, *silent* (handshake
+    done, no message yet), *unproven* (messages, none of them taken: no room of ours) and
+    *proven* (delivered an event for a room in flight). At the cap the victim is the oldest
+    *unheard* peer (mid-handshake or silent) connected more than EVICT_GRACE ago, else the
+    oldest unproven one, else the oldest unheard one, and a proven one only when nothing else
+    is left: a flood of connections, silent or chattering about rooms it cannot know, never
+    displaces a prefill rank that delivered, nor one that connected a moment ago. Each step is
+    O(1); the deadlines (handshake, first message) are swept from the front of their tier.
     """
 
     def __init__(
         self,
         sock: zmq.Socket[bytes],
-        on_message: Callable[[list[bytes]], None],
+        on_message: Callable[[list[bytes]], bool],
         on_malformed: Callable[[], None],
-        max_peers: int = MAX_PEERS,
+        max_peers: int,
+        silent_timeout: float = SILENT_TIMEOUT,
     ) -> None:
         self._sock = sock
         self._on_message = on_message
         self._on_malformed = on_malformed
         self._max_peers = max_peers
+        self._silent_timeout = silent_timeout
         self._peers: dict[bytes, _PeerState] = {}
+        self._tiers: tuple[OrderedDict[bytes, _PeerState], ...] = tuple(
+            OrderedDict() for _ in range(4)
+        )
+        # Counters (this thread writes them; stats() reads plain ints).
+        self.evicted = 0  # cut at the cap to admit a newcomer
+        self.timed_out = 0  # cut for no handshake within HANDSHAKE_TIMEOUT or no message
+        self.pongs = 0  # PINGs answered
 
-    def handshaking(self) -> bool:
-        return any(peer.stage < 2 for peer in self._peers.values())
+    @property
+    def connected(self) -> int:
+        return len(self._peers)
+
+    def next_deadline(self) -> float | None:
+        """Seconds until the next handshake or first-message deadline (None: none pending)."""
+        soonest: float | None = None
+        for tier, limit in ((_HANDSHAKING, HANDSHAKE_TIMEOUT), (_SILENT, self._silent_timeout)):
+            for peer in self._tiers[tier].values():  # the oldest is first
+                due = peer.since + limit
+                soonest = due if soonest is None else min(soonest, due)
+                break
+        return None if soonest is None else max(0.0, soonest - time.monotonic())
 
     def sweep(self) -> None:
-        """Cut off senders that did not complete the handshake within HANDSHAKE_TIMEOUT."""
-        if not self._peers:
-            return
-        too_old = time.monotonic() - HANDSHAKE_TIMEOUT
-        for peer_id, peer in list(self._peers.items()):
-            if peer.stage < 2 and peer.since < too_old:
+        """Cut senders past their deadline: no handshake within HANDSHAKE_TIMEOUT, or no
+        message within ``silent_timeout`` of the handshake."""
+        now = time.monotonic()
+        for tier, limit in ((_HANDSHAKING, HANDSHAKE_TIMEOUT), (_SILENT, self._silent_timeout)):
+            members = self._tiers[tier]
+            while members:
+                peer_id, peer = next(iter(members.items()))
+                if now - peer.since < limit:
+                    break
+                self.timed_out += 1
                 self._cut(peer_id)
 
     def on_chunk(self, peer_id: bytes, data: bytes) -> None:
         peer = self._peers.get(peer_id)
         if not data:  # STREAM's connect / disconnect notification
             if peer is not None:
-                del self._peers[peer_id]
+                self._forget(peer_id)
                 return
             if len(self._peers) >= self._max_peers:
-                # Make room: the longest-silent sender, those still mid-handshake first (a
-                # flood of idle connections cannot lock the prefill ranks out).
-                victim = min(
-                    self._peers, key=lambda i: (self._peers[i].stage == 2, self._peers[i].last)
-                )
-                self._cut(victim)
-            self._peers[peer_id] = _PeerState(time.monotonic())
+                self._evict()
+            peer = self._peers[peer_id] = _PeerState(time.monotonic())
+            self._tiers[_HANDSHAKING][peer_id] = peer
             self._send(peer_id, _HANDSHAKE)
             return
         if peer is None:
             return  # a peer we cut off: its last bytes
-        peer.last = time.monotonic()
         peer.buffer += data
         try:
-            self._parse(peer)
+            self._parse(peer_id, peer)
         except _Cut:
             self._on_malformed()
             self._cut(peer_id)
 
+    def _evict(self) -> None:
+        """Make room for a newcomer (see the class docstring for whom)."""
+        handshaking, silent, unproven, proven = self._tiers
+        unheard: tuple[bytes, _PeerState] | None = None
+        for members in (handshaking, silent):
+            for peer_id, peer in members.items():  # the front: the oldest of its tier
+                if unheard is None or peer.born < unheard[1].born:
+                    unheard = (peer_id, peer)
+                break
+        if unheard is not None and unheard[1].born <= time.monotonic() - EVICT_GRACE:
+            victim = unheard[0]
+        elif unproven:
+            victim = next(iter(unproven))
+        elif unheard is not None:
+            victim = unheard[0]
+        elif proven:
+            victim = next(iter(proven))
+        else:
+            return
+        self.evicted += 1
+        self._cut(victim)
+
+    def _promote(self, peer_id: bytes, peer: _PeerState, tier: int) -> None:
+        """Move ``peer`` to the back of ``tier`` (its most recent member)."""
+        del self._tiers[peer.tier][peer_id]
+        peer.tier = tier
+        peer.since = time.monotonic()
+        self._tiers[tier][peer_id] = peer
+
+    def _forget(self, peer_id: bytes) -> None:
+        peer = self._peers.pop(peer_id, None)
+        if peer is not None:
+            self._tiers[peer.tier].pop(peer_id, None)
+
     def _cut(self, peer_id: bytes) -> None:
-        self._peers.pop(peer_id, None)
+        self._forget(peer_id)
         self._disconnect(peer_id)
 
-    def _parse(self, peer: _PeerState) -> None:
+    def _parse(self, peer_id: bytes, peer: _PeerState) -> None:
         buf = peer.buffer
         pos = 0
         if peer.stage == 0:
@@ -462,7 +591,10 @@ class _ZmtpPull:
                     if not body.startswith(b"\x05READY"):
                         raise _Cut
                     peer.stage = 2
-                continue  # later commands (PING, ...) carry nothing for us
+                    self._promote(peer_id, peer, _SILENT)
+                elif body.startswith(_PING):
+                    self._pong(peer_id, peer, body)
+                continue  # other commands (PONG, ...) carry nothing for us
             if peer.stage != 2:
                 raise _Cut
             frames = peer.frames
@@ -471,14 +603,33 @@ class _ZmtpPull:
                 raise _Cut  # no message we take is this long; the rest is never read
             if not flags & _FLAG_MORE:
                 peer.frames = []
-                self._on_message(frames)
+                if self._on_message(frames):
+                    if peer.tier == _PROVEN:
+                        self._tiers[_PROVEN].move_to_end(peer_id)
+                    else:
+                        self._promote(peer_id, peer, _PROVEN)
+                elif peer.tier == _SILENT:
+                    self._promote(peer_id, peer, _UNPROVEN)
         del buf[:pos]
+
+    def _pong(self, peer_id: bytes, peer: _PeerState, ping: bytes) -> None:
+        """Answer a ZMTP 3.1 PING (``\\x04PING``, a 2-byte TTL, up to 16 bytes of context)
+        with a PONG echoing its context: libzmq's heartbeat timeout then sees traffic and keeps
+        the connection. At most one per PONG_INTERVAL, so a PING flood cannot fill our output."""
+        now = time.monotonic()
+        if now - peer.pong_at < PONG_INTERVAL:
+            return
+        peer.pong_at = now
+        context = ping[len(_PING) + 2 : len(_PING) + 2 + _PING_CONTEXT_MAX]
+        body = _PONG + context
+        self.pongs += 1
+        self._send(peer_id, bytes((_FLAG_COMMAND, len(body))) + body)
 
     def _send(self, peer_id: bytes, data: bytes) -> None:
         try:
             self._sock.send_multipart([peer_id, data], zmq.NOBLOCK)
         except zmq.ZMQError:
-            self._peers.pop(peer_id, None)
+            self._forget(peer_id)
 
     def _disconnect(self, peer_id: bytes) -> None:
         # On a STREAM socket an empty message to a peer closes its connection.

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, NoReturn
 
 import zmq
 
@@ -76,6 +76,14 @@ QUEUEING_SNDHWM = 1000
 #: What SGLang sets on its context; each monitored endpoint uses three ZMQ sockets.
 CONTEXT_MAX_SOCKETS = 16384
 _EVICTED_RETRIES = 3
+_RETRIES = tuple(range(_EVICTED_RETRIES))  # a tuple iterates cheaper than a new range
+# A message goes to libzmq one frame at a time with plain int flags, through the backend's
+# ``Socket.send``. pyzmq's ``send_multipart`` does the same libzmq calls but computes
+# ``zmq.SNDMORE | flags`` per frame as ``enum.Flag`` arithmetic and goes through the Python-level
+# ``Socket.send`` wrapper: 10 µs for a 10-frame message here, against 2 µs this way
+# (``benchmarks/bench_vs_sglang.py``, docs/performance.md).
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 # Poll slices while a send waits for a connection: short at first (a fresh loopback connection
 # takes ~0.2 ms), then at most this long between looks at the monitor's verdict.
 _FIRST_SLICE_MS = 1
@@ -138,6 +146,7 @@ class _Entry:
         "last_used",
         "lock",
         "reported_dead",
+        "send_frame",
         "sends",
         "socket",
         "url",
@@ -146,6 +155,8 @@ class _Entry:
     def __init__(self, endpoint: Endpoint, socket: zmq.Socket[bytes], url: str) -> None:
         self.endpoint = endpoint
         self.socket = socket
+        #: ``send_frame(socket, frame, flags)``: one frame to libzmq (see :func:`_frame_sender`)
+        self.send_frame = _frame_sender(socket)
         self.url = url
         self.lock = threading.Lock()
         self.closed = False
@@ -284,12 +295,21 @@ class ZmqTransport:
     # --- sending ------------------------------------------------------------------------------
 
     def send(self, endpoint: Endpoint, frames: Sequence[bytes]) -> None:
-        """Send one multipart message; raise :class:`SendFailed` if it could not be queued."""
+        """Send one multipart message; raise :class:`SendFailed` if it could not be queued.
+
+        Every frame is checked before the first goes out (``TypeError`` for one that is not
+        bytes-like, and nothing sent): frames go to libzmq one at a time, and a message left
+        half sent could only be dropped by closing its socket.
+        """
         if not frames:
             raise ValueError("a message needs at least one frame")
+        for frame in frames:
+            if frame.__class__ is not bytes:
+                _check_frames(frames)
+                break
         # An entry retired while we waited for its lock is replaced; bounded so that a caller
         # evicting in a tight loop cannot keep a sender spinning.
-        for _ in range(_EVICTED_RETRIES):
+        for _ in _RETRIES:
             entry = self._entries.get(endpoint)  # dict.get is atomic: no lock on the hit path
             if entry is None:
                 entry = self._open(endpoint)
@@ -312,7 +332,14 @@ class ZmqTransport:
                     if self._monitor is None:
                         self._send_blocking(entry, frames)
                     else:
-                        self._send_watched(entry, frames)
+                        # Monitored (ZMQ-19): non-blocking first, which is all a warm socket
+                        # needs; without a connection, wait for one in poll slices.
+                        try:
+                            sent = _push(entry.send_frame, entry.socket, frames)
+                        except zmq.ZMQError as exc:
+                            self._send_error(entry, exc)
+                        if not sent:
+                            self._send_waiting(entry, frames)
                     entry.sends += 1
                     entry.last_used = next(self._ticks)
                     return
@@ -343,12 +370,16 @@ class ZmqTransport:
         """Send one metadata message to every rank of ``generation``, dummy ranks included,
         addressed to the generation's instance (ZMQ-21)."""
         instance_id = generation.instance_id
+        build = backend.metadata_frames
         for rank in generation.ranks:
-            frames = backend.metadata_frames(rank, request, instance_id=instance_id)
-            self.send((rank.ip, rank.port), frames)
+            # rank[:2] is (ip, port) as a plain tuple, built in C.
+            self.send(rank[:2], build(rank, request, instance_id=instance_id))
 
     def _send_blocking(self, entry: _Entry, frames: Sequence[bytes]) -> None:
-        """``monitor=False``: a blocking send; any failure closes and evicts (ZMQ-6)."""
+        """``monitor=False``: a blocking send; any failure closes and evicts (ZMQ-6).
+
+        pyzmq's ``send_multipart``, as SGLang sends: this path is the baselines' (``queueing``
+        is SGLang's transport, ``monitor=False`` the previous one), so it keeps their cost."""
         try:
             entry.socket.send_multipart(frames)
         except zmq.ZMQError as exc:
@@ -361,16 +392,10 @@ class ZmqTransport:
                 endpoint=entry.url,
             ) from exc
 
-    def _send_watched(self, entry: _Entry, frames: Sequence[bytes]) -> None:
-        """Monitored send: non-blocking, then wait for a connection in slices (ZMQ-19)."""
+    def _send_waiting(self, entry: _Entry, frames: Sequence[bytes]) -> None:
+        """Monitored send that found no completed connection (a new socket, or the peer just
+        went): wait for one in poll slices until SNDTIMEO or the monitor's verdict (ZMQ-19)."""
         socket = entry.socket
-        try:
-            socket.send_multipart(frames, zmq.NOBLOCK)
-            return
-        except zmq.Again:
-            pass  # no completed connection right now (new socket, or the peer just went)
-        except zmq.ZMQError as exc:
-            self._send_error(entry, exc)
         deadline = time.monotonic() + self._timeout_s
         slice_ms = _FIRST_SLICE_MS
         while True:
@@ -391,14 +416,13 @@ class ZmqTransport:
                 self._send_timed_out(entry)
             try:
                 zmq.zmq_poll([(socket, zmq.POLLOUT)], min(slice_ms, math.ceil(left_ms)))
-                socket.send_multipart(frames, zmq.NOBLOCK)
-                return
-            except zmq.Again:
+                if _push(entry.send_frame, socket, frames):
+                    return
                 slice_ms = min(slice_ms * 2, _MAX_SLICE_MS)
             except zmq.ZMQError as exc:
                 self._send_error(entry, exc)
 
-    def _send_timed_out(self, entry: _Entry) -> None:
+    def _send_timed_out(self, entry: _Entry) -> NoReturn:
         """No connection took the message within SNDTIMEO: open the circuit, tell the monitor."""
         reason = f"no live peer within SNDTIMEO={self.send_timeout_ms} ms"
         message = (
@@ -410,7 +434,7 @@ class ZmqTransport:
         next(self._failures)
         raise SendFailed(message, endpoint=entry.url)
 
-    def _send_error(self, entry: _Entry, exc: zmq.ZMQError) -> None:
+    def _send_error(self, entry: _Entry, exc: zmq.ZMQError) -> NoReturn:
         """Any other ZMQError: the socket is unusable; close it (ZMQ-18)."""
         entry.failed = True
         self._close_socket(entry)
@@ -671,6 +695,62 @@ class ZmqTransport:
                 with self._lock:
                     self._listener_errors += 1
                 _log.exception("endpoint listener raised; other listeners still run")
+
+
+FrameSender = Callable[[zmq.Socket[bytes], bytes, int], object]
+
+
+def _frame_sender(socket: zmq.Socket[bytes]) -> FrameSender:
+    """The cheapest correct way to hand ``socket`` one frame: the backend's ``Socket.send``
+    when the socket's class does not override pyzmq's ``send`` (whose only addition is the
+    routing-id and group arguments of draft sockets, which a PUSH socket never takes), else the
+    class's own ``send``."""
+    cls = type(socket)
+    if cls.send is zmq.Socket.send and isinstance(socket, zmq.backend.Socket):
+        backend_send: FrameSender = zmq.backend.Socket.send
+        return backend_send
+    own_send: FrameSender = cls.send
+    return own_send
+
+
+def _push(send: FrameSender, socket: zmq.Socket[bytes], frames: Sequence[bytes]) -> bool:
+    """Queue ``frames`` as one message without blocking; False if no connection could take it.
+
+    libzmq decides at the first frame: it raises ``zmq.Again`` then (IMMEDIATE, no completed
+    connection, or the queue at its high-water mark), with nothing queued, so the caller may
+    wait and try the whole message again. Once the first frame is in, the later ones of the same
+    message are not refused for room; any error on them propagates as ``zmq.ZMQError`` (the
+    caller closes the socket, which discards the part already queued: libzmq never delivers
+    half a message).
+    """
+    if len(frames) > 1:
+        try:
+            send(socket, frames[0], _NOBLOCK_MORE)
+        except zmq.Again:
+            return False
+        for frame in frames[1:-1]:
+            send(socket, frame, _NOBLOCK_MORE)
+        send(socket, frames[-1], _NOBLOCK)
+        return True
+    try:
+        send(socket, frames[0], _NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
+def _check_frames(frames: Sequence[bytes]) -> None:
+    """``TypeError`` unless every frame is bytes-like (what libzmq can take), before any is sent."""
+    for index, frame in enumerate(frames):
+        if isinstance(frame, (bytes, zmq.Frame)):
+            continue
+        try:
+            memoryview(frame)
+        except TypeError:
+            raise TypeError(
+                f"frame {index} of the message is a {type(frame).__name__}, not bytes: a "
+                "backend's frames must be bytes (nothing was sent)"
+            ) from None
 
 
 def _close_monitored(socket: zmq.Socket[bytes], monitored: bool) -> None:

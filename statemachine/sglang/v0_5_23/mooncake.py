@@ -116,20 +116,25 @@ class MooncakeBackend:
     ) -> list[bytes]:
         if rank.is_dummy:
             # Frames 4 and 5 both empty is how the prefill tells a dummy peer (SGW-4).
-            kv, aux, state, device = b"", b"", b"", b""
-        else:
-            kv = request.kv_bytes
-            aux = ascii_int(request.aux_index)
-            state, device = request.state_bytes, request.device_kv_bytes
+            return [
+                request.ascii_room,
+                *self._prefix,
+                b"",
+                b"",
+                b"",
+                request.ascii_required_dst_info_num,
+                request.ascii_prefix_len,
+                b"",
+            ]
         return [
-            ascii_int(request.room),
+            request.ascii_room,
             *self._prefix,
-            kv,
-            aux,
-            state,
-            ascii_int(request.required_dst_info_num),
-            ascii_int(request.prefix_len),
-            device,
+            request.kv_bytes,
+            request.ascii_aux_index,
+            request.state_bytes,
+            request.ascii_required_dst_info_num,
+            request.ascii_prefix_len,
+            request.device_kv_bytes,
         ]
 
     def abort_frames(

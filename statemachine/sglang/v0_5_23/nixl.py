@@ -124,13 +124,13 @@ class NixlBackend:
         dummy = rank.is_dummy
         return [
             GUARD,
-            ascii_int(request.room),
+            request.ascii_room,
             *self._prefix,
             b"" if dummy else request.kv_bytes,
-            ascii_int(request.aux_index),  # sent for a dummy too, unlike Mooncake (SGW-4)
-            ascii_int(request.required_dst_info_num),
+            request.ascii_aux_index,  # sent for a dummy too, unlike Mooncake (SGW-4)
+            request.ascii_required_dst_info_num,
             b"" if dummy else request.state_bytes,
-            ascii_int(request.prefix_len),
+            request.ascii_prefix_len,
             _DUMMY[dummy],
         ]
 
