@@ -202,7 +202,7 @@ Hit(r, a) ==
                /\ rgen' = rgen
     /\ rstate' = [rstate EXCEPT ![r] = "cached"]
     /\ rkey' = [rkey EXCEPT ![r] = a]
-    /\ Unflight(r, "published")
+    /\ Unflight(r, "published")  \* a follower lets go of its flight (r leads none: o unused)
     /\ UNCHANGED <<pool, objEpoch, epoch, faults, acked, pooled, watched, marked, notified>>
 
 \* The fetch begins: its object remembers the epoch that answers first.  With no
