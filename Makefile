@@ -13,7 +13,7 @@ SGLANG_CONS  := tests/sglang_interop/constraints.txt
 SGLANG_IMPORTS := import sglang.srt.disaggregation.common.conn, \
 	sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn
 
-.PHONY: demo test lint typecheck pytest crosshair bench tlc clean
+.PHONY: demo test lint typecheck pytest crosshair bench tlc mutate clean
 
 # pip stays --quiet (its full output is hundreds of lines); the echo lines say what it is doing.
 $(STAMP): pyproject.toml
@@ -89,6 +89,13 @@ bench: $(STAMP)
 # runs the same comparison without MCLarge (tests/test_model_tlc.py) when the variable is set.
 tlc: $(STAMP)
 	$(PY) -m statemachine.model.tlc
+
+# Seeded bugs in the manager, flight, plans, transport, liveness, acks, etcd and server code
+# (tests/code_mutants): each applied to a temporary copy of the tree, its targeted tests run
+# there; prints progress and a caught/survived report. Minutes (real processes); not in `test`
+# (tests/test_code_mutants.py, which is, checks that the table still fits the sources).
+mutate: $(STAMP)
+	$(PY) -m tests.code_mutants
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -115,6 +115,9 @@ def test_values_that_do_not_fit_their_key_are_never_served() -> None:
         encode_value(payload(0, tp=1, tp_size=2), "inst", "reg"),  # port 0
         encode_value({**payload(5000, tp=1, tp_size=2), "rank_ip": "::bad::"}, "i", "r"),
         encode_value({**payload(5000, tp=1, tp_size=2), "attn_tp_size": True}, "i", "r"),
+        encode_value({**payload(5000, tp=1, tp_size=2), "rank_ip": "prefill-0"}, "i", "r"),
+        encode_value({**payload(5000, tp=1, tp_size=2), "attn_tp_size": 4097}, "i", "r"),
+        encode_value({**payload(5000, tp=1, tp_size=2), "kv_cache_dtype": "x" * 65}, "i", "r"),
         encode_value(payload(5000, tp=1, tp_size=2), "", "reg"),  # empty instance id
         json.dumps(payload(5000, tp=1, tp_size=2)).encode(),  # no instance id at all
     ]

@@ -365,6 +365,78 @@ def test_a_marked_generation_fails_its_holder_at_start(
         manager.close()
 
 
+def _held_outside_the_pool(manager: DecodeManager, addr: str, holder: BootstrapReceiver) -> None:
+    """Drop ``holder``'s generation from the pool the way a real failure does: another request
+    on the same generation fails (on another rank of its room) and invalidates it by identity.
+    ``holder`` still holds the object; only ``_held`` can tell the watch about it now."""
+    (generation,) = holder.entries.values()
+    other = manager.receiver(addr, 900, PLAN, prefill_dp_rank=0)
+    assert other.init() == KVPoll.WaitingForInput
+    assert other.entries[PoolKey(addr, 0, 0, 0)] is generation
+    with pytest.raises(PeerLost):
+        other.failure_exception()
+    assert manager.pool.get(PoolKey(addr, 0, 0, 0)) is None
+
+
+def test_a_watch_event_marks_a_held_generation_no_longer_in_the_pool(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    """The watch's mark reaches generations only receivers in flight hold: a request that
+    adopted a generation, which then left the pool, fails at ``send_metadata`` with
+    RankRetired once the prefill re-registered - never starts a transfer on it. Waits for the
+    mark itself. Catches a watch that examines the pool only (the held generation would be
+    neither marked nor handed to the fan-out, and the request would start on the old ranks)."""
+    from statemachine.discovery.changes import retired_at
+
+    prefix, addr, _ = cluster
+    manager = manager_for(etcd, prefix)
+    source = manager.etcd
+    assert source is not None
+    try:
+        old = launch(etcd, cluster)
+        assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
+        holder = manager.receiver(addr, 1, PLAN, prefill_dp_rank=0)
+        assert holder.init() == KVPoll.WaitingForInput
+        (generation,) = holder.entries.values()
+        _held_outside_the_pool(manager, addr, holder)
+        launch(etcd, cluster)  # re-registers every rank: the old registration is replaced
+        assert wait_until(lambda: retired_at(generation) is not None, BOUND)
+        assert holder.send_metadata((1,), aux_index=0) == KVPoll.Failed
+        assert isinstance(holder.failure, RankRetired), holder.failure
+        assert all(rank.alive() for rank in old.ranks)  # nothing but the watch knew
+    finally:
+        manager.close()
+
+
+def test_a_watch_event_fails_a_transfer_on_a_generation_no_longer_in_the_pool(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    """The watch's listener hands the held generations it marked to the manager's fan-out: a
+    request already transferring on a generation that left the pool fails with RankRetired
+    when the prefill re-registers. Waits for the request's wake-up. Catches a listener that
+    fans out only the pool entries the change retired (none here: the request would wait out
+    its timeout)."""
+    prefix, addr, _ = cluster
+    manager = manager_for(etcd, prefix)
+    source = manager.etcd
+    assert source is not None
+    try:
+        old = launch(etcd, cluster, ack_delay_ms=60_000)  # its transfers never finish in time
+        assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
+        holder = start(manager, addr, 1)
+        assert holder.state == life.WAITING
+        lost = threading.Event()
+        holder.on_change = lost.set  # no ack can come: the only news is the fan-out
+        _held_outside_the_pool(manager, addr, holder)
+        launch(etcd, cluster)
+        assert lost.wait(BOUND), "the watch event never failed the transfer"
+        assert holder.poll() == KVPoll.Failed
+        assert isinstance(holder.failure, RankRetired), holder.failure
+        assert manager.stats().failures.get("RankRetired") == 1
+    finally:
+        manager.close()
+
+
 def test_with_etcd_leaves_no_thread_behind(etcd: EtcdServer) -> None:
     baseline = threading.active_count()
     for _ in range(3):

@@ -29,7 +29,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from statemachine.decode.client import route_payload
 from statemachine.discovery.changes import generation_for, revision_of, still_current
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
-from statemachine.discovery.gateway import EtcdGateway, KeyValue, WatchEvent, WatchMessage
+from statemachine.discovery.gateway import (
+    EtcdGateway,
+    KeyValue,
+    RangeReply,
+    WatchEvent,
+    WatchMessage,
+)
 from statemachine.discovery.layout import RankKey, encode_value, rank_key
 from statemachine.errors import NotReady
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
@@ -48,9 +54,9 @@ class _Listing:
     makes; everything after it is the source's own code)."""
 
     def __init__(self, revision: int, kvs: list[KeyValue]) -> None:
-        self.reply = (revision, 7, kvs)  # one cluster id throughout
+        self.reply = RangeReply(revision, 7, kvs)  # one cluster id throughout
 
-    def get_prefix(self, prefix: bytes) -> tuple[int, int, list[KeyValue]]:
+    def get_prefix(self, prefix: bytes, **_: object) -> RangeReply:
         return self.reply
 
 

@@ -9,7 +9,6 @@ no thread after close. Requirement IDs: MGR-n (spec/manager.md), LIFE-n (spec/li
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -22,11 +21,13 @@ from test_receiver import (
     TOKEN,
     TP,
     Prefill,
+    _TwoDpPlan,
     finish,
     key_of,
     start_prefill,
     stop_prefill,
 )
+from zmq_support import VerdictRecorder
 
 from statemachine import lifecycle as life
 from statemachine.backend import MetadataRequest, SimpleBackend, parse_metadata
@@ -53,7 +54,7 @@ from statemachine.errors import (
     WaitingTimeout,
 )
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import BootstrapPool, RankInfo
+from statemachine.pool import BootstrapPool, PoolKey, RankInfo
 from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import Topology
 
@@ -101,6 +102,24 @@ def poll_all_failed(receivers: list[BootstrapReceiver]) -> bool:
     return all(r.poll() == KVPoll.Failed for r in receivers)
 
 
+class WakeCounter:
+    """Counts the ``on_change`` wake-ups of a set of receivers: a test waits for the event
+    (every one of them was told something) instead of polling against the clock."""
+
+    def __init__(self, receivers: list[BootstrapReceiver]) -> None:
+        self._left = len(receivers)
+        self._lock = threading.Lock()
+        self.all_woken = threading.Event()
+        for receiver in receivers:
+            receiver.on_change = self._woken
+
+    def _woken(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left <= 0:
+                self.all_woken.set()
+
+
 def assert_nothing_left(manager: DecodeManager) -> None:
     stats = manager.stats()
     assert manager.acks is not None and manager.acks.stats().expected == 0
@@ -120,19 +139,25 @@ def slow_prefill() -> Iterator[Prefill]:
 
 
 def test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it(slow_prefill: Prefill) -> None:
-    """A rank dies; the first send that finds it dead is the evidence: every request in flight
-    on that generation fails with RankDead at once (not after the waiting timeout), and its
-    generation, ack expectations and sockets are gone."""
+    """A rank dies; the transport's verdict on its socket is the evidence: every request in
+    flight on that generation fails with RankDead at once (not after the waiting timeout), and
+    its generation, ack expectations and sockets are gone; a request started afterwards fails
+    on its first send to the dead rank.
+
+    Deterministic: it waits for the verdict and for every victim's wake-up, never for a time.
+    (It used to race a probe's send against the verdict and failed 1 run in 2 under load.)
+    Catches a fan-out that matches a generation by its first rank only (rank 1 dies here),
+    sockets never released after the fan-out, and failures without their evidence time."""
     with manager_for(waiting_timeout_s=300.0) as manager:
         victims = in_flight_waiting(manager, slow_prefill, range(1, 9))
+        woken = WakeCounter(victims)
+        verdicts = VerdictRecorder()
+        manager.transport.subscribe(verdicts)
+        dead = ("127.0.0.1", slow_prefill.ranks[1].port)
         slow_prefill.ranks[1].kill()
-        probe = manager.receiver(slow_prefill.addr, 100, PLAN, prefill_dp_rank=0)
-        assert probe.init() == KVPoll.WaitingForInput  # a hit on the generation with the dead rank
-        assert probe.send_metadata((1,)) == KVPoll.Failed
-        assert isinstance(probe.failure, SendFailed)
-        evidence = time.monotonic()
-        assert wait_until(lambda: poll_all_failed(victims))
-        assert time.monotonic() - evidence < FAIL_BOUND_S
+        verdicts.wait_for(dead, alive=False, timeout=FAIL_BOUND_S)
+        assert woken.all_woken.wait(FAIL_BOUND_S), "the fan-out did not reach every victim"
+        assert poll_all_failed(victims)
         for victim in victims:
             assert isinstance(victim.failure, RankDead), victim.failure
             assert "retry" in str(victim.failure)
@@ -142,6 +167,44 @@ def test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it(slow_prefill: P
         assert stats.failures.get("RankDead") == len(victims)
         assert stats.detection.count == len(victims)
         assert_nothing_left(manager)
+        # The server still lists the dead rank: the next request refetches it and fails on
+        # its first send there (the circuit is open, or the fresh connect is refused).
+        probe = manager.receiver(slow_prefill.addr, 100, PLAN, prefill_dp_rank=0)
+        assert probe.init() == KVPoll.Failed
+        assert isinstance(probe.failure, SendFailed), probe.failure
+        assert manager.stats().failures.get("SendFailed") == 1
+
+
+def test_mgr_1_a_failed_send_fails_every_request_in_flight_on_that_rank(
+    slow_prefill: Prefill,
+) -> None:
+    """With the socket monitor off, a request's own failed send is the only evidence: it fails
+    every other request in flight on that generation with RankDead, in the same call.
+
+    Until libzmq has seen the dead rank's connection close, a send to it is still taken (and
+    lost); so requests are started until one's send fails - the event, not a time - and every
+    one started before it is a victim too. Catches a failed send that fans out nothing."""
+    transport = ZmqTransport(monitor=False, send_timeout_ms=300)
+    try:
+        with manager_for(transport=transport, waiting_timeout_s=300.0) as manager:
+            victims = in_flight_waiting(manager, slow_prefill, range(1, 5))
+            slow_prefill.ranks[1].kill()
+            for room in range(100, 100 + 100_000):
+                probe = manager.receiver(slow_prefill.addr, room, PLAN, prefill_dp_rank=0)
+                assert probe.init() == KVPoll.WaitingForInput  # a hit on the generation
+                if probe.send_metadata((room,)) == KVPoll.Failed:
+                    break
+                victims.append(probe)
+                time.sleep(0.001)  # leave libzmq's I/O thread the core
+            else:
+                pytest.fail("every send to a killed rank was taken")
+            assert isinstance(probe.failure, SendFailed), probe.failure
+            assert poll_all_failed(victims)  # no wait: the fan-out ran inside that send
+            assert all(isinstance(v.failure, RankDead) for v in victims)
+            assert manager.pool.get(key_of(slow_prefill)) is None
+            assert manager.stats().failures == {"RankDead": len(victims), "SendFailed": 1}
+    finally:
+        transport.close()
 
 
 def test_mgr_1_kill_whole_prefill_health_fails_everything_bound_to_it(
@@ -213,6 +276,129 @@ def test_mgr_1_restart_behind_same_address_fails_old_rooms_and_serves_new_ones()
         if server is not None:
             server.stop()
     assert wait_until(lambda: threading.active_count() <= threads_before)
+
+
+def _restart_server(prefill: Prefill) -> BootstrapServer:
+    """A new bootstrap server (a new instance id) behind ``prefill``'s address; the rank
+    processes stay up on their ports and register with it, so no socket can tell."""
+    port = int(prefill.addr.rsplit(":", 1)[1])
+    prefill.server.stop()
+    server = BootstrapServer("127.0.0.1", port, token=TOKEN).start()
+    for rank in prefill.ranks:
+        payload = route_payload(
+            rank_ip="127.0.0.1", rank_port=rank.port, tp_rank=rank.tp_rank, tp_size=TP
+        )
+        register_rank(server.address, TOKEN, payload)
+    return server
+
+
+def test_mgr_1_a_fetch_answered_by_a_new_instance_retires_the_old_one() -> None:
+    """POOL-6 on the fetch side, with nothing else to tell: no socket monitor, no health
+    monitor, the ranks alive on their ports. A request that adopted an entry of instance A and
+    fetched another key from a server now answering as B retires A's entries, fails the other
+    requests in flight on them with PrefillRestarted ("seen by fetch"), refetches its stale
+    key and goes on with B's generations only.
+
+    Catches: the retirement not fanning out (the victims would wait out their timeout), the
+    finder failing itself (its own exclusion dropped), and the stale key not refetched (the
+    finder would start a transfer on A's ports)."""
+    first = start_prefill(ack_delay_ms=SLOW_ACK_MS)
+    transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+    server: BootstrapServer | None = None
+    try:
+        with manager_for(transport=transport) as manager:
+            victims = in_flight_waiting(manager, first, range(1, 4))
+            old = manager.pool.get(key_of(first))
+            assert old is not None
+            old_id = first.server.instance_id
+            server = _restart_server(first)
+            finder = manager.receiver(
+                server.address, 50, _TwoDpPlan(tp_ranks=PLAN.tp_ranks), prefill_dp_rank=0
+            )
+            # One key hits A's entry, the other misses and is fetched from B.
+            assert finder.init() == KVPoll.WaitingForInput, finder.failure
+            assert {g.instance_id for g in finder.entries.values()} == {server.instance_id}
+            fresh = manager.pool.get(key_of(first))
+            assert fresh is not None and fresh is not old
+            assert finder.entries[key_of(first)] is fresh
+            for victim in victims:
+                assert victim.poll() == KVPoll.Failed  # no wait: failed inside the fetch
+                assert isinstance(victim.failure, PrefillRestarted), victim.failure
+                assert (victim.failure.old_id, victim.failure.new_id) == (
+                    old_id,
+                    server.instance_id,
+                )
+                assert "seen by fetch" in str(victim.failure)
+            assert finder.send_metadata((50,)) == KVPoll.Transferring
+            finder.abort()
+            assert manager.stats().failures == {"PrefillRestarted": len(victims), "Aborted": 1}
+    finally:
+        stop_prefill(first)
+        if server is not None:
+            server.stop()
+        transport.close()
+
+
+def test_mgr_1_a_restart_notice_leaves_requests_on_the_new_instance_alone() -> None:
+    """The health monitor's restart notice (A replaced by B) fails the requests in flight on
+    A's generations and none already running on B's. Driven by ``probe_once`` (the monitor's
+    thread probes once an hour here), so the notice comes exactly when the test says.
+    Catches a restart fan-out that fails every request bound to the address."""
+    first = start_prefill(ack_delay_ms=SLOW_ACK_MS)
+    transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+    server: BootstrapServer | None = None
+    try:
+        with manager_for(
+            transport=transport, health_interval_s=3600.0, failures_to_dead=10_000
+        ) as manager:
+            assert manager.health is not None
+            old_rooms = in_flight_waiting(manager, first, range(1, 4))  # baseline: A
+            server = _restart_server(first)
+            # A request keyed by tp rank 1 misses (A's entry is keyed by tp rank 0), so it
+            # fetches from B and adopts nothing of A's.
+            by_tp1 = RankPlan(tp_ranks=PLAN.tp_ranks, target_tp_rank=1)
+            new_room = manager.receiver(server.address, 10, by_tp1, prefill_dp_rank=0)
+            assert new_room.init() == KVPoll.WaitingForInput
+            assert {g.instance_id for g in new_room.entries.values()} == {server.instance_id}
+            assert new_room.send_metadata((10,)) == KVPoll.Transferring
+            manager.health.probe_once()  # sees B where it saw A
+            assert manager.health.restarts_seen == 1
+            for receiver in old_rooms:
+                assert receiver.poll() == KVPoll.Failed
+                assert isinstance(receiver.failure, PrefillRestarted), receiver.failure
+                assert "seen by health" in str(receiver.failure)
+            assert new_room.poll() == KVPoll.Transferring and new_room.failure is None
+            new_generation = new_room.entries[PoolKey(server.address, 0, 0, 1)]
+            assert manager.pool.get(PoolKey(server.address, 0, 0, 1)) is new_generation
+            new_room.abort()
+    finally:
+        stop_prefill(first)
+        if server is not None:
+            server.stop()
+        transport.close()
+
+
+def test_mgr_1_a_room_whose_acks_all_arrived_succeeds_despite_later_evidence() -> None:
+    """MGR-14: evidence arriving after every response came in changes nothing - the fan-out
+    skips the room (counts 0) and the next poll says Success. Waits for the acks' wake-up.
+    Catches a fan-out that fails a room already fully acknowledged."""
+    prefill = start_prefill(ack_delay_ms=0)
+    try:
+        with manager_for() as manager:
+            receiver = manager.receiver(prefill.addr, 1, PLAN, prefill_dp_rank=0)
+            acked = WakeCounter([receiver])  # the only news it can get: its acks
+            assert receiver.init() == KVPoll.WaitingForInput
+            assert receiver.send_metadata((1,)) == KVPoll.Transferring
+            assert acked.all_woken.wait(FAIL_BOUND_S), "the prefill's acks never arrived"
+            generation = receiver.entries[key_of(prefill)]
+            evidence = RankDead("rank gone after the transfer", endpoint="tcp://127.0.0.1:1")
+            assert manager.fail_generations([generation], evidence) == 0
+            assert receiver.poll() == KVPoll.Success and receiver.failure is None
+            stats = manager.stats()
+            assert stats.fanout.get("RankDead") == 0 and stats.failures == {}
+            assert stats.completed == 1
+    finally:
+        stop_prefill(prefill)
 
 
 def _probed(manager: DecodeManager, addr: str) -> bool:
@@ -328,6 +514,21 @@ def test_mgr_4_every_terminal_path_forgets_the_ack_expectation(slow_prefill: Pre
         assert failing.init() == KVPoll.Failed and isinstance(failing.failure, SendFailed)
         assert manager.acks.stats().expected == 0  # the manager never uses the listener's table
         assert manager.stats().in_flight == 0
+
+
+def test_mgr_13_a_repeated_report_counts_once_and_complete_says_so(slow_prefill: Prefill) -> None:
+    """MGR-13: ``complete(room, prefill_rank=r)`` returns whether the report was new; a rank
+    reporting twice counts once (the room of two ranks still waits for the other), and the
+    second call says False. Catches a repeat taken as new (``complete`` would return True)."""
+    with manager_for() as manager:
+        (receiver,) = in_flight_waiting(manager, slow_prefill, range(1, 2))
+        assert receiver.expected_acks() == TP
+        assert manager.complete(1, prefill_rank=0) is True
+        assert manager.complete(1, prefill_rank=0) is False
+        assert receiver.poll() == KVPoll.Transferring
+        assert manager.complete(1, prefill_rank=1) is True
+        assert receiver.poll() == KVPoll.Success
+        assert manager.complete(1, prefill_rank=1) is False  # no longer in flight
 
 
 def test_mgr_4_external_completion_for_engines_that_report_it() -> None:
@@ -722,19 +923,20 @@ def test_mgr_3_a_follower_past_its_deadline_fails_and_the_leader_goes_on(
 def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
     slow_prefill: Prefill,
 ) -> None:
-    """The transport's listener reporting an endpoint dead (here: a send to it by another
-    user of the transport failed; a socket-monitoring transport may say so first) fails the
-    requests in flight whose generation names it, with RankDead, and nothing else."""
+    """The transport's listener reporting an endpoint dead (here: the socket monitor saw the
+    rank's connection refused) fails the requests in flight whose generation names it, with
+    RankDead, and nothing else. Waits for the verdict and the victims' wake-ups (events)."""
     with manager_for() as manager:
         victims = in_flight_waiting(manager, slow_prefill, range(1, 4))
+        woken = WakeCounter(victims)
         bystander = manager.receiver("127.0.0.1:1", 50, PLAN, prefill_dp_rank=0)
+        verdicts = VerdictRecorder()
+        manager.transport.subscribe(verdicts)
         dead = ("127.0.0.1", slow_prefill.ranks[0].port)
         slow_prefill.ranks[0].kill()
-        with contextlib.suppress(SendFailed):
-            for _ in range(50):  # until libzmq has noticed the kill
-                manager.transport.send(dead, [b"probe"])
-                time.sleep(0.01)
-        assert wait_until(lambda: poll_all_failed(victims))
+        verdicts.wait_for(dead, alive=False, timeout=FAIL_BOUND_S)
+        assert woken.all_woken.wait(FAIL_BOUND_S)
+        assert poll_all_failed(victims)
         assert all(isinstance(v.failure, RankDead) for v in victims)
         assert bystander.poll() == KVPoll.Bootstrapping  # bound elsewhere: untouched
         bystander.clear()

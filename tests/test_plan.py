@@ -8,6 +8,7 @@ computed by SGLang's code itself, is ``tests/test_sglang_plans.py``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -371,3 +372,39 @@ def test_plan_9_manager_without_layout_refuses_a_tp2_prefill() -> None:
 def test_plan_9_manager_without_layout_plans_a_one_rank_prefill() -> None:
     with prefill_server(1) as addr, manager(None) as decode:
         assert decode.plan_for(addr) is DEFAULT_PLAN
+
+
+@pytest.mark.parametrize(("model", "responses"), [(NON_MLA, 2), (MLA, 1)], ids=["gqa", "mla"])
+def test_plan_5_decode_rank_1_of_a_smaller_tp_pulls_its_own_prefill_ranks(
+    model: dict[str, Any], responses: int
+) -> None:
+    """PLAN-5 end to end for a decode rank other than 0: decode rank 1 of tp 2 against four
+    real prefill rank processes (tp 4) fetches, registers with and completes on prefill ranks
+    2 and 3 - the pool key named by tp rank 2, the generation holding their ports, their acks
+    completing the room (MLA: rank 3 is a dummy, one response). Catches a span that starts at
+    the decode rank instead of rank x span, and a key named by the decode rank: for rank 0
+    both coincide with the right answer."""
+    from statemachine.prefill.rank import PrefillRankProcess
+
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    ranks = [PrefillRankProcess(server.address, TOKEN, tp_rank=tp, tp_size=4) for tp in range(4)]
+    try:
+        for rank in ranks:
+            rank.start()
+        with manager(DecodeLayout(1, 2, **model)) as decode:
+            receiver = decode.receiver(server.address, 7, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.WaitingForInput, receiver.failure
+            key = PoolKey(server.address, 0, 0, 2)
+            assert list(receiver.entries) == [key]
+            generation = receiver.entries[key]
+            assert [rank.port for rank in generation.ranks] == [ranks[2].port, ranks[3].port]
+            assert receiver.expected_acks() == responses
+            assert receiver.send_metadata((1, 2)) == KVPoll.Transferring
+            deadline = time.monotonic() + 10.0
+            while receiver.poll() == KVPoll.Transferring and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert receiver.poll() == KVPoll.Success, receiver.failure
+    finally:
+        for rank in ranks:
+            rank.kill()
+        server.stop()

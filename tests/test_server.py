@@ -317,6 +317,27 @@ def test_http60_bad_registration_bodies_are_400_and_change_nothing(
     assert route_query(server, -1, -1, -1, -1).json()["attn_tp_size"] == 2
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("page_size", True), ("page_size", False), ("prefill_http_port", True)],
+)
+def test_http63_json_true_is_not_an_integer_field(
+    server: BootstrapServer, field: str, value: bool
+) -> None:
+    """HTTP-63: ``"page_size": true`` is refused with a 400 that names the field, says what it
+    must be and what to do, and pins no topology. Python's ``bool`` is an ``int``, so a check
+    written as ``isinstance(value, int)`` takes ``true`` as page size 1 and the prefill's first
+    writer would pin it for the address (HTTP-51). Catches the seeded bug that drops the bool
+    test from the server's ``_optional`` (a 200 then)."""
+    reply = put_rank(server, rank_payload(**{field: value}))
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]
+    assert f"{field!r} must be null or an integer in 1.." in message, message
+    assert f"not {json.dumps(value)}" in message and "register again" in message, message
+    register_all(server, tp_size=2)  # the refused body did not pin a topology
+    assert route_query(server, -1, -1, -1, -1).json()["page_size"] == 16
+
+
 def test_http61_oversized_body_is_413(server: BootstrapServer) -> None:
     big = b'{"bootstrap_rooms": [' + b"1," * 40000 + b"1]}"
     reply = requests.post(url(server, "/query_dp_ranks"), data=big, timeout=TIMEOUT)

@@ -123,6 +123,30 @@ def test_zmq19_first_send_to_a_dead_port_fails_on_the_verdict() -> None:
         assert transport.stats().sockets_created == 1
 
 
+def test_zmq20_a_remembered_verdict_expires_after_down_hold_ms(context: zmq.Context) -> None:
+    """ZMQ-20: the verdict on a dead endpoint nobody retains outlives its closed socket for
+    ``down_hold_ms`` only; then it is forgotten, and the next send opens a new socket and
+    reaches a peer that listens on that port by now. Catches a held verdict that never
+    expires (every later send to the port fails in microseconds for ever, though a rank
+    listens there again) and a hold kept in the wrong unit (milliseconds read as seconds)."""
+    hold_ms = 300
+    verdicts = VerdictRecorder()
+    with ZmqTransport(send_timeout_ms=SLOW_MS, down_hold_ms=hold_ms) as transport:
+        transport.subscribe(verdicts)
+        endpoint = (LOOPBACK, dead_port())
+        _, ok = _timed_send(transport, endpoint)
+        assert not ok
+        verdicts.wait_for(endpoint, alive=False)
+        assert wait_until(lambda: transport.stats().sockets_open == 0)
+        with pull_peer(context, endpoint[1]) as (peer, _):
+            # The hold is a time by definition: wait (bounded) for it to end.
+            assert wait_until(lambda: not transport.is_down(endpoint), hold_ms / 1000 + 5.0)
+            assert transport.stats().endpoints_down == 0
+            transport.send(endpoint, [b"back"])
+            assert recv_n(peer, 1) == [[b"back"]]
+        assert transport.stats().sockets_created == 2
+
+
 def test_zmq16_a_retained_endpoint_comes_back_alive_behind_the_same_port(
     context: zmq.Context,
 ) -> None:

@@ -24,8 +24,18 @@ failure-driven invalidation still works) and retries with jittered back-off; on 
 watch resumes from revision + 1, so no change is missed and no list is needed. A resume whose
 revision was compacted meanwhile re-lists and diffs the store against the list, emitting a
 change for each key that differs. Another cluster answering (etcd replaced or restored) drops
-the store and every stamped generation, then lists the new cluster.
+the store and every stamped generation, then lists the new cluster. Every retry - reconnect,
+re-list, a bad reply, a replaced cluster - waits its jittered back-off (50 ms doubling to 2 s),
+reset only by a stream that stayed up for ``backoff_max``: a gateway that fails the same way
+each time costs at most one attempt per back-off, never a busy loop.
 ``stats()`` says ``connected=False`` while etcd is unreachable.
+
+**Defensive decoding** (docs/etcd.md, "Limits"). A key or event that does not decode, or whose
+value fails the bootstrap server's rules, is counted (``malformed``) and skipped: the rest sync.
+Revisions only move forward: an event not newer than the store is ignored (``stale_events``),
+one beyond its own message's header revision is refused (``refused_revisions``). Replies and
+watch messages have size caps and every exchange a total deadline (the gateway's); ``close()``
+ends the exchange in progress, so the thread ends within ``connect_timeout + 1`` s.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +54,14 @@ from statemachine.discovery.changes import (
     RankChange,
     mark_retired,
 )
-from statemachine.discovery.gateway import EtcdGateway, WatchIdle, WatchMessage, WatchStream
+from statemachine.discovery.deadline import Exchange
+from statemachine.discovery.gateway import (
+    EtcdBadReply,
+    EtcdGateway,
+    WatchIdle,
+    WatchMessage,
+    WatchStream,
+)
 from statemachine.discovery.layout import (
     DEFAULT_PREFIX,
     MalformedValue,
@@ -52,18 +70,16 @@ from statemachine.discovery.layout import (
     normalise_prefix,
     parse_key,
     parse_value,
+    topology_of,
 )
 from statemachine.errors import DiscoveryError, NotFound, NotReady, WatchCompacted
 from statemachine.pool import BootstrapPool, Generation, PoolKey
 from statemachine.validation import (
-    PLAN_KEYS,
-    TOPOLOGY_KEYS,
     InvalidArgument,
     RouteReply,
     Topology,
     parse_addr,
     require_index,
-    topology_reply,
 )
 
 __all__ = ["EtcdBootstrapSource", "EtcdSourceStats"]
@@ -92,7 +108,14 @@ class EtcdSourceStats:
     reconnects: int
     idle_reopens: int
     events_handled: int
+    #: keys and events skipped: undecodable (bad base64, ...) or a value failing validation
     malformed: int
+    #: events not newer than the store (a replay): ignored
+    stale_events: int
+    #: events whose revision lies beyond their message's header revision: refused
+    refused_revisions: int
+    #: replies etcd never sends (no header, not JSON, over a size cap): retried with back-off
+    bad_replies: int
     changes: int
     retired: int
     #: pool entries compared against the store (only the changed key's (addr, dp, cp))
@@ -195,6 +218,8 @@ class EtcdBootstrapSource:
         self._stop = threading.Event()
         self._stream_lock = threading.Lock()
         self._stream: WatchStream | None = None
+        #: the exchange with etcd in progress (a list, a watch open), for close() to end
+        self._exchange: Exchange | None = None
         self._thread: threading.Thread | None = None
         self._connected = False
         self._last_error: str | None = None
@@ -204,6 +229,9 @@ class EtcdBootstrapSource:
         self._idle_reopens = 0
         self._events = 0
         self._malformed = 0
+        self._stale_events = 0
+        self._refused_revisions = 0
+        self._bad_replies = 0
         self._changes = 0
         self._retired = 0
         self._examined = 0
@@ -265,17 +293,7 @@ class EtcdBootstrapSource:
         # allocation policy, DSpark) come from the reference rank's registration, as a bootstrap
         # server takes them from its first registration, and go through the same reply parser.
         registration = json.loads(reference.raw)  # a JSON object: parse_value checked it
-        reply = {k: v for k, v in registration.items() if k in TOPOLOGY_KEYS | PLAN_KEYS}
-        reply.update(
-            attn_tp_size=reference.attn_tp_size,
-            attn_cp_size=reference.attn_cp_size,
-            dp_size=reference.dp_size,
-            pp_size=reference.pp_size,
-            page_size=reference.page_size,
-            kv_cache_dtype=reference.kv_cache_dtype,
-            follow_bootstrap_room=reference.follow_bootstrap_room,
-        )
-        return topology_reply(reply, addr=addr, status=200, instance_id=reference.instance_id)
+        return topology_of(registration, reference, addr)
 
     def query_dp_ranks(self, addr: str, rooms: Sequence[int]) -> dict[int, int]:
         """dp rank per room, by the prefill's registered rule (docs/etcd.md, "dp ranks").
@@ -396,15 +414,27 @@ class EtcdBootstrapSource:
         return self._synced.wait(timeout)
 
     def close(self) -> None:
+        """Stop the watch thread: within ``connect_timeout + 1`` s (the gateway's), whatever
+        etcd or a proxy does - the exchange in progress is ended at once (its socket shut
+        down); only a TCP connect in progress cannot be, and it has its own timeout."""
         self._stop.set()
         with self._stream_lock:
-            stream = self._stream
+            stream, exchange = self._stream, self._exchange
+        if exchange is not None:
+            exchange.end("closed")
         if stream is not None:
             stream.close()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=sum(self.gateway.timeout) + 2.0)
+            thread.join(timeout=self.gateway.timeout[0] + 1.0)
         self.gateway.close()
+
+    def _track(self, exchange: Exchange) -> None:
+        """The gateway's ``on_exchange``: remember the exchange for ``close()``."""
+        with self._stream_lock:
+            self._exchange = exchange
+        if self._stop.is_set():  # close() ran before the exchange was visible to it
+            exchange.end("closed")
 
     def __enter__(self) -> EtcdBootstrapSource:
         return self.start()
@@ -425,6 +455,9 @@ class EtcdBootstrapSource:
             idle_reopens=self._idle_reopens,
             events_handled=self._events,
             malformed=self._malformed,
+            stale_events=self._stale_events,
+            refused_revisions=self._refused_revisions,
+            bad_replies=self._bad_replies,
             changes=self._changes,
             retired=self._retired,
             entries_examined=self._examined,
@@ -436,6 +469,8 @@ class EtcdBootstrapSource:
         backoff = self._backoff_initial
         need_list = True
         while not self._stop.is_set():
+            opened: float | None = None  # when the current watch stream was accepted
+            pause = True  # every way out of a stream but a healthy idle re-open waits
             try:
                 if need_list:
                     self._list_and_diff()
@@ -444,17 +479,18 @@ class EtcdBootstrapSource:
                     self._prefix_bytes,
                     start_revision=self._revision + 1,
                     read_timeout=self._idle_timeout,
+                    on_exchange=self._track,
                 )
                 with self._stream_lock:
                     self._stream = stream
                 if self._stop.is_set():  # close() ran before the stream was visible to it
                     stream.close()
                     break
+                opened = time.monotonic()
                 with stream:
                     for message in stream:
                         if message.created:
                             self._connected = True
-                            backoff = self._backoff_initial
                             if (
                                 message.cluster_id != self._cluster_id
                                 or message.revision < self._revision
@@ -467,11 +503,19 @@ class EtcdBootstrapSource:
                                 break
                         self._apply(message)
             except WatchIdle:
-                self._idle_reopens += 1  # quiet prefix: re-open from revision + 1, no re-list
+                # Quiet prefix: re-open from revision + 1, no re-list, no wait.
+                self._idle_reopens += 1
+                pause = False
             except WatchCompacted as exc:
                 self._compactions += 1
                 self._last_error = str(exc)
                 need_list = True
+            except EtcdBadReply as exc:
+                # Not etcd's reply: a broken gateway or proxy. Resume as after a broken
+                # stream (revision + 1); the back-off keeps a repeat from becoming a loop.
+                self._connected = False
+                self._bad_replies += 1
+                self._last_error = str(exc)
             except Exception as exc:  # DiscoveryError, or a bug: the store must keep serving
                 if self._stop.is_set():
                     break
@@ -483,11 +527,16 @@ class EtcdBootstrapSource:
                 # Resume from revision + 1 (etcd keeps the history until compaction, so no
                 # change is missed); only a compacted resume costs a re-list.
                 need_list = need_list or not isinstance(exc, DiscoveryError)
-                self._stop.wait(backoff * random.uniform(0.5, 1.0))
-                backoff = min(backoff * 2.0, self._backoff_max)
             finally:
                 with self._stream_lock:
                     self._stream = None
+                    self._exchange = None
+            if opened is not None and time.monotonic() - opened >= self._backoff_max:
+                # The stream served for a while: whatever ended it is news, not a repeat.
+                backoff = self._backoff_initial
+            if pause and not self._stop.is_set():
+                self._stop.wait(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2.0, self._backoff_max)
         self._connected = False
 
     # --- applying changes (watch thread only) -------------------------------------------------
@@ -500,8 +549,11 @@ class EtcdBootstrapSource:
             return None
 
     def _list_and_diff(self) -> None:
-        revision, cluster_id, kvs = self.gateway.get_prefix(self._prefix_bytes)
+        revision, cluster_id, kvs, undecodable = self.gateway.get_prefix(
+            self._prefix_bytes, on_exchange=self._track
+        )
         self._lists += 1
+        self._malformed += undecodable
         replaced = self._synced.is_set() and (
             self._replaced or cluster_id != self._cluster_id or revision < self._revision
         )
@@ -594,20 +646,28 @@ class EtcdBootstrapSource:
         # The store's revision moves once per message, after all its events: etcd sends every
         # event of one revision (a transaction, a lease revoke) in one message, so a reader
         # that sees revision R never sees R half applied.
-        newest = self._revision
+        self._malformed += message.malformed
+        applied = self._revision
+        newest = applied
         for event in message.events:
             self._events += 1
+            revision = event.kv.mod_revision
+            if revision > message.revision:
+                # etcd sends no event newer than its own header: taking one would move the
+                # store past every later real event (which would then look like a replay).
+                self._refused_revisions += 1
+                continue
+            if revision <= applied or revision < newest:
+                self._stale_events += 1  # a replay: the store already holds what followed
+                continue
+            newest = revision
             try:
                 key = parse_key(self.prefix, event.kv.key)
             except MalformedValue:
                 self._malformed += 1
                 continue
             old = self._records.get(key)
-            record = (
-                None if event.deleted else self._record(key, event.kv.value, event.kv.mod_revision)
-            )
-            revision = event.kv.mod_revision
-            newest = max(newest, revision)
+            record = None if event.deleted else self._record(key, event.kv.value, revision)
             if old is None and record is None:
                 continue
             self._store(key, record)

@@ -7,15 +7,21 @@ reported) - runs its reader on an executor whose errors nobody sees, and reads t
 without a timeout. The gateway API is small; owning these ~300 lines makes every call bounded
 and every failure typed. ``etcd3`` (gRPC) does not import with protobuf >= 4.
 
-Every call has a timeout (connect, read). A transport failure or a 5xx is
-:class:`EtcdUnavailable` and moves on to the next endpoint; another non-200 status is
-:class:`EtcdRequestFailed`. Sessions are per thread (``requests.Session`` is not thread-safe),
+Every call has a timeout (connect, read per ``recv``) and a total deadline (``call_deadline``,
+enforced by :mod:`~statemachine.discovery.deadline`: a reply trickled a byte at a time ends
+there too). A transport failure, a missed deadline or a 5xx is :class:`EtcdUnavailable` and
+moves on to the next endpoint; another non-200 status is :class:`EtcdRequestFailed`; a reply
+etcd never sends (not JSON, no header, larger than ``max_reply_bytes``) is
+:class:`EtcdBadReply`. Replies are decoded defensively: a key or watch event that does not
+decode (bad base64, a non-integer revision) is counted and skipped, never fails the rest
+(docs/etcd.md, "Limits"). Sessions are per thread (``requests.Session`` is not thread-safe),
 like the bootstrap client's.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import functools
 import json
@@ -23,18 +29,28 @@ import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import ReadTimeoutError
+from urllib3.response import HTTPResponse
 
+from statemachine.discovery.deadline import WATCHDOG, Exchange
 from statemachine.errors import EtcdRequestFailed, EtcdUnavailable, WatchCompacted
 from statemachine.validation import InvalidArgument
 
 __all__ = [
+    "DEFAULT_CALL_DEADLINE",
+    "DEFAULT_MAX_REPLY_BYTES",
+    "DEFAULT_MAX_WATCH_MESSAGE_BYTES",
+    "EtcdBadReply",
     "EtcdGateway",
+    "EtcdReplyTooLarge",
     "KeyValue",
+    "RangeReply",
     "TLSConfig",
     "WatchEvent",
     "WatchIdle",
@@ -86,8 +102,110 @@ def why_unreachable(exc: BaseException) -> str:
     return f"{type(root).__name__}: {str(root)[:120]}"
 
 
-#: Largest single watch message we buffer (etcd's default request limit is 1.5 MiB).
-MAX_WATCH_LINE = 8 << 20
+#: Largest reply body read (a list of the prefix, mostly): about 20,000 rank keys of ~800
+#: bytes each as the gateway encodes them. A longer reply is refused as soon as it is seen to
+#: be longer (its Content-Length, or the bytes read so far), never read to its end.
+DEFAULT_MAX_REPLY_BYTES = 16 << 20
+#: Largest single watch message buffered (etcd's default request limit is 1.5 MiB, so one
+#: transaction's events fit many times over).
+DEFAULT_MAX_WATCH_MESSAGE_BYTES = 8 << 20
+#: Total time one exchange with one endpoint may take, reply body included.
+DEFAULT_CALL_DEADLINE = 10.0
+#: Bytes asked of the socket per read: also the most a declared chunk size makes us buffer.
+_READ_CHUNK = 64 << 10
+#: etcd revisions are int64.
+_MAX_INT64 = (1 << 63) - 1
+
+
+class EtcdBadReply(EtcdUnavailable):
+    """An endpoint answered what etcd never sends (a reply without a header, not JSON, too
+    large): a broken gateway or proxy between us and etcd. Retried with back-off like an
+    unreachable etcd; check what sits in front of the endpoint."""
+
+
+class EtcdReplyTooLarge(EtcdBadReply):
+    """A reply or watch message longer than its cap (``max_reply_bytes``,
+    ``max_watch_message_bytes``): refused before it was read to its end."""
+
+
+# --- ending a blocked exchange from another thread (deadline.py) ------------------------------
+
+_CURRENT = threading.local()
+
+
+def _attach_current(sock: socket.socket | None) -> None:
+    """Hand the socket of the exchange this thread runs to its :class:`Exchange`."""
+    exchange: Exchange | None = getattr(_CURRENT, "exchange", None)
+    if exchange is not None and sock is not None:
+        exchange.attach(sock)
+
+
+class _HookedHTTPConnection(HTTPConnection):
+    def _new_conn(self) -> socket.socket:
+        sock = super()._new_conn()
+        _attach_current(sock)
+        return sock
+
+    def getresponse(self) -> HTTPResponse:  # type: ignore[override]
+        _attach_current(self.sock)  # a kept-alive connection never calls _new_conn again
+        return super().getresponse()
+
+
+class _HookedHTTPSConnection(HTTPSConnection):
+    def _new_conn(self) -> socket.socket:
+        sock = super()._new_conn()
+        _attach_current(sock)
+        return sock
+
+    def getresponse(self) -> HTTPResponse:  # type: ignore[override]
+        _attach_current(self.sock)  # the TLS socket, once wrapped
+        return super().getresponse()
+
+
+class _HookedHTTPPool(HTTPConnectionPool):
+    ConnectionCls = _HookedHTTPConnection
+
+
+class _HookedHTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _HookedHTTPSConnection
+
+
+class _HookedAdapter(HTTPAdapter):
+    """An adapter whose connections report their socket to the calling thread's exchange."""
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        # A new dict: the class-level default is shared by every PoolManager.
+        self.poolmanager.pool_classes_by_scheme = {
+            "http": _HookedHTTPPool,
+            "https": _HookedHTTPSPool,
+        }
+
+
+@contextlib.contextmanager
+def _exchange_on_this_thread(exchange: Exchange) -> Iterator[None]:
+    _CURRENT.exchange = exchange
+    try:
+        yield
+    finally:
+        _CURRENT.exchange = None
+
+
+def _read_capped(response: requests.Response, limit: int, what: str) -> bytes:
+    """The whole body, or :class:`EtcdReplyTooLarge` as soon as it is seen to pass ``limit``."""
+    declared = response.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise EtcdReplyTooLarge(
+            f"{what}: reply of {int(declared)} bytes refused (cap {limit}: max_reply_bytes)"
+        )
+    body = bytearray()
+    for chunk in response.iter_content(chunk_size=_READ_CHUNK):
+        body += chunk
+        if len(body) > limit:
+            raise EtcdReplyTooLarge(
+                f"{what}: reply longer than {limit} bytes refused (max_reply_bytes)"
+            )
+    return bytes(body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +245,13 @@ class WatchMessage:
     cluster_id: int
     created: bool
     events: tuple[WatchEvent, ...]
+    #: events of this message that did not decode (bad base64, ...): skipped
+    malformed: int = 0
 
 
 class WatchIdle(EtcdUnavailable):
-    """The watch stream sent nothing for its read timeout: re-open it from revision + 1.
+    """The watch stream sent no complete message for its idle timeout (bytes trickling in do
+    not count): re-open it from revision + 1.
 
     Not a failure by itself (a quiet prefix is silent): re-opening is how a half-open
     connection to a dead etcd is found without waiting for TCP to notice.
@@ -153,21 +274,37 @@ def _b64(data: bytes) -> str:
 
 
 def _unb64(text: object) -> bytes:
-    if not isinstance(text, str):
+    """A bytes field: absent means empty (proto3 default); anything but base64 is refused."""
+    if text is None:
         return b""
-    return base64.b64decode(text)
+    if not isinstance(text, str):
+        raise ValueError(f"not a base64 string: {type(text).__name__}")
+    return base64.b64decode(text, validate=True)
 
 
-def _int(value: object) -> int:
-    """int64 fields arrive as JSON strings; absent means 0 (proto3 default)."""
+def _int(value: object, *, unsigned: bool = False) -> int:
+    """int64 (``unsigned``: uint64) fields arrive as JSON strings; absent means 0 (proto3
+    default)."""
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"not an integer: {value!r}")
-    return int(value)
+    if isinstance(value, str) and not (value.isascii() and value.lstrip("-").isdigit()):
+        raise ValueError(f"not an integer: {value[:40]!r}")
+    number = int(value)
+    low, high = (0, 2 * _MAX_INT64 + 1) if unsigned else (-_MAX_INT64 - 1, _MAX_INT64)
+    if not low <= number <= high:
+        raise ValueError(f"out of range: {number}")
+    return number
 
 
-def _kv(obj: Mapping[str, Any]) -> KeyValue:
+#: what decoding a key-value or an event can raise on a reply etcd would not send
+_UNDECODABLE = (ValueError, TypeError, binascii.Error)
+
+
+def _kv(obj: object) -> KeyValue:
+    if not isinstance(obj, dict):
+        raise ValueError("a key-value is not a JSON object")
     return KeyValue(
         key=_unb64(obj.get("key")),
         value=_unb64(obj.get("value")),
@@ -178,22 +315,48 @@ def _kv(obj: Mapping[str, Any]) -> KeyValue:
     )
 
 
+def _header(obj: Mapping[str, Any], what: str) -> tuple[int, int]:
+    """``(revision, cluster id)`` of a reply's header; :class:`EtcdBadReply` without one
+    (etcd puts a header on every reply: a reply without it is not etcd's)."""
+    header = obj.get("header")
+    if not isinstance(header, dict):
+        raise EtcdBadReply(f"{what}: reply header is not an object (not etcd's reply)")
+    try:
+        revision, cluster = (
+            _int(header.get("revision")),
+            _int(header.get("cluster_id"), unsigned=True),
+        )
+    except ValueError as exc:
+        raise EtcdBadReply(f"{what}: reply header unreadable ({exc})") from None
+    if revision < 1:
+        raise EtcdBadReply(f"{what}: reply header revision {revision} (etcd's start at 1)")
+    return revision, cluster
+
+
 def _header_revision(obj: Mapping[str, Any]) -> int:
     header = obj.get("header")
     return _int(header.get("revision")) if isinstance(header, Mapping) else 0
 
 
-def _header_cluster(obj: Mapping[str, Any]) -> int:
-    header = obj.get("header")
-    return _int(header.get("cluster_id")) if isinstance(header, Mapping) else 0
+class RangeReply(NamedTuple):
+    """A list of a prefix: the store revision it was read at, the cluster that answered, the
+    keys, and how many entries did not decode (skipped, never served)."""
+
+    revision: int
+    cluster_id: int
+    kvs: list[KeyValue]
+    malformed: int = 0
 
 
 class WatchStream:
     """An open watch: iterate for messages; ``close()`` from any thread ends the iteration.
 
     Iteration raises :class:`WatchCompacted` when etcd cancels the watch because its start
-    revision was compacted, :class:`EtcdUnavailable` when the stream breaks or stays silent
-    longer than the read timeout, and stops after ``close()``.
+    revision was compacted, :class:`WatchIdle` when no *complete* message arrived for the idle
+    timeout (bytes trickling in do not count), :class:`EtcdReplyTooLarge` for a message over
+    ``max_message_bytes``, :class:`EtcdBadReply` for a message etcd never sends,
+    :class:`EtcdUnavailable` when the stream breaks, and stops after ``close()``. An event
+    that does not decode is skipped and counted in its message's ``malformed``.
     """
 
     def __init__(
@@ -202,17 +365,25 @@ class WatchStream:
         session: requests.Session,
         endpoint: str,
         on_denied: Callable[[], object] | None = None,
+        *,
+        exchange: Exchange | None = None,
+        idle_timeout: float = 10.0,
+        max_message_bytes: int = DEFAULT_MAX_WATCH_MESSAGE_BYTES,
     ) -> None:
         self._response = response
         self._session = session
         self._endpoint = endpoint
         self._on_denied = on_denied
+        self._exchange = exchange or Exchange()
+        self._idle_timeout = idle_timeout
+        self._max_message = max_message_bytes
         self._closed = False
 
     def close(self) -> None:
         self._closed = True
         # A reader blocked in recv() does not notice Response.close() from another thread;
         # shutting the socket down wakes it with EOF at once.
+        self._exchange.end("closed")
         connection = getattr(self._response.raw, "_connection", None)
         sock = getattr(connection, "sock", None)
         if isinstance(sock, socket.socket):
@@ -228,45 +399,74 @@ class WatchStream:
         self.close()
 
     def __iter__(self) -> Iterator[WatchMessage]:
-        buffer = b""
+        buffer = bytearray()
+        scanned = 0  # bytes of buffer known to hold no newline
+        # Idle means no complete message (not no byte): the watchdog ends the exchange when
+        # none arrived for the idle timeout, however many bytes trickled in meanwhile.
+        idle = WATCHDOG.arm(self._exchange, self._idle_timeout, "idle")
         try:
-            for chunk in self._response.iter_content(chunk_size=None):
+            for chunk in self._response.iter_content(chunk_size=_READ_CHUNK):
                 if self._closed:
                     return
                 buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
+                start = 0
+                while (end := buffer.find(b"\n", max(start, scanned))) >= 0:
+                    line = bytes(buffer[start:end])
+                    start = scanned = end + 1
                     if line.strip():
-                        yield self._message(line)
-                if len(buffer) > MAX_WATCH_LINE:
-                    raise EtcdUnavailable(f"{self._endpoint}: watch message too large")
+                        message = self._message(line)
+                        idle.push(self._idle_timeout)
+                        yield message
+                if start:
+                    del buffer[:start]
+                    scanned = 0
+                scanned = max(scanned, len(buffer))
+                if len(buffer) > self._max_message:
+                    raise EtcdReplyTooLarge(
+                        f"{self._endpoint}: watch message longer than {self._max_message} "
+                        "bytes refused (max_watch_message_bytes)"
+                    )
         except (requests.RequestException, OSError, ValueError) as exc:
             if self._closed:
                 return
-            if exc.args and isinstance(exc.args[0], ReadTimeoutError):
-                raise WatchIdle(f"{self._endpoint}: watch silent past its timeout") from None
+            if self._exchange.ended == "idle" or (
+                exc.args and isinstance(exc.args[0], ReadTimeoutError)
+            ):
+                raise WatchIdle(
+                    f"{self._endpoint}: no complete watch message for {self._idle_timeout:g} s"
+                ) from None
             raise EtcdUnavailable(
                 f"{self._endpoint}: watch stream broke ({why_unreachable(exc)}); the source "
                 "resumes it from its revision on its own"
             ) from None
-        if buffer.strip() and not self._closed:
-            yield self._message(buffer)
-        if not self._closed:
-            raise EtcdUnavailable(f"{self._endpoint}: watch stream ended")
+        finally:
+            idle.cancel()
+        if self._closed or self._exchange.ended == "closed":
+            return
+        if self._exchange.ended == "idle":  # the shutdown reads as an EOF
+            raise WatchIdle(
+                f"{self._endpoint}: no complete watch message for {self._idle_timeout:g} s"
+            )
+        if buffer.strip():
+            yield self._message(bytes(buffer))
+        raise EtcdUnavailable(f"{self._endpoint}: watch stream ended")
 
     def _message(self, line: bytes) -> WatchMessage:
         try:
             obj = json.loads(line)
-        except ValueError:
-            raise EtcdUnavailable(f"{self._endpoint}: watch sent non-JSON") from None
+        except (ValueError, RecursionError):
+            raise EtcdBadReply(f"{self._endpoint}: watch sent non-JSON") from None
         if not isinstance(obj, dict):
-            raise EtcdUnavailable(f"{self._endpoint}: watch sent a non-object")
+            raise EtcdBadReply(f"{self._endpoint}: watch sent a non-object")
         if "error" in obj:
             raise EtcdUnavailable(f"{self._endpoint}: watch error: {str(obj['error'])[:200]}")
         result = obj.get("result")
         if not isinstance(result, dict):
-            raise EtcdUnavailable(f"{self._endpoint}: watch message without result")
-        compact = _int(result.get("compact_revision"))
+            raise EtcdBadReply(f"{self._endpoint}: watch message without result")
+        try:
+            compact = _int(result.get("compact_revision"))
+        except ValueError:
+            raise EtcdBadReply(f"{self._endpoint}: watch compact_revision unreadable") from None
         if result.get("canceled"):
             if compact:
                 raise WatchCompacted(
@@ -279,23 +479,33 @@ class WatchStream:
                 # this way: renew it, so the caller's next attempt can succeed.
                 self._on_denied()
             raise EtcdUnavailable(f"{self._endpoint}: watch canceled: {reason}")
+        revision, cluster = _header(result, f"{self._endpoint}: watch")
+        raw_events = result.get("events") or []
+        if not isinstance(raw_events, list):
+            raise EtcdBadReply(f"{self._endpoint}: watch events are not a list")
         events = []
-        for raw in result.get("events") or ():
-            kv = raw.get("kv") or {}
-            prev = raw.get("prev_kv")
-            events.append(
-                WatchEvent(
-                    # The enum's default (PUT = 0) is omitted by the gateway's JSON.
-                    deleted=raw.get("type") == "DELETE",
-                    kv=_kv(kv),
-                    prev_kv=_kv(prev) if isinstance(prev, dict) else None,
+        malformed = 0
+        for raw in raw_events:
+            try:
+                kind = raw.get("type", "PUT")  # the enum's default (PUT) is omitted
+                if kind not in ("PUT", "DELETE"):
+                    raise ValueError(f"event type {str(kind)[:20]!r}")
+                prev = raw.get("prev_kv")
+                event = WatchEvent(
+                    deleted=kind == "DELETE",
+                    kv=_kv(raw.get("kv")),
+                    prev_kv=_kv(prev) if prev is not None else None,
                 )
-            )
+            except (*_UNDECODABLE, AttributeError):
+                malformed += 1  # one bad event never blocks the ones after it
+                continue
+            events.append(event)
         return WatchMessage(
-            revision=_header_revision(result),
-            cluster_id=_header_cluster(result),
+            revision=revision,
+            cluster_id=cluster,
             created=bool(result.get("created")),
             events=tuple(events),
+            malformed=malformed,
         )
 
 
@@ -311,6 +521,9 @@ class EtcdGateway:
         tls: TLSConfig | None = None,
         username: str | None = None,
         password: str | None = None,
+        call_deadline: float = DEFAULT_CALL_DEADLINE,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        max_watch_message_bytes: int = DEFAULT_MAX_WATCH_MESSAGE_BYTES,
     ) -> None:
         if (username is None) != (password is None):
             raise InvalidArgument("give both username and password, or neither")
@@ -319,11 +532,25 @@ class EtcdGateway:
         for url in endpoints:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise InvalidArgument(f"etcd endpoint must be an http(s) URL, got {url!r}")
-        for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
+        for name, value in (
+            ("connect_timeout", connect_timeout),
+            ("timeout", timeout),
+            ("call_deadline", call_deadline),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
+        for name, size in (
+            ("max_reply_bytes", max_reply_bytes),
+            ("max_watch_message_bytes", max_watch_message_bytes),
+        ):
+            if type(size) is not int or size < 1024:
+                raise InvalidArgument(f"{name} must be an int >= 1024, got {size!r}")
         self.endpoints = tuple(url.rstrip("/") for url in endpoints)
         self.timeout = (float(connect_timeout), float(timeout))
+        #: total time one exchange with one endpoint may take (reply included)
+        self.call_deadline = float(call_deadline)
+        self.max_reply_bytes = max_reply_bytes
+        self.max_watch_message_bytes = max_watch_message_bytes
         self._tls = tls
         self._credentials = None if username is None else {"name": username, "password": password}
         self._auth_lock = threading.Lock()
@@ -342,7 +569,9 @@ class EtcdGateway:
     def _new_session(self) -> requests.Session:
         session = requests.Session()
         session.trust_env = False  # never through an HTTP(S)_PROXY from the environment
-        adapter = HTTPAdapter(pool_connections=len(self.endpoints), pool_maxsize=1)
+        # etcd never compresses; asking for identity keeps a proxy from sending a bomb.
+        session.headers["Accept-Encoding"] = "identity"
+        adapter = _HookedAdapter(pool_connections=len(self.endpoints), pool_maxsize=1)
         session.mount("http://", adapter)
         session.mount("https://", adapter)
         if self._tls is not None:
@@ -395,7 +624,12 @@ class EtcdGateway:
         return exc.status == 401 or exc.code == 16 or "token" in text or "user name" in text
 
     def _post(
-        self, path: str, body: Mapping[str, Any], *, timeout: tuple[float, float] | None = None
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        timeout: tuple[float, float] | None = None,
+        on_exchange: Callable[[Exchange], object] | None = None,
     ) -> dict[str, Any]:
         """POST to the first endpoint that answers; return the reply object.
 
@@ -404,12 +638,12 @@ class EtcdGateway:
         """
         headers = self._auth_headers()
         try:
-            return self._post_once(path, body, headers, timeout)
+            return self._post_once(path, body, headers, timeout, on_exchange)
         except EtcdRequestFailed as exc:
             if headers is None or not self._is_auth_error(exc):
                 raise
         headers = {"Authorization": self._authenticate(headers["Authorization"])}
-        return self._post_once(path, body, headers, timeout)
+        return self._post_once(path, body, headers, timeout, on_exchange)
 
     def _post_once(
         self,
@@ -417,6 +651,7 @@ class EtcdGateway:
         body: Mapping[str, Any],
         headers: Mapping[str, str] | None,
         timeout: tuple[float, float] | None,
+        on_exchange: Callable[[Exchange], object] | None = None,
     ) -> dict[str, Any]:
         session = self._session()
         errors: list[str] = []
@@ -425,29 +660,57 @@ class EtcdGateway:
         for step in range(count):
             index = (start + step) % count
             url = f"{self.endpoints[index]}/v3/{path}"
+            # One exchange per attempt: its deadline covers connect, headers and the whole
+            # body; ``on_exchange`` lets the caller's owner end it from another thread.
+            exchange = Exchange()
+            if on_exchange is not None:
+                on_exchange(exchange)
+            deadline = WATCHDOG.arm(exchange, self.call_deadline, "deadline")
             try:
-                response = session.post(
-                    url,
-                    json=body,
-                    headers=headers,
-                    timeout=timeout or self.timeout,
-                    allow_redirects=False,
-                )
-                payload = response.content
+                with _exchange_on_this_thread(exchange):
+                    response = session.post(
+                        url,
+                        json=body,
+                        headers=headers,
+                        timeout=timeout or self.timeout,
+                        allow_redirects=False,
+                        stream=True,
+                    )
+                    try:
+                        payload = _read_capped(response, self.max_reply_bytes, url)
+                    finally:
+                        response.close()
+                    if exchange.ended is not None:
+                        # Shut down mid-reply: the EOF it caused can read as a short reply.
+                        raise OSError(f"exchange ended ({exchange.ended})")
+            except EtcdReplyTooLarge:
+                session.close()  # the rest of the reply is never read
+                raise
             except (requests.RequestException, OSError) as exc:
-                errors.append(f"{self.endpoints[index]}: {why_unreachable(exc)}")
                 session.close()  # a broken connection must not be reused
+                if exchange.ended == "closed":
+                    raise EtcdUnavailable(f"{url}: call ended: its owner closed") from None
+                if exchange.ended == "deadline":
+                    errors.append(
+                        f"{self.endpoints[index]}: no complete reply within "
+                        f"{self.call_deadline:g} s (call_deadline)"
+                    )
+                else:
+                    errors.append(f"{self.endpoints[index]}: {why_unreachable(exc)}")
                 continue
+            finally:
+                deadline.cancel()
+                exchange.finish()
             if response.status_code >= 500 and response.status_code != 501:
                 errors.append(f"{self.endpoints[index]}: HTTP {response.status_code}")
                 continue
             self._current = index
             try:
                 obj = json.loads(payload) if payload else {}
-            except ValueError:
-                raise EtcdUnavailable(f"{url}: reply is not JSON") from None
+            except (ValueError, RecursionError):
+                raise EtcdBadReply(f"{url}: reply is not JSON") from None
             if not isinstance(obj, dict):
-                raise EtcdUnavailable(f"{url}: reply is not a JSON object")
+                raise EtcdBadReply(f"{url}: reply is not a JSON object")
             if response.status_code != 200:
                 message = str(obj.get("message") or obj.get("error") or "")[:200]
                 code = obj.get("code")
@@ -461,22 +724,43 @@ class EtcdGateway:
 
     # --- KV ------------------------------------------------------------------------------------
 
-    def get_prefix(self, prefix: bytes) -> tuple[int, int, list[KeyValue]]:
-        """``(revision, cluster id, every key under prefix)``: the store revision the read was
-        taken at and the cluster that answered."""
+    def get_prefix(
+        self, prefix: bytes, *, on_exchange: Callable[[Exchange], object] | None = None
+    ) -> RangeReply:
+        """Every key under ``prefix``, the store revision the read was taken at and the
+        cluster that answered. An entry that does not decode (bad base64, a revision that is
+        not an int64 or lies beyond the reply's own revision) is skipped and counted in
+        ``malformed``; a reply without a header is :class:`EtcdBadReply`."""
         obj = self._post(
-            "kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_range_end(prefix))}
+            "kv/range",
+            {"key": _b64(prefix), "range_end": _b64(prefix_range_end(prefix))},
+            on_exchange=on_exchange,
         )
-        try:
-            kvs = [_kv(kv) for kv in obj.get("kvs") or ()]
-            return _header_revision(obj), _header_cluster(obj), kvs
-        except (ValueError, AttributeError) as exc:
-            raise EtcdUnavailable(f"malformed range reply: {exc}") from None
+        revision, cluster = _header(obj, "etcd list")
+        raw_kvs = obj.get("kvs") or []
+        if not isinstance(raw_kvs, list):
+            raise EtcdBadReply("etcd list: kvs is not a list (not etcd's reply)")
+        kvs: list[KeyValue] = []
+        malformed = 0
+        for raw in raw_kvs:
+            try:
+                kv = _kv(raw)
+            except _UNDECODABLE:
+                malformed += 1
+                continue
+            if not 0 < kv.mod_revision <= revision:
+                malformed += 1  # written after the read it is part of: not etcd's
+                continue
+            kvs.append(kv)
+        return RangeReply(revision, cluster, kvs, malformed)
 
     def get(self, key: bytes) -> KeyValue | None:
         obj = self._post("kv/range", {"key": _b64(key)})
         kvs = obj.get("kvs") or ()
-        return _kv(kvs[0]) if kvs else None
+        try:
+            return _kv(kvs[0]) if kvs else None
+        except (*_UNDECODABLE, KeyError, AttributeError) as exc:
+            raise EtcdBadReply(f"etcd get: reply does not decode ({exc})") from None
 
     def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         """Store ``value``; return the revision of the put."""
@@ -528,13 +812,20 @@ class EtcdGateway:
     # --- watch ---------------------------------------------------------------------------------
 
     def watch_prefix(
-        self, prefix: bytes, *, start_revision: int, read_timeout: float
+        self,
+        prefix: bytes,
+        *,
+        start_revision: int,
+        read_timeout: float,
+        on_exchange: Callable[[Exchange], object] | None = None,
     ) -> WatchStream:
         """Open a watch on ``prefix`` from ``start_revision`` (with the previous values).
 
-        The open itself is bounded by the connect and read timeouts; afterwards a stream silent
-        for ``read_timeout`` seconds raises :class:`EtcdUnavailable` from the iteration (a
-        half-open connection is found that way; the caller re-opens from its revision + 1).
+        The open itself is bounded by ``call_deadline``; afterwards a stream that completes no
+        message for ``read_timeout`` seconds raises :class:`WatchIdle` from the iteration (a
+        half-open connection or a trickling proxy is found that way; the caller re-opens from
+        its revision + 1). ``on_exchange`` gets each attempt's exchange, which its owner may
+        end from another thread (``close()``).
         """
         body = {
             "create_request": {
@@ -552,19 +843,34 @@ class EtcdGateway:
             endpoint = self.endpoints[index]
             # Its own session: a watch holds its connection for as long as it runs.
             session = self._new_session()
+            exchange = Exchange()
+            if on_exchange is not None:
+                on_exchange(exchange)
+            deadline = WATCHDOG.arm(exchange, self.call_deadline, "deadline")
             try:
-                response = session.post(
-                    f"{endpoint}/v3/watch",
-                    json=body,
-                    headers=headers,
-                    stream=True,
-                    timeout=(self.timeout[0], read_timeout),
-                    allow_redirects=False,
-                )
+                with _exchange_on_this_thread(exchange):
+                    response = session.post(
+                        f"{endpoint}/v3/watch",
+                        json=body,
+                        headers=headers,
+                        stream=True,
+                        timeout=(self.timeout[0], read_timeout),
+                        allow_redirects=False,
+                    )
+                    if exchange.ended is not None:
+                        response.close()  # shut down mid-headers: not a real acceptance
+                        raise OSError(f"exchange ended ({exchange.ended})")
             except (requests.RequestException, OSError) as exc:
                 session.close()
-                errors.append(f"{endpoint}: {why_unreachable(exc)}")
+                if exchange.ended == "closed":
+                    raise EtcdUnavailable(f"{endpoint}: watch open ended: owner closed") from None
+                why = why_unreachable(exc)
+                if exchange.ended == "deadline":
+                    why = f"not accepted within {self.call_deadline:g} s (call_deadline)"
+                errors.append(f"{endpoint}: {why}")
                 continue
+            finally:
+                deadline.cancel()
             if response.status_code != 200:
                 status = response.status_code
                 response.close()
@@ -578,7 +884,15 @@ class EtcdGateway:
             denied = None
             if headers is not None:
                 denied = functools.partial(self._authenticate, headers["Authorization"])
-            return WatchStream(response, session, endpoint, denied)
+            return WatchStream(
+                response,
+                session,
+                endpoint,
+                denied,
+                exchange=exchange,
+                idle_timeout=read_timeout,
+                max_message_bytes=self.max_watch_message_bytes,
+            )
         raise EtcdUnavailable(
             f"no etcd endpoint accepted the watch ({'; '.join(errors)}): {NO_ETCD_HINT}"
         )

@@ -20,12 +20,18 @@ import json
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from statemachine.errors import BootstrapError
 from statemachine.validation import (
+    MAX_PARALLEL_SIZE,
+    PLAN_KEYS,
+    TOPOLOGY_KEYS,
     InvalidArgument,
+    Topology,
     is_int,
-    is_valid_host,
     is_valid_port,
     parse_addr,
+    rank_ip_problem,
+    topology_reply,
 )
 
 DEFAULT_PREFIX = "/pd-bootstrap/v1/ranks"
@@ -136,8 +142,16 @@ def registration_key(payload: Mapping[str, Any]) -> tuple[int, int, int, int]:
         ("system_dp_size", "system_dp_rank"),
     ):
         size, rank = payload.get(size_field), payload.get(rank_field)
-        if not is_int(size) or size < 1 or not is_int(rank) or not 0 <= rank < size:  # type: ignore[operator]
-            raise MalformedValue(f"{rank_field!r}/{size_field!r} must be ints, 0 <= rank < size")
+        if (
+            not is_int(size)
+            or not 1 <= size <= MAX_PARALLEL_SIZE  # type: ignore[operator]
+            or not is_int(rank)
+            or not 0 <= rank < size  # type: ignore[operator]
+        ):
+            raise MalformedValue(
+                f"{rank_field!r}/{size_field!r} must be ints, 0 <= rank < size <= "
+                f"{MAX_PARALLEL_SIZE}"
+            )
         sizes[rank_field] = (rank, size)  # type: ignore[assignment]
     system_rank, system_size = sizes["system_dp_rank"]
     dp_rank = sizes["attn_dp_rank"][0] if system_size == 1 else system_rank
@@ -181,8 +195,11 @@ def parse_value(key: RankKey, raw: bytes, *, mod_revision: int) -> RankRecord:
     if registration_key(obj) != (key.dp_rank, key.cp_rank, key.tp_rank, key.pp_rank):
         raise MalformedValue("the value's ranks differ from the key's")
     rank_ip, rank_port = obj.get("rank_ip"), obj.get("rank_port")
-    if not is_valid_host(rank_ip):
-        raise MalformedValue("'rank_ip' must be an IP literal or host name")
+    # The rank reply's rule (HTTP-25): an IP literal, never a name libzmq would resolve on its
+    # I/O thread; so a value etcd serves is held to what a bootstrap server may answer.
+    problem = rank_ip_problem(rank_ip)
+    if problem is not None:
+        raise MalformedValue(f"'rank_ip' {problem} (HTTP-25)")
     if not is_valid_port(rank_port):
         raise MalformedValue("'rank_port' must be an int in 1..65535")
     instance_id = obj.get("instance_id")
@@ -196,13 +213,14 @@ def parse_value(key: RankKey, raw: bytes, *, mod_revision: int) -> RankRecord:
         # SGLang's server derives the flag from the first registration's method (reference §7).
         follow = obj["load_balance_method"] == "follow_bootstrap_room"
     system_dp_size = obj["system_dp_size"]
-    return RankRecord(
+    dp_size = obj["attn_dp_size"] if system_dp_size == 1 else system_dp_size
+    record = RankRecord(
         rank_ip=rank_ip,  # type: ignore[arg-type]
         rank_port=rank_port,  # type: ignore[arg-type]
         instance_id=instance_id,
         attn_tp_size=obj["attn_tp_size"],
         attn_cp_size=obj["attn_cp_size"],
-        dp_size=obj["attn_dp_size"] if system_dp_size == 1 else system_dp_size,
+        dp_size=dp_size,
         pp_size=obj["pp_size"],
         page_size=page_size,
         kv_cache_dtype=_optional(obj, "kv_cache_dtype", str),
@@ -210,3 +228,27 @@ def parse_value(key: RankKey, raw: bytes, *, mod_revision: int) -> RankRecord:
         mod_revision=mod_revision,
         raw=raw,
     )
+    try:
+        # The topology this value would answer passes the bootstrap server's reply rules
+        # (HTTP-22): a value that cannot is never stored, so get_topology never fails on it.
+        topology_of(obj, record, key.addr)
+    except BootstrapError as exc:
+        raise MalformedValue(f"its topology is not a valid reply: {exc}") from None
+    return record
+
+
+def topology_of(registration: Mapping[str, Any], record: RankRecord, addr: str) -> Topology:
+    """The topology reply a rank's registration stands for, through the HTTP reply parser:
+    the optional keys (the rank-plan switches of spec/plans.md PLAN-1, the allocation policy,
+    DSpark) from the registration, as a bootstrap server takes them from its first one."""
+    reply = {k: v for k, v in registration.items() if k in TOPOLOGY_KEYS | PLAN_KEYS}
+    reply.update(
+        attn_tp_size=record.attn_tp_size,
+        attn_cp_size=record.attn_cp_size,
+        dp_size=record.dp_size,
+        pp_size=record.pp_size,
+        page_size=record.page_size,
+        kv_cache_dtype=record.kv_cache_dtype,
+        follow_bootstrap_room=record.follow_bootstrap_room,
+    )
+    return topology_reply(reply, addr=addr, status=200, instance_id=record.instance_id)

@@ -257,12 +257,26 @@ def _int_field(obj: Mapping[str, Any], key: str, low: int, high: int) -> int:
     raise BadRequest(f"{key!r} must be an int in {low}..{high}")
 
 
-def _optional(obj: Mapping[str, Any], key: str, kind: type, check: Callable[[Any], bool]) -> Any:
+#: How a 400 names the JSON type an optional field must have.
+_JSON_KINDS = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object"}
+
+
+def _optional(
+    obj: Mapping[str, Any], key: str, kind: type, check: Callable[[Any], bool], limits: str = ""
+) -> Any:
+    """``obj[key]``: absent or null, or a ``kind`` that passes ``check`` (``limits`` says how,
+    for the 400). ``true``/``false`` are not integers here, although Python's bool is an int."""
     value = obj.get(key)
     if value is None:
         return None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)) or not check(value):
-        raise BadRequest(f"{key!r} has a bad value")
+        shown = json.dumps(value)
+        if len(shown) > 40:
+            shown = f"{shown[:37]}..."
+        raise BadRequest(
+            f"{key!r} must be null or {_JSON_KINDS.get(kind, kind.__name__)}{limits}, not "
+            f"{shown}: correct this field of the rank's registration and register again"
+        )
     return value
 
 
@@ -300,7 +314,9 @@ def parse_registration(
         attn_cp_size=cp_size,
         dp_size=dp_size,
         pp_size=pp_size,
-        page_size=_optional(obj, "page_size", int, lambda v: 1 <= v <= MAX_PAGE_SIZE),
+        page_size=_optional(
+            obj, "page_size", int, lambda v: 1 <= v <= MAX_PAGE_SIZE, f" in 1..{MAX_PAGE_SIZE}"
+        ),
         kv_cache_dtype=_optional(obj, "kv_cache_dtype", str, lambda v: len(v) <= MAX_LABEL),
     )
     if claim.world > MAX_WORLD:
@@ -315,7 +331,7 @@ def parse_registration(
         enable_dsa_cache_layer_split=bool(
             _optional(obj, "enable_dsa_cache_layer_split", bool, lambda v: True)
         ),
-        prefill_http_port=_optional(obj, "prefill_http_port", int, is_valid_port),
+        prefill_http_port=_optional(obj, "prefill_http_port", int, is_valid_port, " in 1..65535"),
         decode_allocation_policy=_optional(
             obj, "decode_allocation_policy", str, lambda v: len(v) <= MAX_LABEL
         )

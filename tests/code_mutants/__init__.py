@@ -1,0 +1,497 @@
+# Anchors are exact source lines, kept whole so that they read as the code reads:
+# ruff: noqa: E501
+"""Seeded bugs in the critical modules beyond the pool, as exact source rewrites (``make mutate``).
+
+The pool's own table is ``tests/pool_mutants`` (CrossHair and the Hypothesis machine run on
+it). This one covers the manager, single-flight, plans, the transport, liveness, the ack
+listener, the receiver, the etcd source and its change glue, and the server's validation.
+Each :class:`CodeMutant` names one module, the (old, new) text replacements that break it, the
+tests meant to catch it, and the bug in words. ``python -m tests.code_mutants`` applies each to
+a temporary copy of the tree and runs its tests there (``tests/code_mutants/__main__.py``);
+``tests/test_code_mutants.py`` (part of ``make test``) checks that every ``old`` text is found
+exactly once in the current sources and every named test exists, so the table cannot rot
+silently when the code moves.
+
+Anchors are small and local on purpose: other work reshapes these modules, and a rewrite
+should break only when the line it mutates changes. An ``equivalent`` mutant carries the
+argument why no test can tell it from the original; ``docs/formal-model.md`` ("Code
+mutations") lists those and what each surviving mutant was killed by.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class CodeMutant:
+    name: str
+    #: the mutated file, relative to the project root
+    module: str
+    edits: tuple[tuple[str, str], ...]
+    #: pytest node ids (``tests/file.py::test_name``) that must fail on the mutant
+    tests: tuple[str, ...]
+    bug: str
+    #: why no test can tell it from the original (then it is expected to survive)
+    equivalent: str | None = None
+
+
+class RewriteNotApplied(AssertionError):
+    """A mutant's ``old`` text is not in its module exactly once."""
+
+
+def mutated_source(mutant: CodeMutant, source: str | None = None) -> str:
+    text = (ROOT / mutant.module).read_text() if source is None else source
+    for old, new in mutant.edits:
+        count = text.count(old)
+        if count != 1:
+            raise RewriteNotApplied(f"{mutant.name}: {old!r} found {count} times, expected 1")
+        text = text.replace(old, new)
+    return text
+
+
+def named_tests(mutant: CodeMutant) -> list[tuple[Path, str]]:
+    """(test file, function name) of every node id the mutant names."""
+    out = []
+    for node in mutant.tests:
+        path, _, name = node.partition("::")
+        out.append((ROOT / path, re.sub(r"\[.*\]$", "", name)))
+    return out
+
+
+MANAGER = "statemachine/decode/manager.py"
+RECEIVER = "statemachine/decode/receiver.py"
+FLIGHT = "statemachine/decode/flight.py"
+PLAN = "statemachine/decode/plan.py"
+TRANSPORT = "statemachine/decode/ranks/transport.py"
+LIVENESS = "statemachine/decode/ranks/liveness.py"
+ACKS = "statemachine/decode/ranks/acks.py"
+CHANGES = "statemachine/discovery/changes.py"
+ETCD = "statemachine/discovery/etcd_source.py"
+SERVER = "statemachine/prefill/server.py"
+
+T_MANAGER = "tests/test_manager.py::"
+T_KILL = T_MANAGER + "test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it"
+T_SEND = T_MANAGER + "test_mgr_1_a_failed_send_fails_every_request_in_flight_on_that_rank"
+T_VERDICT = T_MANAGER + "test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint"
+T_FETCH = T_MANAGER + "test_mgr_1_a_fetch_answered_by_a_new_instance_retires_the_old_one"
+T_NOTICE = T_MANAGER + "test_mgr_1_a_restart_notice_leaves_requests_on_the_new_instance_alone"
+T_ACKED = T_MANAGER + "test_mgr_1_a_room_whose_acks_all_arrived_succeeds_despite_later_evidence"
+T_ENTRY = T_MANAGER + "test_mgr_2_fail_address_and_fail_generations_entry_points"
+T_FLIGHT64 = T_MANAGER + "test_mgr_3_64_racing_misses_make_one_fetch"
+T_FLIGHT_FAIL = T_MANAGER + "test_mgr_3_a_failed_fetch_fails_every_follower_with_its_reason"
+T_PLAN = "tests/test_plan.py::"
+T_PLAN_TABLE = T_PLAN + "test_plan_3_to_5_tp_rule_matches_the_worked_table"
+T_PLAN_RANK1 = T_PLAN + "test_plan_5_decode_rank_1_of_a_smaller_tp_pulls_its_own_prefill_ranks"
+T_FAULTS = "tests/test_transport_faults.py::"
+T_HOLD = T_FAULTS + "test_zmq20_a_remembered_verdict_expires_after_down_hold_ms"
+T_LIVE = "tests/test_liveness.py::"
+T_ETCD = "tests/test_etcd_receiver.py::"
+T_MARK = T_ETCD + "test_a_watch_event_marks_a_held_generation_no_longer_in_the_pool"
+T_LISTEN = T_ETCD + "test_a_watch_event_fails_a_transfer_on_a_generation_no_longer_in_the_pool"
+
+MUTANTS: tuple[CodeMutant, ...] = (
+    # --- manager: failure fan-out -------------------------------------------------------------
+    CodeMutant(
+        "lose_ignores_acked",
+        MANAGER,
+        (
+            (
+                "if receiver.ended or receiver._lost is not None or receiver._acked:",
+                "if receiver.ended or receiver._lost is not None:",
+            ),
+        ),
+        (T_ACKED,),
+        "evidence after every ack arrived still fails the room (MGR-14)",
+    ),
+    CodeMutant(
+        "restart_fails_every_instance",
+        MANAGER,
+        (
+            (
+                "if key.addr == addr and g.instance_id == old_id}",
+                "if key.addr == addr}",
+            ),
+        ),
+        (T_NOTICE,),
+        "a restart notice fails the requests already running on the new instance",
+    ),
+    CodeMutant(
+        "retire_without_fanout",
+        MANAGER,
+        (
+            (
+                '                self._restarted(addr, old, new_id, cause="fetch", exclude=finder)\n',
+                "",
+            ),
+        ),
+        (T_FETCH,),
+        "a fetch that sees a new instance retires the old entries but fails nobody using them",
+    ),
+    CodeMutant(
+        "fanout_fails_the_finder",
+        MANAGER,
+        (("                receiver is not exclude\n                and ", "                "),),
+        (T_FETCH,),
+        "the request whose fetch found the restart is failed by its own evidence",
+    ),
+    CodeMutant(
+        "verdict_ignored",
+        MANAGER,
+        (
+            (
+                "        if not alive:\n            self._endpoint_dead(endpoint_url(endpoint), reason)",
+                "        if alive:\n            self._endpoint_dead(endpoint_url(endpoint), reason)",
+            ),
+        ),
+        (T_KILL, T_VERDICT),
+        "the transport's dead verdict fails nobody (requests wait out their timeout)",
+    ),
+    CodeMutant(
+        "send_failure_not_evidence",
+        MANAGER,
+        (
+            (
+                "        self._endpoint_dead(error.endpoint, str(error))\n",
+                "        return None\n",
+            ),
+        ),
+        (T_SEND,),
+        "a request's failed send says nothing to the other requests on that rank",
+    ),
+    CodeMutant(
+        "endpoint_match_first_rank_only",
+        MANAGER,
+        (
+            (
+                "            for rank in generation.ranks:\n                if endpoint_url(",
+                "            for rank in generation.ranks[:1]:\n                if endpoint_url(",
+            ),
+        ),
+        (T_KILL,),
+        "a dead rank other than a generation's first is matched to no generation",
+    ),
+    CodeMutant(
+        "reconcile_never_releases",
+        MANAGER,
+        (
+            (
+                "dead = [g for g in self._retained if g not in live]",
+                "dead = [g for g in self._retained if g in ()]",
+            ),
+        ),
+        (T_KILL,),
+        "sockets of generations nothing uses any more stay open (ZMQ-20 leak)",
+    ),
+    CodeMutant(
+        "evidence_never_stamped",
+        MANAGER,
+        (
+            (
+                "    if isinstance(error, PeerLost) and error.evidence_at is None:",
+                "    if isinstance(error, PeerLost) and error.evidence_at is False:",
+            ),
+        ),
+        (T_KILL,),
+        "fan-out failures carry no evidence time: detection latency is never measured",
+    ),
+    CodeMutant(
+        "fail_address_wrong_rooms",
+        MANAGER,
+        (
+            (
+                "            if receiver.addr == addr:\n                used.update(",
+                "            if receiver.addr != addr:\n                used.update(",
+            ),
+        ),
+        (T_ENTRY,),
+        "an address declared dead fails every other address's requests instead",
+    ),
+    # --- receiver -------------------------------------------------------------------------------
+    CodeMutant(
+        "stale_key_not_refetched",
+        RECEIVER,
+        (("                fresh.update(self._fetch_keys(plan, stale))\n", ""),),
+        (T_FETCH,),
+        "after retiring a replaced instance the request keeps its entry of the old one",
+    ),
+    CodeMutant(
+        "mark_not_checked_at_start",
+        RECEIVER,
+        (("        if m.watermarked:\n", "        if False:\n"),),
+        (T_ETCD + "test_a_marked_generation_fails_its_holder_at_start",),
+        "a request starts a transfer on a generation the watch marked (NoStaleStart)",
+    ),
+    # --- single-flight --------------------------------------------------------------------------
+    CodeMutant(
+        "no_single_flight",
+        FLIGHT,
+        (("            if followed:\n", "            if False:\n"),),
+        (T_FLIGHT64,),
+        "every concurrent miss leads its own fetch (thundering herd)",
+    ),
+    CodeMutant(
+        "leader_failure_not_told",
+        FLIGHT,
+        (
+            (
+                "                flight.error = error\n                flight._done.set()\n",
+                "                flight.error = error\n",
+            ),
+        ),
+        (T_FLIGHT_FAIL,),
+        "followers of a failed leader wait out their deadline instead of failing with its reason",
+    ),
+    CodeMutant(
+        "finished_flight_stays",
+        FLIGHT,
+        (
+            (
+                "                    del self._flights[key]\n"
+                "        for key, flight in led.items():\n"
+                "            flight.generation = published[key]\n",
+                "                    pass\n"
+                "        for key, flight in led.items():\n"
+                "            flight.generation = published[key]\n",
+            ),
+        ),
+        (
+            T_FLIGHT64,
+            T_FLIGHT_FAIL,
+            "tests/test_receiver.py::test_restart_on_new_ports_fails_fast_invalidates_and_next_request_refetches",
+        ),
+        "a finished flight stays registered: later misses follow it and adopt its old result",
+    ),
+    # --- plans ----------------------------------------------------------------------------------
+    CodeMutant(
+        "plan5_span_from_decode_rank",
+        PLAN,
+        (
+            (
+                "tp_ranks = tuple(range(rank * span, (rank + 1) * span))",
+                "tp_ranks = tuple(range(rank, rank + span))",
+            ),
+        ),
+        (T_PLAN_RANK1, T_PLAN_TABLE),
+        "decode rank r of a smaller tp pulls prefill ranks r..r+k-1 (overlapping, half unfetched)",
+    ),
+    CodeMutant(
+        "plan5_key_named_by_decode_rank",
+        PLAN,
+        (
+            (
+                "    return tp_ranks, tp_ranks[0], 1, dummy\n",
+                "    return tp_ranks, rank, 1, dummy\n",
+            ),
+        ),
+        (T_PLAN_RANK1, T_PLAN_TABLE),
+        "the pool key of decode rank r is named r, not its first prefill rank (SGLang's key)",
+    ),
+    CodeMutant(
+        "plan4_share_modulo",
+        PLAN,
+        (("        target = rank // share\n", "        target = rank % share\n"),),
+        (
+            T_PLAN + "test_plan_4_no_decode_rank_is_ever_dummy_when_decode_tp_is_larger",
+            T_PLAN_TABLE,
+        ),
+        "decode ranks sharing a prefill rank are spread over the wrong prefill ranks",
+    ),
+    CodeMutant(
+        "pp_every_rank_when_equal",
+        PLAN,
+        (
+            (
+                "        return (layout.pp_rank,)\n",
+                "        return tuple(range(topology.pp_size))\n",
+            ),
+        ),
+        (T_PLAN + "test_plan_8_pp_rule",),
+        "a decode pp rank pulls every prefill pp rank although the pp sizes match",
+    ),
+    CodeMutant(
+        "cp_sharding_switch_ignored",
+        PLAN,
+        (("        or bool(topology.enable_kv_cache_sharding)\n", ""),),
+        (T_PLAN + "test_plan_7_every_switch_pulls_every_cp_rank",),
+        "KV-cache sharding on the prefill does not pull every cp rank (under-fetch)",
+    ),
+    # --- transport ------------------------------------------------------------------------------
+    CodeMutant(
+        "held_verdict_never_expires",
+        TRANSPORT,
+        (
+            (
+                "        tomb = self._down.get(endpoint)\n        if tomb is not None and time.monotonic() < tomb.until:",
+                "        tomb = self._down.get(endpoint)\n        if tomb is not None:",
+            ),
+        ),
+        (T_HOLD,),
+        "a port once judged dead fails every send for ever, though a rank listens there again",
+    ),
+    CodeMutant(
+        "hold_in_seconds",
+        TRANSPORT,
+        (
+            (
+                "        self._hold_s = down_hold_ms / 1000\n",
+                "        self._hold_s = float(down_hold_ms)\n",
+            ),
+        ),
+        (T_HOLD,),
+        "down_hold_ms read as seconds: a verdict is held 1000 times too long",
+    ),
+    CodeMutant(
+        "no_immediate",
+        TRANSPORT,
+        (("                socket.setsockopt(zmq.IMMEDIATE, 1)\n", "                pass\n"),),
+        (
+            "tests/test_transport.py::test_zmq2_immediate_first_send_to_dead_endpoint_fails_and_evicts",
+        ),
+        "sends to a dead rank queue silently (the SGLang stale-port bug)",
+    ),
+    CodeMutant(
+        "circuit_never_opens",
+        TRANSPORT,
+        (
+            (
+                "            if down is not None:  # the circuit is open (ZMQ-19)\n",
+                "            if False:\n",
+            ),
+        ),
+        (T_FAULTS + "test_zmq16_a_killed_peer_is_reported_dead_and_its_sends_fail_fast",),
+        "sends to an endpoint judged dead wait for a connection instead of failing at once",
+    ),
+    CodeMutant(
+        "release_keeps_sockets",
+        TRANSPORT,
+        (
+            (
+                "                    entry = self._entries.pop(endpoint, None)\n                    if entry is not None:\n                        retiring.append(entry)\n",
+                "                    entry = None\n",
+            ),
+        ),
+        (T_FAULTS + "test_zmq20_release_closes_sockets_and_the_cache_is_bounded",),
+        "released endpoints keep their sockets and monitors (resources outlive generations)",
+    ),
+    # --- liveness -------------------------------------------------------------------------------
+    CodeMutant(
+        "closed_while_connected_is_dead",
+        LIVENESS,
+        (
+            (
+                "        if event == zmq.EVENT_CLOSED and not self.connected:",
+                "        if event == zmq.EVENT_CLOSED:",
+            ),
+        ),
+        (T_LIVE + "test_zmq16_closed_while_connected_is_not_a_verdict",),
+        "a closed attempt while a connection is up kills a live endpoint",
+    ),
+    CodeMutant(
+        "grace_ignored",
+        LIVENESS,
+        (
+            (
+                "        if deadline is not None and now >= deadline:",
+                "        if deadline is not None:",
+            ),
+        ),
+        (T_LIVE + "test_zmq16_a_disconnect_alone_is_evidence_not_proof",),
+        "a disconnect is judged dead at once, without waiting for a reconnect",
+    ),
+    CodeMutant(
+        "handshake_keeps_verdict",
+        LIVENESS,
+        (
+            (
+                "            self.disconnected_at = None\n            self.dead_reason = None\n",
+                "            self.disconnected_at = None\n",
+            ),
+        ),
+        (T_LIVE + "test_zmq16_verdicts_alternate_and_follow_the_rule",),
+        "an endpoint that came back is never judged dead again (its old verdict stays)",
+    ),
+    # --- ack listener ---------------------------------------------------------------------------
+    CodeMutant(
+        "repeat_ack_counts_twice",
+        ACKS,
+        (("            if event.prefill_rank in pending.ranks:\n", "            if False:\n"),),
+        ("tests/test_transport.py::test_zmq12_callback_fires_once_after_n_distinct_rank_acks",),
+        "a rank acking twice completes a room that needs two distinct ranks",
+    ),
+    CodeMutant(
+        "frame_cap_off",
+        ACKS,
+        (
+            (
+                "            if len(frames) > MAX_FRAMES:\n",
+                "            if len(frames) > MAX_FRAMES * 1_000_000:\n",
+            ),
+        ),
+        (
+            "tests/test_hostile_acks.py::test_ack2_too_many_frames_cuts_the_sender_and_the_listener_serves_on",
+        ),
+        "a sender of a many-frame message is never cut (memory grows with its frames)",
+    ),
+    CodeMutant(
+        "repeat_response_counts_twice",
+        RECEIVER,
+        (("            elif prefill_rank in responses:\n                return False\n", ""),),
+        (
+            T_MANAGER + "test_mgr_13_a_repeated_report_counts_once_and_complete_says_so",
+            "tests/test_sglang_receiver.py::test_mgr_13_completion_needs_every_distinct_prefill_rank_and_a_repeat_counts_once",
+        ),
+        "a repeated Success is taken as new: complete() says True (MGR-13; the count is a set)",
+    ),
+    # --- etcd: the watch's mark, its listener, the watermark -------------------------------------
+    CodeMutant(
+        "watch_skips_held",
+        ETCD,
+        (
+            (
+                "            held = self._held\n            if held is not None:\n                seen = set(retired.values())",
+                "            held = None\n            if held is not None:\n                seen = set(retired.values())",
+            ),
+        ),
+        (T_MARK,),
+        "a watch event marks only pool entries: a request holding a generation that left the pool starts on it",
+    ),
+    CodeMutant(
+        "listener_ignores_marked",
+        CHANGES,
+        (
+            (
+                "        doomed = list(change.marked) or list(change.retired.values())",
+                "        doomed = list(change.retired.values())",
+            ),
+        ),
+        (T_LISTEN,),
+        "the fan-out fails only users of pool entries: a transfer on a held generation waits out its timeout",
+    ),
+    CodeMutant(
+        "no_watermark",
+        ETCD,
+        (
+            (
+                "            if not self.is_current(key, generation):\n                self._refused += 1",
+                "            if False:\n                self._refused += 1",
+            ),
+        ),
+        (T_ETCD + "test_a_fetch_the_watch_overtook_is_not_published",),
+        "a fetch the watch overtook is published (the model's NoWatermark)",
+    ),
+    # --- server validation ----------------------------------------------------------------------
+    CodeMutant(
+        "bool_is_an_int",
+        SERVER,
+        ((" or (kind is int and isinstance(value, bool)) or ", " or "),),
+        ("tests/test_server.py::test_http63_json_true_is_not_an_integer_field",),
+        'the server takes "page_size": true as page size 1 and pins it for the address',
+    ),
+)
+
+BY_NAME = {m.name: m for m in MUTANTS}
