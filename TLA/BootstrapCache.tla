@@ -33,7 +33,9 @@
 (*    from (|Ranks| is the plan's required_prefill_response_num); they     *)
 (*    live and restart together, as one prefill instance at one address;   *)
 (*  - a prefill's answer to the handshake and the poll that sees it are    *)
-(*    one step (PrefillReady), taken only while that prefill is alive.     *)
+(*    one step (PrefillReady), taken only while that prefill is alive;     *)
+(*  - flight ids are recycled like object ids (the smallest id nothing     *)
+(*    references; an unreferenced id's fate is reset to "free").           *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
 
@@ -75,16 +77,24 @@ VARIABLES
     pooled,    \* history: the referenced objects that have been published to the pool
     watched,   \* watched[a]: the newest revision (epoch) of a the etcd watch has delivered
     marked,    \* receivers the fan-out marked failed (their owner's next call fails them)
-    notified   \* receivers whose request sent its ABORT notice to every target rank
+    notified,  \* receivers whose request sent its ABORT notice to every target rank
+    flight,    \* flight[a]: the flight registered for key a (single-flight registry), or None
+    rflight,   \* rflight[r]: the flight r leads (fetching..registered) or follows (idle), or None
+    fate       \* fate[f]: "open", "published" or "failed"; "free" for an unused flight id
 
 vars == <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-          notified>>
+          notified, flight, rflight, fate>>
 
 None == 0
 
 \* Enough ids that a fetch always finds a free one: the pool holds at most one
 \* object per address and every receiver at most one.
 ObjIds == 1 .. (Cardinality(Addrs) + Cardinality(Receivers))
+
+\* Enough flight ids that a leader always finds a free one: the registry names at
+\* most one flight per address and every receiver leads or follows at most one.
+FlightIds == 1 .. (Cardinality(Addrs) + Cardinality(Receivers))
+FlightFates == {"free", "open", "published", "failed"}
 
 LifecycleStates == {"idle", "fetching", "fetched", "registered", "cached", "handshaking",
                     "ready", "waiting", "done", "failed", "invalidated", "aborted"}
@@ -115,11 +125,40 @@ Live(r) == objEpoch[rgen[r]] = epoch[rkey[r]]
 LiveEntry(a) == pool[a] # None /\ objEpoch[pool[a]] = epoch[a]
 Stale(a) == pool[a] # None /\ objEpoch[pool[a]] < epoch[a]
 
-\* A fetch for key a is running (its leader has not yet published or failed).
-Flight(a) == \E q \in Receivers : rstate[q] \in FlightStates /\ rkey[q] = a
+\* Flight f is led: its leader is still fetching, registering or publishing it.
+Led(f) == \E l \in Receivers : rflight[l] = f /\ rstate[l] \in FlightStates
 
-\* r waits, idle, on the flight for rkey[r], and that flight ended without a generation.
-Orphan(r) == rstate[r] = "idle" /\ rkey[r] # None /\ rgen[r] = None /\ ~Flight(rkey[r])
+\* r follows a flight: it missed while that flight was registered and waits, idle.
+Follows(r) == rstate[r] = "idle" /\ rflight[r] # None
+
+\* r follows a flight whose leader failed: r fails with the leader's reason.
+FlightFailed(r) == Follows(r) /\ fate[rflight[r]] = "failed"
+
+\* Flight ids that the registry or a receiver references.
+FlightRefs(fl, rf) == ({fl[a] : a \in Addrs} \cup {rf[r] : r \in Receivers}) \ {None}
+
+\* Reset the fate of every unreferenced flight id (canonical states).
+CollectFlights(fl, rf, fa) ==
+    [f \in FlightIds |-> IF f \in FlightRefs(fl, rf) THEN fa[f] ELSE "free"]
+
+\* The smallest flight id nothing references.
+FreeFlight ==
+    LET free == FlightIds \ FlightRefs(flight, rflight)
+    IN  CHOOSE f \in free : \A g \in free : f <= g
+
+\* r lets go of its flight.  A leader's flight ends with outcome o: it leaves the
+\* registry (Flights.resolve / Flights.fail) and its fate tells its followers,
+\* which keep it until they take it.  A follower only lets go.
+Unflight(r, o) ==
+    LET f == rflight[r]
+        leads == rstate[r] \in FlightStates /\ f # None
+        newFlight == IF leads /\ flight[rkey[r]] = f
+                        THEN [flight EXCEPT ![rkey[r]] = None] ELSE flight
+        newRflight == [rflight EXCEPT ![r] = None]
+        newFate == IF leads THEN [fate EXCEPT ![f] = o] ELSE fate
+    IN  /\ flight' = newFlight
+        /\ rflight' = newRflight
+        /\ fate' = CollectFlights(newFlight, newRflight, newFate)
 
 \* A failure is genuine when the environment forces it; otherwise it is spurious
 \* (flaky fetch, slow prefill hitting the timeout, lost send) and spends budget.
@@ -136,7 +175,8 @@ DropsOnFailure(a, b) ==
     IF Variant = "PrefixNodeFailure" THEN DigitPrefix(a, b) ELSE a = b
 
 \* r fails before holding a generation it recorded (idle or fetching): it
-\* forgets its key and object, so its invalidation drops nothing.
+\* forgets its key and object, so its invalidation drops nothing.  A leader's
+\* flight fails with it; a follower lets go of its flight.
 FailEarly(r) ==
     LET newKey == [rkey EXCEPT ![r] = None]
         newGen == [rgen EXCEPT ![r] = None]
@@ -146,6 +186,7 @@ FailEarly(r) ==
         /\ pooled' = pooled \cap Referenced(pool, newGen)
         /\ marked' = marked \ {r}
         /\ rstate' = [rstate EXCEPT ![r] = "failed"]
+        /\ Unflight(r, "failed")
 
 -----------------------------------------------------------------------------
 (* Receiver actions: one per lifecycle event.                              *)
@@ -161,9 +202,14 @@ Hit(r, a) ==
                /\ rgen' = rgen
     /\ rstate' = [rstate EXCEPT ![r] = "cached"]
     /\ rkey' = [rkey EXCEPT ![r] = a]
+    /\ Unflight(r, "published")  \* a follower lets go of its flight (r leads none: o unused)
     /\ UNCHANGED <<pool, objEpoch, epoch, faults, acked, pooled, watched, marked, notified>>
 
-\* The fetch begins: its object remembers the epoch that answers first.
+\* The fetch begins: its object remembers the epoch that answers first.  With no
+\* flight registered for a, r creates one and leads it (Flights.claim).  A miss
+\* while a's flight is registered is a fetch the registry does not see (a
+\* manager with single_flight=False, or another manager on the same pool): it
+\* leads no flight.
 Miss(r, a) ==
     /\ rstate[r] = "idle"
     /\ rkey[r] = None
@@ -171,6 +217,12 @@ Miss(r, a) ==
     /\ LET o == FreeId
        IN  /\ rgen' = [rgen EXCEPT ![r] = o]
            /\ objEpoch' = [objEpoch EXCEPT ![o] = epoch[a]]
+    /\ IF flight[a] = None
+          THEN LET f == FreeFlight
+               IN  /\ flight' = [flight EXCEPT ![a] = f]
+                   /\ rflight' = [rflight EXCEPT ![r] = f]
+                   /\ fate' = [fate EXCEPT ![f] = "open"]
+          ELSE UNCHANGED <<flight, rflight, fate>>
     /\ rstate' = [rstate EXCEPT ![r] = "fetching"]
     /\ rkey' = [rkey EXCEPT ![r] = a]
     /\ UNCHANGED <<pool, epoch, faults, acked, pooled, watched, marked, notified>>
@@ -180,15 +232,17 @@ FetchOk(r) ==
     /\ rstate[r] = "fetching"
     /\ objEpoch' = [objEpoch EXCEPT ![rgen[r]] = epoch[rkey[r]]]
     /\ rstate' = [rstate EXCEPT ![r] = "fetched"]
-    /\ UNCHANGED <<rkey, rgen, pool, epoch, faults, acked, pooled, watched, marked, notified>>
+    /\ UNCHANGED <<rkey, rgen, pool, epoch, faults, acked, pooled, watched, marked, notified,
+                   flight, rflight, fate>>
 
 \* From idle: resolving the dp rank failed or a follower's deadline passed
-\* (spurious), or the flight r follows failed (genuine).  From fetching:
-\* genuine when the prefill restarted since the fetch began (two rank
-\* queries answered by two instances), spurious otherwise.
+\* (spurious), or the flight r follows failed (genuine: the leader's reason).
+\* From fetching: genuine when the prefill restarted since the fetch began (two
+\* rank queries answered by two instances), spurious otherwise.
 FetchFail(r) ==
     /\ rstate[r] \in {"idle", "fetching"}
-    /\ Failure(IF rstate[r] = "idle" THEN Orphan(r) ELSE objEpoch[rgen[r]] < epoch[rkey[r]])
+    /\ Failure(IF rstate[r] = "idle" THEN FlightFailed(r)
+                                     ELSE objEpoch[rgen[r]] < epoch[rkey[r]])
     /\ FailEarly(r)
     /\ UNCHANGED <<pool, epoch, acked, watched, notified>>
 
@@ -199,33 +253,37 @@ RegisterOk(r) ==
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "registered"]
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-                   notified>>
+                   notified, flight, rflight, fate>>
 
 RegisterFail(r) ==
     /\ rstate[r] = "fetched"
     /\ Failure(Mode = "immediate" /\ ~Live(r))
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
+    /\ Unflight(r, "failed")
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked, notified>>
 
 \* pool.setdefault(key, fresh): publish when empty, else adopt the winner
-\* (and record it in place of the fresh object).  The followers of the key
-\* are handed what the pool holds now.  Watermark: a fresh object older than
-\* the newest revision the watch delivered is not published (its receiver was
-\* marked by that watch event and keeps it only until it fails).
+\* (and record it in place of the fresh object).  r's flight ends: its
+\* followers are handed what the pool holds now (Flights.resolve).  Watermark:
+\* a fresh object older than the newest revision the watch delivered is not
+\* published (its receiver was marked by that watch event and keeps it only
+\* until it fails); the pool then holds nothing for the followers, and the
+\* flight fails (Flights.fail with the refusal).
 Publish(r) ==
     /\ rstate[r] = "registered"
     /\ LET k == rkey[r]
+           f == rflight[r]
            fresh == IF objEpoch[rgen[r]] >= watched[k] THEN rgen[r] ELSE None
            held == IF pool[k] = None THEN fresh ELSE pool[k]
            newPool == [pool EXCEPT ![k] = held]
            newGen == [q \in Receivers |->
-                        IF held # None /\ (q = r \/ (rstate[q] = "idle" /\ rkey[q] = k
-                                                     /\ rgen[q] = None))
+                        IF held # None /\ (q = r \/ (f # None /\ rflight[q] = f))
                            THEN held ELSE rgen[q]]
        IN  /\ pool' = newPool
            /\ rgen' = newGen
            /\ objEpoch' = Collect(newPool, newGen, objEpoch)
            /\ pooled' = (pooled \cup ({held} \ {None})) \cap Referenced(newPool, newGen)
+           /\ Unflight(r, IF held # None THEN "published" ELSE "failed")
     /\ rstate' = [rstate EXCEPT ![r] = "cached"]
     /\ UNCHANGED <<rkey, epoch, faults, acked, watched, marked, notified>>
 
@@ -239,7 +297,7 @@ Handshake(r) ==
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "handshaking"]
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-                   notified>>
+                   notified, flight, rflight, fate>>
 
 \* The prefill answered the handshake (status WaitingForInput) and a poll saw
 \* it.  Only a live prefill answers.
@@ -248,7 +306,7 @@ PrefillReady(r) ==
     /\ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "ready"]
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-                   notified>>
+                   notified, flight, rflight, fate>>
 
 \* Per-request metadata: at once under "early", after the prefill answered
 \* the handshake under "prefill_complete".  Queueing mode: a dead port takes
@@ -260,7 +318,7 @@ SendOk(r) ==
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "waiting"]
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-                   notified>>
+                   notified, flight, rflight, fate>>
 
 \* From idle (no key yet): send_metadata before a successful init.  From
 \* cached, handshaking or ready: the BOOTSTRAP or the metadata send failed.
@@ -274,7 +332,7 @@ SendFail(r) ==
        /\ Failure(Mode = "immediate" /\ ~Live(r))
        /\ rstate' = [rstate EXCEPT ![r] = "failed"]
        /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked,
-                      notified>>
+                      notified, flight, rflight, fate>>
 
 \* poll() completes once every target rank has reported its transfer: the
 \* responses are counted per rank, so a rank that reports twice counts once.
@@ -290,7 +348,7 @@ Complete(r) ==
     /\ acked' = [acked EXCEPT ![r] = NoAcks]
     /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "done"]
-    /\ UNCHANGED <<pool, epoch, faults, watched, notified>>
+    /\ UNCHANGED <<pool, epoch, faults, watched, notified, flight, rflight, fate>>
 
 \* The prefill never answered the handshake, or some rank never reported
 \* (poll() looks at the responses first).  Genuine when the metadata or the
@@ -303,7 +361,8 @@ Timeout(r) ==
     /\ notified' = notified \cup {r}
     /\ acked' = [acked EXCEPT ![r] = NoAcks]
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched, marked>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched, marked, flight, rflight,
+                   fate>>
 
 \* The manager's fan-out: evidence that the prefill r depends on died or
 \* restarted (genuine when r was marked or its object is of a dead epoch),
@@ -318,7 +377,7 @@ PeerLost(r) ==
           ELSE /\ rstate' = [rstate EXCEPT ![r] = "failed"]
                /\ acked' = [acked EXCEPT ![r] = NoAcks]
                /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched, marked,
-                              notified>>
+                              notified, flight, rflight, fate>>
 
 \* Drop pool[k] only if it *is* the recorded object (identity, under the lock),
 \* then forget the record.  Bug variants:
@@ -341,11 +400,12 @@ Invalidate(r) ==
            /\ pooled' = pooled \cap Referenced(newPool, newGen)
     /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "invalidated"]
-    /\ UNCHANGED <<epoch, faults, acked, watched, notified>>
+    /\ UNCHANGED <<epoch, faults, acked, watched, notified, flight, rflight, fate>>
 
 \* The owner gives up: no invalidation.  Bounded by the same budget.  A
 \* request that already holds its target ranks tells each of them (ABORT),
-\* also before its metadata went out and after its transfer finished.
+\* also before its metadata went out and after its transfer finished.  A
+\* leader's flight fails (no follower waits for an abandoned fetch).
 Abort(r) ==
     /\ rstate[r] \in ActiveStates \cup {"done"}
     /\ Failure(FALSE)
@@ -359,6 +419,7 @@ Abort(r) ==
     /\ acked' = [acked EXCEPT ![r] = NoAcks]
     /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "aborted"]
+    /\ Unflight(r, "failed")
     /\ UNCHANGED <<pool, epoch, watched>>
 
 \* A finished receiver starts its next request (for any key: chosen at lookup).
@@ -366,21 +427,24 @@ NewRequest(r) ==
     /\ rstate[r] \in FinalStates
     /\ rstate' = [rstate EXCEPT ![r] = "idle"]
     /\ notified' = notified \ {r}
-    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked>>
+    /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
+                   flight, rflight, fate>>
 
 -----------------------------------------------------------------------------
 (* Steps other threads take for a receiver: no lifecycle state changes.    *)
 
-\* Single flight: an idle receiver that misses while a fetch for the key runs
-\* waits for that flight instead of fetching (it stays idle).
+\* Single flight: an idle receiver that misses while a flight for the key is
+\* registered follows that very flight instead of fetching (Flights.claim); it
+\* stays idle until the flight's fate tells it the leader's result.
 JoinFlight(r, a) ==
     /\ rstate[r] = "idle"
     /\ rkey[r] = None
     /\ pool[a] = None
-    /\ Flight(a)
+    /\ flight[a] # None
     /\ rkey' = [rkey EXCEPT ![r] = a]
+    /\ rflight' = [rflight EXCEPT ![r] = flight[a]]
     /\ UNCHANGED <<rstate, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-                   notified>>
+                   notified, flight, fate>>
 
 \* The ack listener: rank p of the prefill process now running at r's
 \* address finished r's transfer.  Only the epoch r's metadata reached can: a
@@ -392,7 +456,7 @@ Ack(r, p) ==
     /\ Live(r) \/ (Variant = "ReusedPortAcks" /\ Mode = "queueing")
     /\ acked' = [acked EXCEPT ![r][p] = IF @ = 0 THEN epoch[rkey[r]] + 1 ELSE @]
     /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, pooled, watched, marked,
-                   notified>>
+                   notified, flight, rflight, fate>>
 
 \* A rank's report that arrives after r's request failed (its timeout fired,
 \* or another rank failed it): Failed is terminal, so nothing changes.
@@ -402,7 +466,7 @@ LateAck(r, p) ==
     /\ Live(r)
     /\ rstate' = rstate
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-                   notified>>
+                   notified, flight, rflight, fate>>
 
 -----------------------------------------------------------------------------
 (* Environment actions: no receiver's lifecycle state changes.             *)
@@ -412,7 +476,7 @@ Restart(a) ==
     /\ epoch[a] < MaxRestarts
     /\ epoch' = [epoch EXCEPT ![a] = @ + 1]
     /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, faults, acked, pooled, watched, marked,
-                   notified>>
+                   notified, flight, rflight, fate>>
 
 \* The prefill at a restarts and the heartbeat notices: the entries of exactly
 \* address a are dropped.  Bug variant PrefixNodeFailure: key.startswith(addr).
@@ -423,7 +487,8 @@ NodeFailure(a) ==
        IN  /\ pool' = newPool
            /\ objEpoch' = Collect(newPool, rgen, objEpoch)
            /\ pooled' = pooled \cap Referenced(newPool, rgen)
-    /\ UNCHANGED <<rstate, rkey, rgen, faults, acked, watched, marked, notified>>
+    /\ UNCHANGED <<rstate, rkey, rgen, faults, acked, watched, marked, notified, flight, rflight,
+                   fate>>
 
 \* An observer (the health probe, or a receiver whose fetch answered) saw
 \* instance e answer at a, at some time up to now, after it had seen an older
@@ -440,7 +505,8 @@ RetireInstance(a, e) ==
        IN  /\ pool' = newPool
            /\ objEpoch' = Collect(newPool, rgen, objEpoch)
            /\ pooled' = pooled \cap Referenced(newPool, rgen)
-    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, watched, marked, notified>>
+    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, watched, marked, notified, flight,
+                   rflight, fate>>
 
 \* The etcd watch delivers the next revision of a's registration, after a delay
 \* (revisions order what instance ids cannot).  Entries fetched at an older
@@ -464,7 +530,7 @@ WatchEvent(a) ==
                       /\ rstate[r] \in {"idle", "fetched", "registered", "cached",
                                         "handshaking", "ready", "waiting"}
                       /\ objEpoch[rgen[r]] < w}
-    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, notified>>
+    /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, notified, flight, rflight, fate>>
 
 -----------------------------------------------------------------------------
 
@@ -481,6 +547,9 @@ Init ==
     /\ watched = [a \in Addrs |-> 0]
     /\ marked = {}
     /\ notified = {}
+    /\ flight = [a \in Addrs |-> None]
+    /\ rflight = [r \in Receivers |-> None]
+    /\ fate = [f \in FlightIds |-> "free"]
 
 Next ==
     \/ \E r \in Receivers :
@@ -558,6 +627,9 @@ TypeOK ==
     /\ watched \in [Addrs -> 0 .. MaxRestarts]
     /\ marked \subseteq Receivers
     /\ notified \subseteq Receivers
+    /\ flight \in [Addrs -> FlightIds \cup {None}]
+    /\ rflight \in [Receivers -> FlightIds \cup {None}]
+    /\ fate \in [FlightIds -> FlightFates]
 
 \* POOL-1/POOL-2: a receiver past setup uses a generation that was published,
 \* so other receivers can find it and its own failure can evict it (or it was
@@ -566,6 +638,34 @@ AdoptionCorrect ==
     \A r \in Receivers :
         rstate[r] \in {"cached", "handshaking", "ready", "waiting"} =>
             (rgen[r] \in pooled \/ r \in marked)
+
+\* Single flight: a follower always has its own leader's result to take, or a
+\* leader still working for it.  While its flight is open the flight is led
+\* (nobody waits for an abandoned fetch); once the leader published, the
+\* follower holds the generation that publish handed it, a pooled one; once
+\* the leader failed, it holds nothing and fails with the leader's reason.  A
+\* later flight of the same key hands it nothing (no rescue).
+FollowerGetsLeaderResult ==
+    \A q \in Receivers :
+        Follows(q) =>
+            LET f == rflight[q]
+            IN  \/ fate[f] = "open" /\ Led(f) /\ rgen[q] = None
+                \/ fate[f] = "published" /\ rgen[q] \in pooled
+                \/ fate[f] = "failed" /\ rgen[q] = None
+
+\* A flight leaves the registry when it ends: a registered flight is open and
+\* led by a receiver fetching that key, so nobody joins a finished flight.
+FinishedFlightGone ==
+    \A a \in Addrs :
+        flight[a] # None =>
+            /\ fate[flight[a]] = "open"
+            /\ \E l \in Receivers :
+                  rflight[l] = flight[a] /\ rstate[l] \in FlightStates /\ rkey[l] = a
+
+\* A failure mark belongs to a live request: one that has not ended and still
+\* holds the generation it was marked for (a mark never fails a later request).
+MarkOfLiveRequest ==
+    \A r \in marked : rstate[r] \notin FinalStates /\ rgen[r] # None
 
 \* POOL-3: a receiver's step removes or replaces a live entry only as the
 \* invalidation of a receiver that holds that very object: a fresh generation
@@ -629,6 +729,14 @@ NoStaleStart ==
     [][\A r \in Receivers :
           (rstate[r] \in {"cached", "ready"} /\ rstate'[r] = "waiting") =>
               objEpoch[rgen[r]] >= watched[rkey[r]]
+      ]_vars
+
+\* No needless failures: the watch's fan-out marks only receivers whose
+\* generation holds a dead epoch's ports (a receiver on the current prefill is
+\* never failed for a change that does not concern it).
+OnlyStaleMarked ==
+    [][\A r \in Receivers :
+          (r \notin marked /\ r \in marked') => (rgen[r] # None /\ ~Live(r))
       ]_vars
 
 \* Once restarts stop (they are bounded), a stale entry is eventually evicted.

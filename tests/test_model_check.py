@@ -61,7 +61,7 @@ def test_verdict(name: str) -> None:
     violation = result.first_violation()
     if expected is None:
         assert result.ok and violation is None
-        assert all(result.verdicts.values()) and len(result.verdicts) == 12
+        assert all(result.verdicts.values()) and len(result.verdicts) == 16
     else:
         assert violation is not None and violation.property == expected
         # Safety properties other than the expected one still hold in the variant.
@@ -72,6 +72,10 @@ def test_verdict(name: str) -> None:
             "ExactNodeFailure",
             "NoStaleSuccess",
             "NoStaleStart",
+            "FollowerGetsLeaderResult",
+            "FinishedFlightGone",
+            "MarkOfLiveRequest",
+            "OnlyStaleMarked",
         )
         for other in safety:
             if other != expected:
@@ -165,7 +169,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_default_config_passes() -> None:
     done = _cli()
     assert done.returncode == 0, done.stderr
-    assert "4952 distinct states found" in done.stdout
+    assert "7268 distinct states found" in done.stdout
     assert "RequestsSucceed" in done.stdout and "VIOLATED" not in done.stdout
 
 

@@ -52,6 +52,11 @@ def test_the_table_covers_the_required_mutations() -> None:
         "AbortBeforeSendSilent",
         "TimeoutSilent",
         "SendWithoutHandshake",
+        "LeaderFailureUntold",
+        "FlightStaysRegistered",
+        "PublishHandsFollowersNothing",
+        "WatchMarksCurrent",
+        "MarkOutlivesRequest",
     } <= names
     # Every property has teeth: some mutation breaks it.
     named = {*spec.INVARIANTS, *spec.ACTION_PROPERTIES, *spec.LIVENESS_PROPERTIES} - {"TypeOK"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,12 @@ def test_lifecycle_state_sets_match_the_machine() -> None:
     assert strings("LifecycleStates") == set(lifecycle.STATES)
     assert strings("ActiveStates") == set(lifecycle.ACTIVE_STATES)
     assert strings("FinalStates") == set(lifecycle.FINAL_STATES)
+
+
+def test_spec_index_names_every_shared_property() -> None:
+    """spec/README.md's list of shared names is the mirror's, no more and no fewer."""
+    index = (SPEC_PATH.parents[1] / "spec" / "README.md").read_text(encoding="utf-8")
+    shared = index[index.index("Names shared between") :].split("tests (")[0]
+    listed = set(re.findall(r"`([A-Z][A-Za-z]+)`", shared))
+    expected = {*spec.INVARIANTS, *spec.ACTION_PROPERTIES, *spec.LIVENESS_PROPERTIES}
+    assert listed == expected

@@ -91,6 +91,9 @@ DUMP = """State 1:
 /\\ acked = (r1 :> (p1 :> 0))
 /\\ notified = {}
 /\\ rstate = (r1 :> "idle")
+/\\ flight = (80 :> 0)
+/\\ rflight = (r1 :> 0)
+/\\ fate = <<"free", "free">>
 
 """
 
@@ -130,6 +133,10 @@ def test_a_state_set_that_differs_is_reported(tmp_path: Path) -> None:
         lines.append(f"/\\ watched = (80 :> {state.watched[0]})")
         lines.append(f"/\\ marked = {{{', '.join(sorted(state.marked))}}}")
         lines.append(f"/\\ notified = {{{', '.join(sorted(state.notified))}}}")
+        lines.append(f"/\\ flight = (80 :> {state.flight[0]})")
+        lines.append(f"/\\ rflight = (r1 :> {state.rflight[0]})")
+        fates = ", ".join(f'"{x}"' for x in state.fate)
+        lines.append(f"/\\ fate = <<{fates}>>")
         lines.append("")
     (tmp_path / "s.dump").write_text("\n".join(lines), encoding="utf-8")
     dumped = read_dump(tmp_path / "s.dump")

@@ -47,7 +47,7 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
         "LoserKeepsOwn",
         "MCTwoReceivers.cfg",
         "AdoptionCorrect",
-        (("(q = r \\/ (rstate[q]", "(q # r /\\ (rstate[q]"),),
+        (("(q = r \\/ (f # None", "(q # r /\\ (f # None"),),
         "the publish loser keeps its unpublished object: its failure cannot evict the winner",
     ),
     SpecMutation(
@@ -70,7 +70,7 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
             (
                 '    /\\ rstate\' = [rstate EXCEPT ![r] = "failed"]\n'
                 "    /\\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, pooled, watched,"
-                " marked>>\n",
+                " marked, flight, rflight,\n                   fate>>\n",
                 "    /\\ FailEarly(r)\n    /\\ UNCHANGED <<pool, epoch, watched>>\n",
             ),
         ),
@@ -220,6 +220,76 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
         ),
         "under prefill_complete the metadata goes out before the prefill answered BOOTSTRAP:"
         " the prefill has no room for it yet",
+    ),
+    SpecMutation(
+        "LeaderFailureUntold",
+        "MCTwoReceivers.cfg",
+        "FollowerGetsLeaderResult",
+        (
+            (
+                "        newFate == IF leads THEN [fate EXCEPT ![f] = o] ELSE fate\n",
+                '        newFate == IF leads /\\ o = "published" THEN [fate EXCEPT ![f] = o]'
+                " ELSE fate\n",
+            ),
+        ),
+        "a leader whose fetch fails leaves the registry without telling its followers: they"
+        " wait for a flight nobody will finish, until their own deadline, and fail with a"
+        " misleading timeout instead of the leader's reason",
+    ),
+    SpecMutation(
+        "FlightStaysRegistered",
+        "MCOne.cfg",
+        "FinishedFlightGone",
+        (
+            (
+                "        newFlight == IF leads /\\ flight[rkey[r]] = f\n"
+                "                        THEN [flight EXCEPT ![rkey[r]] = None] ELSE flight\n",
+                "        newFlight == flight\n",
+            ),
+        ),
+        "a finished flight stays in the registry: the next request to miss the key follows a"
+        " fetch that already ended and is never told a result",
+    ),
+    SpecMutation(
+        "PublishHandsFollowersNothing",
+        "MCTwoReceivers.cfg",
+        "FollowerGetsLeaderResult",
+        (
+            (
+                "IF held # None /\\ (q = r \\/ (f # None /\\ rflight[q] = f))",
+                "IF held # None /\\ q = r",
+            ),
+        ),
+        "the leader publishes but its followers are handed nothing: they wait on a flight that"
+        " succeeded, until their deadline",
+    ),
+    SpecMutation(
+        "WatchMarksCurrent",
+        "MCHandshake.cfg",
+        "OnlyStaleMarked",
+        (
+            (
+                "                      /\\ objEpoch[rgen[r]] < w}",
+                "                      /\\ objEpoch[rgen[r]] <= w}",
+            ),
+        ),
+        "the watch's fan-out also fails requests holding the registration it just delivered:"
+        " requests on a live prefill fail for nothing",
+    ),
+    SpecMutation(
+        "MarkOutlivesRequest",
+        "MCHandshake.cfg",
+        "MarkOfLiveRequest",
+        (
+            (
+                "    /\\ marked' = marked \\ {r}\n"
+                '    /\\ rstate\' = [rstate EXCEPT ![r] = "invalidated"]\n',
+                "    /\\ marked' = marked\n"
+                '    /\\ rstate\' = [rstate EXCEPT ![r] = "invalidated"]\n',
+            ),
+        ),
+        "a failure mark survives its request's invalidation: the receiver's next request is"
+        " failed by the mark of a request that already ended",
     ),
 )
 

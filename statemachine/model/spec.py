@@ -17,7 +17,9 @@ Encoding (the same values TLC holds):
 * addresses are port numbers, sorted; ``pool`` and ``epoch`` are indexed by that order;
 * object ids are ``1 .. |Addrs| + |Receivers|``; ``objEpoch[o]`` is at index ``o - 1``;
   ``pooled`` is a frozenset of object ids;
-* ``None`` is ``0`` for keys and objects, as in the spec.
+* flight ids are ``1 .. |Addrs| + |Receivers|``; ``fate[f]`` is at index ``f - 1``; ``flight``
+  is indexed by address, ``rflight`` by receiver;
+* ``None`` is ``0`` for keys, objects and flights, as in the spec.
 
 A *spec mutation* (``statemachine.model.mutations``) is applied to the mirror by the
 ``mutation`` argument of :class:`BootstrapCache`, and to a temporary copy of the spec text for
@@ -48,6 +50,9 @@ VARIABLES: tuple[str, ...] = (
     "watched",
     "marked",
     "notified",
+    "flight",
+    "rflight",
+    "fate",
 )
 
 MODES: tuple[str, ...] = ("immediate", "queueing")
@@ -95,7 +100,13 @@ ACTIONS: tuple[str, ...] = RECEIVER_ACTIONS + HELPER_ACTIONS + ENV_ACTIONS
 #: ``ReceiverStep(r)``: the receiver's weakly fair steps.
 RECEIVER_STEP: frozenset[str] = (frozenset(RECEIVER_ACTIONS) - {"Abort"}) | {"Ack"}
 
-INVARIANTS: tuple[str, ...] = ("TypeOK", "AdoptionCorrect")
+INVARIANTS: tuple[str, ...] = (
+    "TypeOK",
+    "AdoptionCorrect",
+    "FollowerGetsLeaderResult",
+    "FinishedFlightGone",
+    "MarkOfLiveRequest",
+)
 ACTION_PROPERTIES: tuple[str, ...] = (
     "IdentitySafe",
     "ExactNodeFailure",
@@ -105,6 +116,7 @@ ACTION_PROPERTIES: tuple[str, ...] = (
     "FailedIsTerminal",
     "AbortNotified",
     "HandshakeBeforeSend",
+    "OnlyStaleMarked",
 )
 LIVENESS_PROPERTIES: tuple[str, ...] = ("StaleEntryEvicted", "RequestsSucceed")
 CONSTANTS: tuple[str, ...] = (
@@ -128,6 +140,8 @@ PEER_LOST_FROM = frozenset({"idle", "cached", "handshaking", "ready", "waiting",
 INITIALIZED = frozenset({"cached", "handshaking", "ready", "waiting", "done"})
 #: States that hold a published generation (``AdoptionCorrect``).
 HOLDING = frozenset({"cached", "handshaking", "ready", "waiting"})
+#: ``FlightFates``: what a flight id's ``fate`` can be ("free": no flight uses the id).
+FLIGHT_FATES = frozenset({"free", "open", "published", "failed"})
 
 #: Spec mutations the mirror reproduces (see ``statemachine.model.mutations``).
 MUTATIONS: tuple[str, ...] = (
@@ -150,6 +164,11 @@ MUTATIONS: tuple[str, ...] = (
     "AbortBeforeSendSilent",
     "TimeoutSilent",
     "SendWithoutHandshake",
+    "LeaderFailureUntold",
+    "FlightStaysRegistered",
+    "PublishHandsFollowersNothing",
+    "WatchMarksCurrent",
+    "MarkOutlivesRequest",
 )
 
 
@@ -168,6 +187,9 @@ class State(NamedTuple):
     watched: tuple[int, ...]
     marked: frozenset[str]
     notified: frozenset[str]
+    flight: tuple[int, ...]
+    rflight: tuple[int, ...]
+    fate: tuple[str, ...]
 
 
 class Step(NamedTuple):
@@ -287,6 +309,7 @@ class BootstrapCache:
         self.addr_index = {a: j for j, a in enumerate(c.addrs)}
         self.n_objects = len(c.addrs) + len(c.receivers)
         self.object_ids = range(1, self.n_objects + 1)
+        self.flight_ids = range(1, len(c.addrs) + len(c.receivers) + 1)
         self.queueing = c.mode == "queueing"
         self.variant = c.variant
         self.etcd = c.discovery == "etcd"
@@ -365,28 +388,69 @@ class BootstrapCache:
         o = s.pool[j]
         return o != NONE and s.objEpoch[o - 1] == s.epoch[j]
 
-    def flight(self, s: State, a: int) -> bool:
-        return any(st in FLIGHT_STATES and k == a for st, k in zip(s.rstate, s.rkey, strict=True))
+    def led(self, s: State, f: int) -> bool:
+        """``Led(f)``: f's leader is still fetching, registering or publishing it."""
+        return any(
+            g == f and st in FLIGHT_STATES for g, st in zip(s.rflight, s.rstate, strict=True)
+        )
 
-    def orphan(self, s: State, i: int) -> bool:
-        return (
-            s.rstate[i] == "idle"
-            and s.rkey[i] != NONE
-            and s.rgen[i] == NONE
-            and not self.flight(s, s.rkey[i])
+    @staticmethod
+    def follows(s: State, i: int) -> bool:
+        return s.rstate[i] == "idle" and s.rflight[i] != NONE
+
+    def flight_failed(self, s: State, i: int) -> bool:
+        return self.follows(s, i) and s.fate[s.rflight[i] - 1] == "failed"
+
+    @staticmethod
+    def flight_refs(flight: tuple[int, ...], rflight: tuple[int, ...]) -> set[int]:
+        return {f for f in flight if f != NONE} | {f for f in rflight if f != NONE}
+
+    def collect_flights(
+        self, flight: tuple[int, ...], rflight: tuple[int, ...], fate: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        ref = self.flight_refs(flight, rflight)
+        collected = tuple(fate[f - 1] if f in ref else "free" for f in self.flight_ids)
+        return fate if collected == fate else collected
+
+    def free_flight(self, s: State) -> int:
+        ref = self.flight_refs(s.flight, s.rflight)
+        return min(f for f in self.flight_ids if f not in ref)
+
+    def unflight(self, s: State, i: int, outcome: str, t: State) -> State:
+        """``t`` with the ``flight``, ``rflight`` and ``fate`` of ``Unflight(r, o)`` from ``s``."""
+        f = s.rflight[i]
+        if f == NONE:
+            return t
+        leads = s.rstate[i] in FLIGHT_STATES
+        flight = s.flight
+        fate = s.fate
+        if leads:
+            j = self.addr_index[s.rkey[i]]
+            if self.mutation != "FlightStaysRegistered" and flight[j] == f:
+                flight = _put(flight, j, NONE)
+            if self.mutation != "LeaderFailureUntold" or outcome == "published":
+                fate = _put_state(fate, f - 1, outcome)
+        rflight = _put(s.rflight, i, NONE)
+        return t._replace(
+            flight=flight, rflight=rflight, fate=self.collect_flights(flight, rflight, fate)
         )
 
     def fail_early(self, s: State, i: int, faults: int) -> State:
         """``FailEarly(r)`` with the new ``faults``."""
         rgen = _put(s.rgen, i, NONE)
-        return s._replace(
-            faults=faults,
-            rkey=_put(s.rkey, i, NONE),
-            rgen=rgen,
-            objEpoch=self.collect(s.pool, rgen, s.objEpoch),
-            pooled=self.keep_pooled(s.pooled, s.pool, rgen),
-            marked=self.unmark(s.marked, i),
-            rstate=_put_state(s.rstate, i, "failed"),
+        return self.unflight(
+            s,
+            i,
+            "failed",
+            s._replace(
+                faults=faults,
+                rkey=_put(s.rkey, i, NONE),
+                rgen=rgen,
+                objEpoch=self.collect(s.pool, rgen, s.objEpoch),
+                pooled=self.keep_pooled(s.pooled, s.pool, rgen),
+                marked=self.unmark(s.marked, i),
+                rstate=_put_state(s.rstate, i, "failed"),
+            ),
         )
 
     def unmark(self, marked: frozenset[str], i: int) -> frozenset[str]:
@@ -411,6 +475,9 @@ class BootstrapCache:
                 watched=(0,) * na,
                 marked=frozenset(),
                 notified=frozenset(),
+                flight=(NONE,) * na,
+                rflight=(NONE,) * nr,
+                fate=("free",) * len(self.flight_ids),
             )
         ]
 
@@ -428,19 +495,34 @@ class BootstrapCache:
             if s.rkey[i] != a or s.rgen[i] == NONE:
                 return None
             rgen = s.rgen
-        return s._replace(
-            rstate=_put_state(s.rstate, i, "cached"), rkey=_put(s.rkey, i, a), rgen=rgen
+        return self.unflight(
+            s,
+            i,
+            "published",
+            s._replace(
+                rstate=_put_state(s.rstate, i, "cached"),
+                rkey=_put(s.rkey, i, a),
+                rgen=rgen,
+            ),
         )
 
     def miss(self, s: State, i: int, j: int) -> State | None:
         if s.rstate[i] != "idle" or s.rkey[i] != NONE or s.pool[j] != NONE:
             return None
         o = self.free_id(s)
-        return s._replace(
+        t = s._replace(
             rgen=_put(s.rgen, i, o),
             objEpoch=_put(s.objEpoch, o - 1, s.epoch[j]),
             rstate=_put_state(s.rstate, i, "fetching"),
             rkey=_put(s.rkey, i, self.addrs[j]),
+        )
+        if s.flight[j] != NONE:
+            return t  # a fetch the registry does not see: it leads no flight
+        f = self.free_flight(s)
+        return t._replace(
+            flight=_put(s.flight, j, f),
+            rflight=_put(s.rflight, i, f),
+            fate=_put_state(s.fate, f - 1, "open"),
         )
 
     def fetch_ok(self, s: State, i: int) -> State | None:
@@ -454,7 +536,7 @@ class BootstrapCache:
     def fetch_fail(self, s: State, i: int) -> State | None:
         state = s.rstate[i]
         if state == "idle":
-            genuine = self.orphan(s, i)
+            genuine = self.flight_failed(s, i)
         elif state == "fetching":
             genuine = not self.live(s, i)  # objEpoch < epoch: epochs only grow
         else:
@@ -475,7 +557,15 @@ class BootstrapCache:
         faults = self.failure(s, not self.queueing and not self.live(s, i))
         if faults is None:
             return None
-        return s._replace(faults=faults, rstate=_put_state(s.rstate, i, "failed"))
+        return self.unflight(
+            s,
+            i,
+            "failed",
+            s._replace(
+                faults=faults,
+                rstate=_put_state(s.rstate, i, "failed"),
+            ),
+        )
 
     def publish(self, s: State, i: int) -> State | None:
         if s.rstate[i] != "registered":
@@ -490,24 +580,28 @@ class BootstrapCache:
         else:
             held = fresh if s.pool[k] == NONE else s.pool[k]
         keep_own = self.mutation == "LoserKeepsOwn"
+        f = s.rflight[i]
+        hand = f != NONE and self.mutation != "PublishHandsFollowersNothing"
         pool = _put(s.pool, k, held)
         rgen = tuple(
             held
             if held != NONE
-            and (
-                (q == i and not keep_own)
-                or (q != i and s.rstate[q] == "idle" and s.rkey[q] == a and s.rgen[q] == NONE)
-            )
+            and ((q == i and not keep_own) or (q != i and hand and s.rflight[q] == f))
             else g
             for q, g in enumerate(s.rgen)
         )
         published = s.pooled | {held} if held != NONE else s.pooled
-        return s._replace(
-            pool=pool,
-            rgen=rgen,
-            objEpoch=self.collect(pool, rgen, s.objEpoch),
-            pooled=self.keep_pooled(published, pool, rgen),
-            rstate=_put_state(s.rstate, i, "cached"),
+        return self.unflight(
+            s,
+            i,
+            "published" if held != NONE else "failed",
+            s._replace(
+                pool=pool,
+                rgen=rgen,
+                objEpoch=self.collect(pool, rgen, s.objEpoch),
+                pooled=self.keep_pooled(published, pool, rgen),
+                rstate=_put_state(s.rstate, i, "cached"),
+            ),
         )
 
     def handshake(self, s: State, i: int) -> State | None:
@@ -620,7 +714,7 @@ class BootstrapCache:
             rgen=rgen,
             objEpoch=self.collect(pool, rgen, s.objEpoch),
             pooled=self.keep_pooled(s.pooled, pool, rgen),
-            marked=self.unmark(s.marked, i),
+            marked=s.marked if self.mutation == "MarkOutlivesRequest" else self.unmark(s.marked, i),
             rstate=_put_state(s.rstate, i, "invalidated"),
         )
 
@@ -635,16 +729,21 @@ class BootstrapCache:
         tells = (
             state == "waiting" if self.mutation == "AbortBeforeSendSilent" else state in INITIALIZED
         )
-        return s._replace(
-            faults=faults,
-            notified=s.notified | {self.receivers[i]} if tells else s.notified,
-            rkey=_put(s.rkey, i, NONE),
-            rgen=rgen,
-            objEpoch=self.collect(s.pool, rgen, s.objEpoch),
-            pooled=self.keep_pooled(s.pooled, s.pool, rgen),
-            acked=self._no_acks_for(s.acked, i),
-            marked=self.unmark(s.marked, i),
-            rstate=_put_state(s.rstate, i, "aborted"),
+        return self.unflight(
+            s,
+            i,
+            "failed",
+            s._replace(
+                faults=faults,
+                notified=s.notified | {self.receivers[i]} if tells else s.notified,
+                rkey=_put(s.rkey, i, NONE),
+                rgen=rgen,
+                objEpoch=self.collect(s.pool, rgen, s.objEpoch),
+                pooled=self.keep_pooled(s.pooled, s.pool, rgen),
+                acked=self._no_acks_for(s.acked, i),
+                marked=self.unmark(s.marked, i),
+                rstate=_put_state(s.rstate, i, "aborted"),
+            ),
         )
 
     def new_request(self, s: State, i: int) -> State | None:
@@ -657,10 +756,10 @@ class BootstrapCache:
     # --- steps of other threads for a receiver -----------------------------------------------
 
     def join_flight(self, s: State, i: int, j: int) -> State | None:
-        a = self.addrs[j]
-        if s.rstate[i] != "idle" or s.rkey[i] != NONE or s.pool[j] != NONE or not self.flight(s, a):
+        f = s.flight[j]
+        if s.rstate[i] != "idle" or s.rkey[i] != NONE or s.pool[j] != NONE or f == NONE:
             return None
-        return s._replace(rkey=_put(s.rkey, i, a))
+        return s._replace(rkey=_put(s.rkey, i, self.addrs[j]), rflight=_put(s.rflight, i, f))
 
     def ack(self, s: State, i: int, k: int) -> State | None:
         """``Ack(r, p)`` for receiver index ``i`` and rank index ``k``."""
@@ -734,13 +833,15 @@ class BootstrapCache:
         a = self.addrs[j]
         marked = s.marked
         if self.mutation != "NoFanOutMark":
+            # WatchMarksCurrent: holders of the revision just delivered are marked too.
+            newer = w + 1 if self.mutation == "WatchMarksCurrent" else w
             marked = marked | {
                 r
                 for i, r in enumerate(self.receivers)
                 if s.rkey[i] == a
                 and s.rgen[i] != NONE
                 and s.rstate[i] in MARKABLE
-                and s.objEpoch[s.rgen[i] - 1] < w
+                and s.objEpoch[s.rgen[i] - 1] < newer
             }
         return s._replace(
             watched=_put(s.watched, j, w),
@@ -853,6 +954,12 @@ class BootstrapCache:
             and all(0 <= w <= c.max_restarts for w in s.watched)
             and s.marked <= set(self.receivers)
             and s.notified <= set(self.receivers)
+            and len(s.flight) == len(self.addrs)
+            and all(f == NONE or f in self.flight_ids for f in s.flight)
+            and len(s.rflight) == len(self.receivers)
+            and all(f == NONE or f in self.flight_ids for f in s.rflight)
+            and len(s.fate) == len(self.flight_ids)
+            and all(x in FLIGHT_FATES for x in s.fate)
         )
 
     def adoption_correct(self, s: State) -> bool:
@@ -860,6 +967,51 @@ class BootstrapCache:
             st not in HOLDING or g in s.pooled or r in s.marked
             for r, st, g in zip(self.receivers, s.rstate, s.rgen, strict=True)
         )
+
+    def follower_gets_leader_result(self, s: State) -> bool:
+        for q in range(len(self.receivers)):
+            if not self.follows(s, q):
+                continue
+            f = s.rflight[q]
+            fate, g = s.fate[f - 1], s.rgen[q]
+            if fate == "open":
+                ok = self.led(s, f) and g == NONE
+            elif fate == "published":
+                ok = g in s.pooled
+            else:
+                ok = fate == "failed" and g == NONE
+            if not ok:
+                return False
+        return True
+
+    def finished_flight_gone(self, s: State) -> bool:
+        for j, f in enumerate(s.flight):
+            if f == NONE:
+                continue
+            if s.fate[f - 1] != "open":
+                return False
+            a = self.addrs[j]
+            if not any(
+                s.rflight[i] == f and s.rstate[i] in FLIGHT_STATES and s.rkey[i] == a
+                for i in range(len(self.receivers))
+            ):
+                return False
+        return True
+
+    def mark_of_live_request(self, s: State) -> bool:
+        return all(
+            s.rstate[i] not in FINAL_STATES and s.rgen[i] != NONE
+            for i, r in enumerate(self.receivers)
+            if r in s.marked
+        )
+
+    def only_stale_marked(self, s: State, t: State) -> bool:
+        if t.marked == s.marked:
+            return True
+        for i, r in enumerate(self.receivers):
+            if r in t.marked and r not in s.marked and (s.rgen[i] == NONE or self.live(s, i)):
+                return False
+        return True
 
     def identity_safe(self, s: State, t: State) -> bool:
         if t.rstate == s.rstate:
@@ -938,6 +1090,9 @@ class BootstrapCache:
         table: dict[str, StatePredicate] = {
             "TypeOK": self.type_ok,
             "AdoptionCorrect": self.adoption_correct,
+            "FollowerGetsLeaderResult": self.follower_gets_leader_result,
+            "FinishedFlightGone": self.finished_flight_gone,
+            "MarkOfLiveRequest": self.mark_of_live_request,
         }
         return table[name]
 
@@ -951,6 +1106,7 @@ class BootstrapCache:
             "FailedIsTerminal": self.failed_is_terminal,
             "AbortNotified": self.abort_notified,
             "HandshakeBeforeSend": self.handshake_before_send,
+            "OnlyStaleMarked": self.only_stale_marked,
         }
         return table[name]
 
@@ -1001,17 +1157,19 @@ class BootstrapCache:
     # --- printing ---------------------------------------------------------------------------
 
     def _domain(self, var: str) -> tuple[str | int, ...]:
-        if var in ("rstate", "rkey", "rgen", "acked"):
+        if var in ("rstate", "rkey", "rgen", "acked", "rflight"):
             return self.receivers
-        if var in ("pool", "epoch", "watched"):
+        if var in ("pool", "epoch", "watched", "flight"):
             return self.addrs
+        if var == "fate":
+            return tuple(self.flight_ids)
         return tuple(self.object_ids)
 
     @staticmethod
     def _show(var: str, value: object) -> str:
         if var == "rstate":
             return str(value)
-        if var in ("rkey", "rgen", "pool") and value == NONE:
+        if var in ("rkey", "rgen", "pool", "flight", "rflight") and value == NONE:
             return "None"
         return str(value)
 

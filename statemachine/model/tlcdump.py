@@ -9,6 +9,7 @@ as a state one side has and the other has not. TLC writes each distinct state as
     /\\ objEpoch = <<0, 1, 0>>
     /\\ acked = (r1 :> (p1 :> 0))
     /\\ marked = {r2}
+    /\\ fate = <<"open", "free", "free">>
 
 so values are integers, strings, model values (bare names), sets ``{...}``, sequences
 ``<<...>>`` (a function with domain ``1..n``) and functions ``(k :> v @@ ...)``; that is all
@@ -154,8 +155,13 @@ def to_state(model: BootstrapCache, values: dict[str, Value]) -> State:
     obj_epoch = values["objEpoch"]
     pooled = values["pooled"]
     faults = values["faults"]
+    fate = values["fate"]
     if not isinstance(obj_epoch, tuple) or not isinstance(pooled, frozenset):
         raise DumpError("objEpoch or pooled has an unexpected form in the dump")
+    if not isinstance(fate, tuple) or not all(
+        isinstance(v, str) and not isinstance(v, ModelName) for v in fate
+    ):
+        raise DumpError("fate is not a sequence of strings in the dump")
     if not isinstance(faults, int):
         raise DumpError("faults is not an integer in the dump")
     return State(
@@ -171,4 +177,7 @@ def to_state(model: BootstrapCache, values: dict[str, Value]) -> State:
         watched=ints(per("watched", model.addrs)),
         marked=names("marked"),
         notified=names("notified"),
+        flight=ints(per("flight", model.addrs)),
+        rflight=ints(per("rflight", model.receivers)),
+        fate=tuple(str(v) for v in fate),
     )
