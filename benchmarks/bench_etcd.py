@@ -40,13 +40,14 @@ import time
 import uuid
 from collections.abc import Callable
 
-from statemachine.decode.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.discovery.changes import RankChange, StampedGeneration
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.local_server import EtcdServer, find_etcd_binary
 from statemachine.discovery.registrar import EtcdRegistrar
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.registration import route_payload
 
 TP = 8
 
@@ -237,7 +238,7 @@ def _hits_per_second(pool: BootstrapPool, key: PoolKey, ops: int) -> float:
 
 _CHURN = """
 import sys, time
-from statemachine.decode.client import route_payload
+from statemachine.registration import route_payload
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.registrar import EtcdRegistrar
 registrar = EtcdRegistrar(EtcdGateway([sys.argv[1]]), "127.0.0.1:7777", prefix=sys.argv[2])
@@ -447,12 +448,12 @@ def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, di
             transport=transport,
         )
         if transport is not None:
-            manager._owned.append(transport.close)
+            manager.close_with(transport.close)
     try:
         for rank in ranks:
             rank.start()
-        if manager.etcd is not None:
-            etcd_source = manager.etcd
+        etcd_source = manager.source
+        if isinstance(etcd_source, EtcdBootstrapSource):
             _wait(lambda: _ready(etcd_source, addr), 20.0)
         warm = _manager_round(manager, addr, 0, 1)
         _finish_all(warm)
@@ -462,8 +463,8 @@ def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, di
             rank.kill()
         for rank in ranks:
             rank.start(avoid_port=rank.port)  # READY: its new registration is in place
-        if manager.etcd is not None:
-            etcd_source = manager.etcd
+        etcd_source = manager.source
+        if isinstance(etcd_source, EtcdBootstrapSource):
             _wait(lambda: _ready(etcd_source, addr, {r.port for r in ranks}), 20.0)
         after = _manager_round(manager, addr, 1000, AFTER)
         _, failed = _finish_all(in_flight)

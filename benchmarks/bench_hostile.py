@@ -37,11 +37,12 @@ from attack_support import AttackProcess, ServerProcess, rss_after_one_message
 from http_support import TrickleServer
 
 from statemachine.backend import SimpleBackend
-from statemachine.decode.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.lifecycle import KVPoll
+from statemachine.registration import route_payload
 
 TOKEN = "bench-hostile-token"
 

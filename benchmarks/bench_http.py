@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import requests
 
-from statemachine.decode.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.demo.sampling import socket_counts
+from statemachine.registration import route_payload
 
 TP_SIZE = 4
 

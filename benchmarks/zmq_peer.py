@@ -11,13 +11,14 @@ sender's queue never fills. Also bounded to 10 minutes.
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
 import time
 
 import zmq
+
+from statemachine.prefill.readiness import read_ready
 
 LOOPBACK = "127.0.0.1"
 
@@ -35,20 +36,14 @@ class PeerProcess:
 
     def _wait_ready(self, timeout: float) -> int:
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        buffer = b""
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.proc.stdout, selectors.EVENT_READ)
-            while b"\n" not in buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not selector.select(left):
-                    self.kill()
-                    raise RuntimeError("peer did not get ready")
-                chunk = os.read(self.proc.stdout.fileno(), 1024)
-                if not chunk:
-                    raise RuntimeError("peer exited before READY")
-                buffer += chunk
-        return int(buffer.split(b"\n", 1)[0].split()[1])
+        try:
+            words = read_ready(self.proc.stdout.fileno(), time.monotonic() + timeout)
+        except TimeoutError:
+            self.kill()
+            raise RuntimeError("peer did not get ready") from None
+        if words is None:
+            raise RuntimeError("peer exited before READY")
+        return int(words[0])
 
     def kill(self) -> None:
         if self.proc.poll() is None:

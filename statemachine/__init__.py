@@ -55,7 +55,7 @@ from statemachine.validation import InvalidArgument, RouteReply, Topology
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from statemachine.decode.client import BootstrapClient, route_payload
+    from statemachine.decode.client import BootstrapClient
     from statemachine.decode.health import HealthMonitor
     from statemachine.decode.manager import DecodeManager
     from statemachine.decode.plan import DecodeLayout, RankPlan
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from statemachine.decode.ranks.transport import ZmqTransport
     from statemachine.decode.receiver import BootstrapReceiver, Decode
     from statemachine.prefill.server import BootstrapServer
+    from statemachine.registration import route_payload
 
 # The runtime parts are imported on first use: the server needs aiohttp (an optional extra: its
 # module raises MissingExtra, naming the pip command, when aiohttp is absent), and keeping zmq
@@ -81,7 +82,7 @@ _LAZY = {
     "ZmqTransport": "statemachine.decode.ranks.transport",
     # A prefill's PUT /route body; exported here so that examples (docs/etcd.md) need not
     # know which module builds it.
-    "route_payload": "statemachine.decode.client",
+    "route_payload": "statemachine.registration",
 }
 
 

@@ -20,7 +20,7 @@ import ipaddress
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -47,28 +47,6 @@ MAX_EXTRA_VALUE_BYTES = 1024
 MAX_LAYOUT_BYTES = 4096
 INT64_MAX = 2**63 - 1
 
-#: Keys of the topology reply (reference: SGLang's decode reads these).
-TOPOLOGY_KEYS = frozenset(
-    (
-        "attn_tp_size",
-        "attn_cp_size",
-        "dp_size",
-        "pp_size",
-        "page_size",
-        "kv_cache_dtype",
-        "follow_bootstrap_room",
-        "enable_dsa_cache_layer_split",
-        "prefill_http_port",
-        "decode_allocation_policy",
-        "dsv41_spec_layout",
-    )
-)
-
-#: Topology keys the client parses (rank-plan switches of SGLang 0.5.23, spec/plans.md) that
-#: the reference server does not interpret: it carries them through from the first
-#: registration, as SGLang's server does, so they stay out of its known-key set.
-PLAN_KEYS = frozenset(("kv_layout", "enable_kv_cache_sharding"))
-
 # RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens, 1-63 chars
 # each, 253 in all, optional trailing dot. ASCII only: IDNA names arrive already encoded.
 _LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
@@ -93,8 +71,12 @@ _EMPTY: Mapping[str, object] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
-class Topology:
-    """The prefill's parallel layout, as answered by the ``-1`` topology query (HTTP-22)."""
+class TopologyClaim:
+    """What every rank of one prefill claims and must agree on: its parallel sizes, page size and
+    KV dtype. The one definition of the topology's fields: the bootstrap server keys its
+    candidate topologies by it (HTTP-54), the etcd layout's rank records extend it, and the
+    decode's :class:`Topology` reply extends it with what is taken from the first registration.
+    """
 
     attn_tp_size: int
     attn_cp_size: int
@@ -102,6 +84,38 @@ class Topology:
     pp_size: int
     page_size: int | None
     kv_cache_dtype: str | None
+
+    @property
+    def world(self) -> int:
+        """How many ranks the claim names (dp x cp x tp x pp)."""
+        return self.dp_size * self.attn_cp_size * self.attn_tp_size * self.pp_size
+
+    def claim(self) -> TopologyClaim:
+        """The claim alone (a subclass's object reduced to the fields two ranks compare)."""
+        if type(self) is TopologyClaim:
+            return self
+        return TopologyClaim(*(getattr(self, name) for name in CLAIM_FIELDS))
+
+    def claim_items(self) -> dict[str, object]:
+        """The claim as reply keys (each field is sent under its own name)."""
+        return {name: getattr(self, name) for name in CLAIM_FIELDS}
+
+    def describe(self) -> str:
+        return (
+            f"dp={self.dp_size} cp={self.attn_cp_size} tp={self.attn_tp_size} "
+            f"pp={self.pp_size} page_size={self.page_size} kv_cache_dtype={self.kv_cache_dtype}"
+        )
+
+
+#: The claim's field names, read from the class (never spelled out again).
+CLAIM_FIELDS = tuple(f.name for f in fields(TopologyClaim))
+
+
+@dataclass(frozen=True, slots=True)
+class Topology(TopologyClaim):
+    """The prefill's parallel layout, as answered by the ``-1`` topology query (HTTP-22): the
+    claim, plus what the server takes from the topology's first registration."""
+
     follow_bootstrap_room: bool | None
     instance_id: str | None
     enable_dsa_cache_layer_split: bool | None = None
@@ -115,6 +129,17 @@ class Topology:
     enable_kv_cache_sharding: bool | None = None
     #: Reply keys this version does not interpret, carried through (read-only, bounded).
     extra: Mapping[str, object] = field(default_factory=lambda: _EMPTY, hash=False)
+
+
+#: Topology keys the client parses (rank-plan switches of SGLang 0.5.23, spec/plans.md) that
+#: the reference server does not interpret: it carries them through from the first
+#: registration, as SGLang's server does, so they stay out of its known-key set.
+PLAN_KEYS = frozenset(("kv_layout", "enable_kv_cache_sharding"))
+#: Keys of the topology reply (reference: SGLang's decode reads these): every field of
+#: :class:`Topology` but the instance id (a header), the carried-through extras and PLAN_KEYS.
+TOPOLOGY_KEYS = frozenset(
+    f.name for f in fields(Topology) if f.name not in {"instance_id", "extra"} | PLAN_KEYS
+)
 
 
 # --- scalar checks ----------------------------------------------------------------------------
@@ -230,6 +255,15 @@ def require_index(name: str, value: object) -> int:
     if not is_int(value) or not 0 <= value <= INT64_MAX:  # type: ignore[operator]
         raise InvalidArgument(f"{name} must be an int in 0..2**63-1, got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def require_rank(*, dp_rank: object, cp_rank: object, tp_rank: object, pp_rank: object) -> None:
+    """The four ranks of a rank query, each a :func:`require_index`: the one check every
+    source's ``get_rank`` makes before it asks anything."""
+    require_index("dp_rank", dp_rank)
+    require_index("cp_rank", cp_rank)
+    require_index("tp_rank", tp_rank)
+    require_index("pp_rank", pp_rank)
 
 
 # --- reply parsing ----------------------------------------------------------------------------

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from statemachine.prefill.readiness import read_ready
 
 _LISTENER_SCRIPT = r"""
 import json, resource, socket, sys, time
@@ -174,8 +177,11 @@ class SilentHandshakes:
             cwd=str(Path(__file__).resolve().parent),
         )
         assert self._proc.stdout is not None
-        line = self._proc.stdout.readline().split()
-        self.opened = int(line[1]) if len(line) == 2 and line[0] == "READY" else 0
+        try:
+            words = read_ready(self._proc.stdout.fileno(), time.monotonic() + 60)
+        except TimeoutError:
+            words = None
+        self.opened = int(words[0]) if words is not None and len(words) == 1 else 0
 
     def close(self) -> None:
         try:

@@ -302,7 +302,7 @@ slowloris, slow_body = int(sys.argv[3]), int(sys.argv[4])
 with SlowAttack(address, slowloris=slowloris, slow_body=slow_body, interval=1.0,
                 max_seconds=seconds + 60) as attack:
     ok = attack.wait_open(slowloris + slow_body, timeout=30.0)
-    print("READY" if ok else "NOT-READY", flush=True)
+    print(f"READY {int(ok)}", flush=True)  # 1: every connection is open
     end = time.monotonic() + seconds
     while time.monotonic() < end and not sys.stdin.closed:
         time.sleep(0.1)
@@ -317,7 +317,10 @@ class AttackProcess:
     def __init__(self, address: str, *, slowloris: int, slow_body: int, seconds: float) -> None:
         import subprocess
         import sys
+        import time
         from pathlib import Path
+
+        from statemachine.prefill.readiness import read_ready
 
         here = str(Path(__file__).resolve().parent)
         args = [address, str(slowloris), str(slow_body), str(seconds)]
@@ -326,7 +329,11 @@ class AttackProcess:
             stdout=subprocess.PIPE,
         )
         assert self._proc.stdout is not None
-        self.ready = self._proc.stdout.readline().strip() == b"READY"
+        try:
+            words = read_ready(self._proc.stdout.fileno(), time.monotonic() + 60)
+        except TimeoutError:
+            words = None
+        self.ready = words == [b"1"]
 
     def stop(self) -> dict[str, int]:
         import json
@@ -405,6 +412,9 @@ class HealthFlood:
     def __init__(self, address: str, clients: int, seconds: float) -> None:
         import subprocess
         import sys
+        import time
+
+        from statemachine.prefill.readiness import read_ready
 
         host, _, port = address.rpartition(":")
         self._proc = subprocess.Popen(
@@ -413,7 +423,11 @@ class HealthFlood:
             text=True,
         )
         assert self._proc.stdout is not None
-        self.ready = self._proc.stdout.readline().strip() == "READY"
+        try:
+            words = read_ready(self._proc.stdout.fileno(), time.monotonic() + 60)
+        except TimeoutError:
+            words = None
+        self.ready = words == []
         self.requests = self.reconnects = 0
 
     def wait(self) -> None:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from statemachine.decode.client import route_payload
 from statemachine.prefill.server import BootstrapServer
+from statemachine.registration import route_payload
 
 
 @dataclass

@@ -13,7 +13,6 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from statemachine.decode.client import route_payload
 from statemachine.decode.plan import DecodeLayout, derive_plan
 from statemachine.discovery.changes import (
     RankChange,
@@ -36,6 +35,7 @@ from statemachine.discovery.layout import (
 from statemachine.discovery.registrar import EtcdRegistrar
 from statemachine.errors import BootstrapError, EtcdUnavailable, NotFound, NotReady
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.registration import route_payload
 from statemachine.validation import InvalidArgument
 from tests.etcd_support import EtcdServer, free_port, running_etcd, wait_until
 

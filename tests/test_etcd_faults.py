@@ -8,7 +8,6 @@ correctness bounds. The figures themselves are measured in benchmarks/bench_etcd
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.registrar import EtcdRegistrar
 from statemachine.pool import BootstrapPool, PoolKey
+from statemachine.prefill.readiness import read_ready
 from tests.etcd_support import EtcdServer, TcpForwarder, running_etcd, wait_until
 from tests.test_etcd_discovery import ADDR, BOUND, fetch, payload
 
@@ -112,11 +112,8 @@ def _start_registrar_process(endpoint: str, prefix: str, ttl: int) -> subprocess
     argv += ["--rank-port", "7000", "--tp-size", "2"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert proc.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        assert selector.select(BOUND * 2), "registrar process printed nothing"
-        line = os.read(proc.stdout.fileno(), 4096)
-    assert line.startswith(b"READY "), line
+    words = read_ready(proc.stdout.fileno(), time.monotonic() + BOUND * 2)
+    assert words is not None, "registrar process exited before READY"
     return proc
 
 

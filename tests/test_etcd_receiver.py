@@ -121,7 +121,7 @@ def manager_for(etcd: EtcdServer, prefix: str, **kwargs: object) -> DecodeManage
     manager = DecodeManager.with_etcd(
         etcd.endpoint, prefix=prefix, waiting_timeout_s=20.0, send_timeout_ms=500, **kwargs
     )
-    assert manager.etcd is not None and manager.etcd.wait_synced(BOUND)
+    assert isinstance(manager.source, EtcdBootstrapSource) and manager.source.wait_synced(BOUND)
     assert manager.health is None  # etcd mode: no HTTP health monitor
     return manager
 
@@ -152,7 +152,8 @@ def test_overlapping_restart_is_found_by_the_watch_alone(
     prefix, addr, _ = cluster
     old = launch(etcd, cluster, ack_delay_ms=60_000)  # its transfers never finish in time
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     assert source is not None
     key = PoolKey(addr, 0, 0, 0)
     try:
@@ -190,7 +191,8 @@ def test_graceful_restart_fails_no_request_started_after_the_new_registration(
 ) -> None:
     prefix, addr, _ = cluster
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     assert source is not None
     try:
         for cycle in range(2):
@@ -216,7 +218,8 @@ def test_sigkill_is_retired_by_lease_expiry(
     ttl = 3  # keep-alive every 1.5 s: a loaded machine cannot starve it into an early expiry
     transport = ZmqTransport(monitor=False, send_timeout_ms=500)
     manager = manager_for(etcd, prefix, transport=transport)
-    source = manager.etcd
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     assert source is not None
     key = PoolKey(addr, 0, 0, 0)
     try:
@@ -251,7 +254,8 @@ def test_64_in_flight_at_a_restart(
     requests started after the new registration is visible all succeed."""
     prefix, addr, _ = cluster
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     assert source is not None
     try:
         old = launch(etcd, cluster, ack_delay_ms=60_000)
@@ -280,7 +284,8 @@ def test_etcd_killed_mid_run_keeps_serving_the_cache(
 ) -> None:
     prefix, addr, _ = cluster
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     assert source is not None
     try:
         instance = launch(etcd, cluster)
@@ -319,7 +324,8 @@ def test_a_fetch_the_watch_overtook_is_not_published(
 
     prefix, addr, _ = cluster
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     assert source is not None
     key = PoolKey(addr, 0, 0, 0)
     try:
@@ -349,7 +355,8 @@ def test_a_marked_generation_fails_its_holder_at_start(
 
     prefix, addr, _ = cluster
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     assert source is not None
     try:
         instance = launch(etcd, cluster)
@@ -368,7 +375,7 @@ def test_a_marked_generation_fails_its_holder_at_start(
 def _held_outside_the_pool(manager: DecodeManager, addr: str, holder: BootstrapReceiver) -> None:
     """Drop ``holder``'s generation from the pool the way a real failure does: another request
     on the same generation fails (on another rank of its room) and invalidates it by identity.
-    ``holder`` still holds the object; only ``_held`` can tell the watch about it now."""
+    ``holder`` still holds the object; only ``held_by`` can tell the watch about it now."""
     (generation,) = holder.entries.values()
     other = manager.receiver(addr, 900, PLAN, prefill_dp_rank=0)
     assert other.init() == KVPoll.WaitingForInput
@@ -390,8 +397,8 @@ def test_a_watch_event_marks_a_held_generation_no_longer_in_the_pool(
 
     prefix, addr, _ = cluster
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
-    assert source is not None
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     try:
         old = launch(etcd, cluster)
         assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
@@ -418,8 +425,8 @@ def test_a_watch_event_fails_a_transfer_on_a_generation_no_longer_in_the_pool(
     its timeout)."""
     prefix, addr, _ = cluster
     manager = manager_for(etcd, prefix)
-    source = manager.etcd
-    assert source is not None
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
     try:
         old = launch(etcd, cluster, ack_delay_ms=60_000)  # its transfers never finish in time
         assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
@@ -441,7 +448,7 @@ def test_with_etcd_leaves_no_thread_behind(etcd: EtcdServer) -> None:
     baseline = threading.active_count()
     for _ in range(3):
         manager = DecodeManager.with_etcd(etcd.endpoint, prefix="/test-threads/ranks")
-        assert manager.etcd is not None and manager.etcd.stats().synced
+        assert isinstance(manager.source, EtcdBootstrapSource) and manager.source.stats().synced
         manager.close()
     assert wait_until(lambda: threading.active_count() <= baseline, BOUND)
 
@@ -458,7 +465,7 @@ def test_the_manager_shares_the_sources_pool_and_refuses_another() -> None:
     try:
         manager = DecodeManager(source=source, completion="external", backend=backend)
         try:
-            assert manager.pool is pool and manager.etcd is source and manager.health is None
+            assert manager.pool is pool and manager.source is source and manager.health is None
         finally:
             manager.close()
         with pytest.raises(ConfigurationError, match="same pool"):

@@ -26,7 +26,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from statemachine.decode.client import route_payload
 from statemachine.discovery.changes import generation_for, revision_of, still_current
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import (
@@ -39,6 +38,7 @@ from statemachine.discovery.gateway import (
 from statemachine.discovery.layout import RankKey, encode_value, rank_key
 from statemachine.errors import NotReady
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.registration import route_payload
 
 ADDR = "127.0.0.1:8998"
 TP = 2

@@ -31,7 +31,7 @@ from zmq_support import VerdictRecorder
 
 from statemachine import lifecycle as life
 from statemachine.backend import MetadataRequest, SimpleBackend, parse_metadata
-from statemachine.decode.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
 from statemachine.decode.ranks.transport import ZmqTransport
@@ -56,6 +56,7 @@ from statemachine.errors import (
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, PoolKey, RankInfo
 from statemachine.prefill.server import BootstrapServer
+from statemachine.registration import route_payload
 from statemachine.validation import Topology
 
 #: Generous bound for "failed quickly" under a loaded 2-core machine (the goal is 50 ms).

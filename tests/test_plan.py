@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from statemachine.decode.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import (
     DEFAULT_PLAN,
@@ -28,6 +28,7 @@ from statemachine.errors import MalformedReply, TopologyMismatch
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import EVERY_TP_RANK, PoolKey
 from statemachine.prefill.server import BootstrapServer
+from statemachine.registration import route_payload
 from statemachine.validation import topology_reply
 
 ADDR = "10.0.0.1:8998"

@@ -38,11 +38,12 @@ from sglang_support import (
     sglang_server_args,
 )
 
-from statemachine.decode.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
 from statemachine.errors import TopologyMismatch
 from statemachine.pool import EVERY_TP_RANK
 from statemachine.prefill.server import BootstrapServer
+from statemachine.registration import route_payload
 from statemachine.validation import Topology, topology_reply
 
 pytestmark = requires_sglang

@@ -28,7 +28,7 @@ from statemachine.completion import (
     PrefillEvent,
     PrefillStatus,
 )
-from statemachine.decode.client import BootstrapClient, register_rank, route_payload
+from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan
 from statemachine.decode.receiver import DEFAULT_FAILED_REASON
@@ -45,6 +45,7 @@ from statemachine.errors import (
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import RankInfo
 from statemachine.prefill.server import BootstrapServer
+from statemachine.registration import route_payload
 
 TOKEN = "sglang-receiver-token"
 BOUND_S = 5.0  # generous bound for a message to cross loopback on a loaded 2-core machine

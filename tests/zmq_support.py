@@ -7,7 +7,6 @@ prints ``READY <port>`` and counts what it receives, so tests can SIGKILL a real
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import socket
 import subprocess
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import zmq
+
+from statemachine.prefill.readiness import read_ready
 
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
@@ -175,22 +176,14 @@ class SinkProcess:
 
     def _wait_ready(self, timeout: float) -> int:
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        buffer = b""
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.proc.stdout, selectors.EVENT_READ)
-            while b"\n" not in buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not selector.select(left):
-                    self.kill()
-                    raise AssertionError("sink did not get ready")
-                chunk = os.read(self.proc.stdout.fileno(), 1024)
-                if not chunk:
-                    raise AssertionError("sink exited before READY")
-                buffer += chunk
-        line = buffer.split(b"\n", 1)[0]
-        assert line.startswith(b"READY "), line
-        return int(line.split()[1])
+        try:
+            words = read_ready(self.proc.stdout.fileno(), time.monotonic() + timeout)
+        except TimeoutError:
+            self.kill()
+            raise AssertionError("sink did not get ready") from None
+        if words is None:
+            raise AssertionError("sink exited before READY")
+        return int(words[0])
 
     def kill(self) -> None:
         """SIGKILL and reap: once this returns the kernel has closed the peer's sockets."""

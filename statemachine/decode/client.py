@@ -38,6 +38,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection
 from urllib3.connectionpool import HTTPConnectionPool
 
+from statemachine.decode.source import AnswersOnly
 from statemachine.errors import (
     BootstrapHTTPError,
     MalformedReply,
@@ -56,6 +57,7 @@ from statemachine.validation import (
     parse_addr,
     parse_json_object,
     require_index,
+    require_rank,
     route_reply,
     topology_reply,
 )
@@ -429,8 +431,11 @@ class _ThreadSessions:
         self.sessions: dict[str, requests.Session] = {}
 
 
-class BootstrapClient:
+class BootstrapClient(AnswersOnly):
     """Queries prefill bootstrap servers over per-thread, per-address keep-alive sessions.
+
+    A :class:`~statemachine.decode.source.BootstrapSource` with nothing of its own to report
+    (:class:`~statemachine.decode.source.AnswersOnly`): its owner probes each address's health.
 
     Safe to share between threads: each thread gets its own sessions. ``close()`` releases the
     *calling* thread's sessions; the sessions of a thread that exits without calling it are
@@ -603,10 +608,7 @@ class BootstrapClient:
         self, addr: str, *, dp_rank: int, cp_rank: int, tp_rank: int, pp_rank: int
     ) -> RouteReply:
         """Where one prefill rank listens: ``GET /route`` (HTTP-10)."""
-        require_index("dp_rank", dp_rank)
-        require_index("cp_rank", cp_rank)
-        require_index("tp_rank", tp_rank)
-        require_index("pp_rank", pp_rank)
+        require_rank(dp_rank=dp_rank, cp_rank=cp_rank, tp_rank=tp_rank, pp_rank=pp_rank)
         url = (
             f"http://{addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank={cp_rank}"
             f"&target_tp_rank={tp_rank}&target_pp_rank={pp_rank}"
@@ -692,55 +694,6 @@ def _close_orphans(
 
 
 # --- registration (prefill side) ---------------------------------------------------------------
-
-
-def route_payload(
-    *,
-    rank_ip: str,
-    rank_port: int,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    system_dp_rank: int | None = None,
-    system_dp_size: int | None = None,
-    page_size: int = 16,
-    kv_cache_dtype: str = "bfloat16",
-    load_balance_method: str = "follow_bootstrap_room",
-    enable_dsa_cache_layer_split: bool = False,
-    prefill_http_port: int | None = None,
-    decode_allocation_policy: str = "early",
-    dsv41_spec_layout: Mapping[str, object] | None = None,
-) -> dict[str, Any]:
-    """The ``PUT /route`` body an SGLang prefill rank sends (spec/protocol.md §2.1): the 14
-    topology and endpoint fields plus the five layout/policy fields of current SGLang, with
-    SGLang's defaults. The system dp rank/size default to the attention dp rank/size.
-    """
-    return {
-        "attn_tp_size": tp_size,
-        "attn_tp_rank": tp_rank,
-        "attn_cp_size": cp_size,
-        "attn_cp_rank": cp_rank,
-        "attn_dp_size": dp_size,
-        "attn_dp_rank": dp_rank,
-        "pp_size": pp_size,
-        "pp_rank": pp_rank,
-        "system_dp_size": dp_size if system_dp_size is None else system_dp_size,
-        "system_dp_rank": dp_rank if system_dp_rank is None else system_dp_rank,
-        "rank_ip": rank_ip,
-        "rank_port": rank_port,
-        "page_size": page_size,
-        "kv_cache_dtype": kv_cache_dtype,
-        "load_balance_method": load_balance_method,
-        "enable_dsa_cache_layer_split": enable_dsa_cache_layer_split,
-        "prefill_http_port": prefill_http_port,
-        "decode_allocation_policy": decode_allocation_policy,
-        "dsv41_spec_layout": None if dsv41_spec_layout is None else dict(dsv41_spec_layout),
-    }
 
 
 def register_rank(

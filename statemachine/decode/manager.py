@@ -30,12 +30,13 @@ and knows every receiver in flight by room. From that it does what no single rec
   endpoints' sockets in the transport; when it leaves the pool and no receiver in flight uses
   it, they are released (closed at refcount zero).
 
-**etcd as the source** (``DecodeManager.with_etcd`` or ``source=EtcdBootstrapSource(...)``,
-docs/etcd.md): generations are stamped with the watch's revision; a watch event marks and
-retires exactly the generations fetched at an older revision and fails the receivers in flight
-that hold them (:class:`~statemachine.errors.RankRetired`); a fetch the watch overtook is not
-published (the watermark); a receiver holding a marked generation fails instead of starting its
-transfer; the HTTP health monitor is off (the watch and the leases replace it).
+**Any source** (:mod:`statemachine.decode.source`): the manager knows its source only by the
+``BootstrapSource`` protocol. It attaches to it (the source retires stale entries from the
+pool and reports them to :meth:`fail_generations`, asking :meth:`held_by` what the receivers
+in flight hold), runs the HTTP health monitor only for a source that needs probes, and its
+receivers fetch, stamp, build and publish through it. The HTTP client reports nothing; the
+etcd source (``DecodeManager.with_etcd``, docs/etcd.md) stamps, watermarks and marks.
+Receivers know the manager only as a :class:`~statemachine.decode.receiver_host.ReceiverHost`.
 
 Why no index by generation or endpoint: keeping one would cost every cache hit a few dict
 updates, and fan-out is rare. The receivers in flight (one dict by room, updated with one store
@@ -46,13 +47,14 @@ microseconds per thousand requests in flight, off the hit path.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from statemachine.backend import KVBackend, SimpleBackend, decode_reply
 from statemachine.completion import (
@@ -76,18 +78,8 @@ from statemachine.decode.receiver import (
     Decode,
     transfer_failed,
 )
-from statemachine.decode.source import BootstrapSource
-from statemachine.discovery.changes import (
-    generation_for,
-    refused_publish,
-    retired_at,
-    retiring_listener,
-    revision_of,
-    stale_start,
-)
-from statemachine.discovery.etcd_source import EtcdBootstrapSource
-from statemachine.discovery.gateway import EtcdGateway, TLSConfig
-from statemachine.discovery.layout import DEFAULT_PREFIX
+from statemachine.decode.receiver_host import HostedReceiver
+from statemachine.decode.source import BootstrapQueries, BootstrapSource, as_source
 from statemachine.errors import (
     BootstrapError,
     ConfigurationError,
@@ -99,7 +91,7 @@ from statemachine.errors import (
     SendFailed,
     TopologyMismatch,
 )
-from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.pool import BootstrapPool, Generation, PoolKey
 from statemachine.validation import Topology
 
 #: SGLang's default bootstrap timeout (a room whose dp rank stays unknown fails after it).
@@ -168,7 +160,7 @@ class DecodeManager:
     def __init__(
         self,
         *,
-        source: BootstrapSource | None = None,
+        source: BootstrapQueries | None = None,
         pool: BootstrapPool | None = None,
         transport: ZmqTransport | None = None,
         backend: KVBackend | None = None,
@@ -211,6 +203,11 @@ class DecodeManager:
         # Set before the ack listener exists: its thread may deliver at once.
         self._decoder: Callable[[Sequence[bytes]], PrefillEvent | None] = decode_reply
         self._inflight: dict[int, BootstrapReceiver] = {}
+        #: ReceiverHost.admit_room: the room table's setdefault until close() (the receivers
+        #: admitted are those receiver() made, the type in_flight() and get() hand back).
+        self.admit_room = cast(
+            "Callable[[int, HostedReceiver], HostedReceiver]", self._inflight.setdefault
+        )
         self.clock = clock
         self._holds = holds.AbortHolds(kv_release_timeout_s, clock)
         self._unknown_events = 0
@@ -248,7 +245,7 @@ class DecodeManager:
         self.fanout = fanout
         self.flights: Flights | None = Flights() if single_flight else None
         self._lock = threading.Lock()  # guards everything below (never taken on the hit path)
-        self._pending: dict[str, dict[int, BootstrapReceiver]] = {}
+        self._pending: dict[str, dict[int, HostedReceiver]] = {}
         self._topologies: dict[str, Topology] = {}
         self._plans: dict[str, RankPlan] = {}
         self._retained: dict[Generation, tuple[Endpoint, ...]] = {}
@@ -262,114 +259,48 @@ class DecodeManager:
         self._detection_max = 0.0
         self._dp_queries = 0
         self._closed = False
-        #: The etcd source this manager is wired to (None: another source, e.g. HTTP).
-        self.etcd: EtcdBootstrapSource | None = None
-        #: True with etcd: a receiver checks its generations' fan-out marks before it starts
-        #: a transfer (one branch on the hit path otherwise).
-        self.watermarked = False
-        if isinstance(self.source, EtcdBootstrapSource):
-            self._wire_etcd(self.source)
-        self.transport.subscribe(self._on_endpoint)
-
-    # --- etcd as the source --------------------------------------------------------------------
-
-    @classmethod
-    def with_etcd(
-        cls,
-        endpoints: str | Iterable[str],
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        tls: TLSConfig | None = None,
-        username: str | None = None,
-        password: str | None = None,
-        sync_timeout_s: float = 5.0,
-        watch_idle_timeout_s: float = 10.0,
-        **kwargs: object,
-    ) -> DecodeManager:
-        """A manager whose bootstrap source is an etcd watch (docs/etcd.md).
-
-        ``endpoints``: etcd client URLs (a list, or comma-separated). Makes, starts and (at
-        :meth:`close`) closes the :class:`EtcdBootstrapSource`; waits up to
-        ``sync_timeout_s`` for its first list (not synced by then: requests get ``NotReady``
-        until it is, and the source keeps retrying). ``kwargs`` go to the constructor.
-        """
-        urls = (
-            [url.strip() for url in endpoints.split(",") if url.strip()]
-            if isinstance(endpoints, str)
-            else list(endpoints)
-        )
-        gateway = EtcdGateway(urls, tls=tls, username=username, password=password)
-        source = EtcdBootstrapSource(
-            gateway, prefix=prefix, watch_idle_timeout=watch_idle_timeout_s
-        )
+        #: True when the source marks stale generations (etcd): a receiver checks its
+        #: generations' marks before it starts a transfer (one branch on the hit path otherwise).
+        self.watermarked = bool(self.source.marks_generations)
         try:
-            manager = cls(source=source, **kwargs)  # type: ignore[arg-type]
-        except BaseException:
-            source.close()
-            raise
-        manager._owned.insert(0, source.close)  # closed last: after the health and transport
-        source.start()
-        source.wait_synced(sync_timeout_s)
-        return manager
-
-    def _wire_etcd(self, source: EtcdBootstrapSource) -> None:
-        """Stamp, watermark, mark and fan out through ``source`` (docs/etcd.md)."""
-        try:
-            source.bind(
-                self.pool,
-                held=self._held,
-                on_change=retiring_listener(self.fail_generations),
-            )
+            # The source retires from our pool, asks what our receivers hold, and reports
+            # what it retired to our fan-out (a no-op for the HTTP client).
+            self.source.attach(self.pool, held=self.held_by, retire=self.fail_generations)
         except BootstrapError as exc:
             self._close_owned()
             raise ConfigurationError(str(exc)) from exc
-        self.etcd = source
-        self.watermarked = True
+        self.transport.subscribe(self._on_endpoint)
 
-    def _held(self, addr: str) -> list[tuple[PoolKey, Generation]]:
-        """(key, generation) of every receiver in flight for ``addr`` (the watch thread's
-        question, answered from a snapshot)."""
+    # --- the source ---------------------------------------------------------------------------
+
+    @classmethod
+    def with_etcd(cls, endpoints: object, **options: object) -> DecodeManager:
+        """A manager whose bootstrap source is an etcd watch: see
+        :func:`statemachine.decode_on_etcd.manager_on_etcd` for the options (docs/etcd.md).
+
+        A convenience only: the manager knows its source by the ``BootstrapSource`` protocol,
+        and the module that composes it with the etcd source is imported on first use."""
+        compose = importlib.import_module("statemachine.decode_on_etcd")
+        manager: DecodeManager = compose.manager_on_etcd(endpoints, manager_class=cls, **options)
+        return manager
+
+    def held_by(self, addr: str) -> list[tuple[PoolKey, Generation]]:
+        """(key, generation) of every receiver in flight for ``addr`` (a source's question, on
+        its own thread, answered from a snapshot)."""
         held: list[tuple[PoolKey, Generation]] = []
         for receiver in self.in_flight():
             if receiver.addr == addr:
                 held.extend(_items_of(receiver))
         return held
 
-    def _stamp(self) -> int | None:
-        """The revision to stamp a fetch with (read before its first ``get_rank``)."""
-        return None if self.etcd is None else revision_of(self.etcd)
-
-    @staticmethod
-    def _generation(
-        ranks: tuple[RankInfo, ...], instance_id: str | None, stamp: int | None
-    ) -> Generation:
-        return generation_for(ranks, instance_id, stamp)
-
-    def _publish(self, key: PoolKey, generation: Generation) -> Generation | None:
-        """``pool.publish``; with etcd, through the watermark (None: refused)."""
-        etcd = self.etcd
-        if etcd is None:
-            return self.pool.publish(key, generation)
-        return etcd.publish(self.pool, key, generation)
-
-    def _refused(self, addr: str, generation: Generation) -> BootstrapError:
-        etcd = self.etcd
-        revision = 0 if etcd is None else etcd.revision
-        return refused_publish(addr, getattr(generation, "revision", None), revision)
-
-    def _marked(self, receiver: BootstrapReceiver) -> BootstrapError | None:
-        """The typed reason if one of ``receiver``'s generations carries the watch's mark."""
-        for generation in receiver.entries.values():
-            revision = retired_at(generation)
-            if revision is not None:
-                error = stale_start(receiver.addr, revision)
-                error.evidence_at = self.clock()
-                return error
-        return None
+    def close_with(self, closer: Callable[[], None]) -> None:
+        """Call ``closer`` when this manager closes, after every part it made (a source made
+        for it, say, whose thread must outlive the parts that call it)."""
+        self._owned.insert(0, closer)
 
     def _build(
         self,
-        source: BootstrapSource | None,
+        source: BootstrapQueries | None,
         pool: BootstrapPool | None,
         transport: ZmqTransport | None,
         backend: KVBackend | None,
@@ -382,14 +313,14 @@ class DecodeManager:
         transport_mode: Mode,
         send_timeout_ms: int,
     ) -> None:
-        if pool is None and isinstance(source, EtcdBootstrapSource):
-            pool = source.pool  # the pool the source already retires from, if any
-        self.pool: BootstrapPool = BootstrapPool() if pool is None else pool
         if source is None:
             client = BootstrapClient()
             self._owned.append(client.close)
             source = client
-        self.source: BootstrapSource = source
+        self.source: BootstrapSource = as_source(source)
+        if pool is None:
+            pool = self.source.shared_pool()  # the pool the source already retires from
+        self.pool: BootstrapPool = BootstrapPool() if pool is None else pool
         if transport is None:
             transport = ZmqTransport(mode=transport_mode, send_timeout_ms=send_timeout_ms)
             self._owned.append(transport.close)
@@ -411,9 +342,9 @@ class DecodeManager:
         if callable(decode_message):
             self._decoder = decode_message
         self.health: HealthMonitor | None = None
-        # With etcd there may be no HTTP server at the address: the watch and the leases
-        # replace the health monitor.
-        if health_interval_s is not None and not isinstance(source, EtcdBootstrapSource):
+        # A source that finds dead prefills itself (etcd: the watch and the leases) needs no
+        # probes, and there may be no HTTP server at the address to probe.
+        if health_interval_s is not None and self.source.health_by_probes:
             self.health = HealthMonitor(
                 self.pool,
                 interval_s=health_interval_s,
@@ -517,7 +448,8 @@ class DecodeManager:
                 f"{topology.pp_size}: use the policy 'early' for this prefill"
             )
 
-    def _pend(self, receiver: BootstrapReceiver) -> None:
+    def await_dp_rank(self, receiver: HostedReceiver) -> None:
+        """The receiver's room waits for the next :meth:`step`'s batched query."""
         with self._lock:
             self._pending.setdefault(receiver.addr, {})[receiver.room] = receiver
 
@@ -542,7 +474,7 @@ class DecodeManager:
                     receiver = rooms.get(room)
                     if receiver is not None and waiting.get(room) is receiver:
                         del waiting[room]
-                        receiver._resolved(dp_rank)
+                        receiver.resolved(dp_rank)
                         resolved += 1
         return resolved
 
@@ -559,7 +491,7 @@ class DecodeManager:
         receiver = self._inflight.get(room)
         if receiver is None:
             return False
-        return receiver._responded(prefill_rank)
+        return receiver.responded(prefill_rank)
 
     def fail_room(self, room: int, reason: str | None, *, prefill_rank: int | None = None) -> bool:
         """A prefill rank reported ``room``'s transfer failed; its receiver fails with it, and
@@ -568,8 +500,8 @@ class DecodeManager:
         if receiver is None:
             return False
         error = transfer_failed(receiver, reason, prefill_rank)
-        _stamp(error, self.clock())
-        receiver._failed_by_prefill(error)
+        _note_evidence(error, self.clock())
+        receiver.failed_by_prefill(error)
         return True
 
     def _decode(self, frames: Sequence[bytes]) -> PrefillEvent | None:
@@ -591,11 +523,11 @@ class DecodeManager:
             return False
         status = event.status
         if status == STATUS_SUCCESS:
-            receiver._responded(event.prefill_rank)
+            receiver.responded(event.prefill_rank)
         elif status == STATUS_FAILED:
             self.fail_room(event.room, event.reason, prefill_rank=event.prefill_rank)
         elif status == STATUS_WAITING_FOR_INPUT and self.prefill_complete:
-            receiver._prefill_ready()
+            receiver.prefill_ready()
         # anything else: not a status the decode acts on (SGLang logs and ignores it)
         return True
 
@@ -615,12 +547,11 @@ class DecodeManager:
         holds evicted at the bound, stale acks (MGR-15)."""
         return self._holds.stats()
 
-    def _ended(self, receiver: BootstrapReceiver, error: BootstrapError | None) -> None:
+    def receiver_ended(self, receiver: HostedReceiver, error: BootstrapError | None) -> None:
         """A receiver reached a final state: forget it and its pending room."""
         if self._inflight.get(receiver.room) is receiver:
             del self._inflight[receiver.room]
-        if receiver._pending:
-            receiver._pending = False
+        if receiver.awaiting_dp_rank:
             with self._lock:
                 rooms = self._pending.get(receiver.addr)
                 if rooms is not None and rooms.get(receiver.room) is receiver:
@@ -641,20 +572,18 @@ class DecodeManager:
                 self._detection_total += latency
                 self._detection_max = max(self._detection_max, latency)
 
-    def _notify_abort(self, receiver: BootstrapReceiver, *, armed: bool) -> None:
-        """Tell every rank of the room once (MGR-15), best effort, skipping known-dead ones.
+    def send_abort(self, receiver: HostedReceiver, *, armed: bool) -> bool:
+        """Tell every rank of the room (MGR-15; the receiver asks once), best effort, skipping
+        known-dead ones.
 
         ``armed``: the metadata went out, so the prefill may be writing our pages: the ABORT
         carries a new generation and the room's KV is held until every rank acknowledged it
         (:meth:`kv_release`). Otherwise SGLang's legacy ABORT (no generation), nothing held.
-        Nothing is sent for a room that has no ranks yet (before ``init``).
+        Nothing is sent for a room that has no ranks yet (before ``init``): returns False.
         """
-        if receiver._notified:
-            return
         ranks = receiver.ranks()
         if not ranks:
-            return
-        receiver._notified = True
+            return False
         generation_id = self._holds.hold(receiver.room, len(ranks)) if armed else None
         for generation, rank in ranks:
             endpoint = (rank.ip, rank.port)
@@ -669,8 +598,9 @@ class DecodeManager:
                     generation=generation_id,
                 )
                 self.transport.send(endpoint, frames)
+        return True
 
-    def _send_bootstrap(self, receiver: BootstrapReceiver) -> None:
+    def send_bootstrap(self, receiver: HostedReceiver) -> None:
         """``prefill_complete``: BOOTSTRAP to every rank of the room (SendFailed propagates:
         a rank that cannot hear the handshake will never answer it)."""
         make = self.backend.bootstrap_frames
@@ -680,7 +610,7 @@ class DecodeManager:
 
     # --- generations and their sockets -----------------------------------------------------
 
-    def _retain(self, generation: Generation) -> None:
+    def retain_sockets(self, generation: Generation) -> None:
         endpoints = tuple((rank.ip, rank.port) for rank in generation.ranks)
         with self._lock:
             if generation in self._retained:
@@ -688,7 +618,9 @@ class DecodeManager:
             self._retained[generation] = endpoints
         self.transport.retain(endpoints)
 
-    def _invalidated(self, entries: Mapping[PoolKey, Generation], removed: int, cause: str) -> None:
+    def entries_invalidated(
+        self, entries: Mapping[PoolKey, Generation], removed: int, cause: str
+    ) -> None:
         if removed:
             with self._lock:
                 self._invalidations[cause] = self._invalidations.get(cause, 0) + removed
@@ -710,12 +642,12 @@ class DecodeManager:
             self.transport.release(endpoints)
         return len(released)
 
-    def _retire(
+    def instance_replaced(
         self,
         addr: str,
         old_ids: Iterable[str | None],
         new_id: str,
-        finder: BootstrapReceiver,
+        finder: HostedReceiver,
     ) -> None:
         """``finder``'s fetch from ``addr`` answered as ``new_id`` while it held entries of
         ``old_ids``: retire those, and fail the other requests that use them (``finder``
@@ -735,24 +667,24 @@ class DecodeManager:
         generations: Iterable[Generation],
         error: BootstrapError,
         *,
-        exclude: BootstrapReceiver | None = None,
+        exclude: HostedReceiver | None = None,
     ) -> int:
         """Fail every receiver in flight that uses one of ``generations``; invalidate them by
         identity. Returns how many receivers were failed."""
         doomed = set(generations)
         if not doomed:
             return 0
-        _stamp(error, self.clock())
+        _note_evidence(error, self.clock())
         held = {key: g for key, g in self.pool.snapshot().items() if g in doomed}
         if held:
             removed = self.pool.invalidate(held)
-            self._invalidated({}, removed, type(error).__name__)
+            self.entries_invalidated({}, removed, type(error).__name__)
         failed = 0
         for receiver in self.in_flight():
             if (
                 receiver is not exclude
                 and any(g in doomed for g in _entries_of(receiver))
-                and self._lose(receiver, error)
+                and receiver.lose(error)
             ):
                 failed += 1
         self._count_fanout(error, failed)
@@ -762,7 +694,7 @@ class DecodeManager:
     def fail_address(self, addr: str, error: BootstrapError) -> int:
         """Fail every receiver in flight bound to ``addr``; invalidate their generations by
         identity and forget the address's topology. Returns how many receivers were failed."""
-        _stamp(error, self.clock())
+        _note_evidence(error, self.clock())
         with self._lock:
             self._topologies.pop(addr, None)
             self._plans.pop(addr, None)
@@ -771,27 +703,14 @@ class DecodeManager:
         for receiver in self.in_flight():
             if receiver.addr == addr:
                 used.update(receiver.entries.copy())
-                if self._lose(receiver, error):
+                if receiver.lose(error):
                     failed += 1
         if used:
             removed = self.pool.invalidate(used)
-            self._invalidated({}, removed, type(error).__name__)
+            self.entries_invalidated({}, removed, type(error).__name__)
         self._count_fanout(error, failed)
         self._reconcile()
         return failed
-
-    def _lose(self, receiver: BootstrapReceiver, error: BootstrapError) -> bool:
-        """Store the reason on a receiver in flight (one attribute store) and wake its owner.
-
-        A room whose every response arrived is left alone: as SGLang's node-failure handler
-        fails only rooms not yet Success, evidence after the transfer changes nothing."""
-        if receiver.ended or receiver._lost is not None or receiver._acked:
-            return False
-        receiver._lost = error
-        wake = receiver.on_change
-        if wake is not None:
-            wake()
-        return True
 
     def _count_fanout(self, error: BootstrapError, failed: int) -> None:
         kind = type(error).__name__
@@ -823,7 +742,7 @@ class DecodeManager:
         )
         return self.fail_generations(generations, error)
 
-    def _send_failed(self, error: SendFailed) -> None:
+    def send_failed(self, error: SendFailed) -> None:
         """A receiver's send failed: every other request using that endpoint is lost too."""
         self._endpoint_dead(error.endpoint, str(error))
 
@@ -856,7 +775,7 @@ class DecodeManager:
         new_id: str,
         *,
         cause: str,
-        exclude: BootstrapReceiver | None = None,
+        exclude: HostedReceiver | None = None,
     ) -> int:
         with self._lock:
             self._topologies.pop(addr, None)
@@ -877,7 +796,7 @@ class DecodeManager:
         )
         return self.fail_generations(stale, error, exclude=exclude)
 
-    def _watch(self, addr: str) -> None:
+    def watch_address(self, addr: str) -> None:
         """Health-watch every address this manager fetched from (off the hit path)."""
         if self.health is None or addr in self._watched:
             return
@@ -923,16 +842,16 @@ class DecodeManager:
         if self._closed:
             return
         self._closed = True
+        self.admit_room = _refuse_room
         error = ManagerClosed("the decode manager was closed while this request was in flight")
         for receiver in self.in_flight():
-            self._lose(receiver, error)
+            receiver.lose(error)
         with self._lock:
             retained = list(self._retained.values())
             self._retained.clear()
         for endpoints in retained:
             self.transport.release(endpoints)
-        if self.etcd is not None:
-            self.etcd.unbind()  # a source the caller owns must not call a closed manager
+        self.source.detach()  # a source the caller owns must not call a closed manager
         self._close_owned()
 
     def _close_owned(self) -> None:
@@ -948,7 +867,7 @@ class DecodeManager:
         self.close()
 
 
-def _entries_of(receiver: BootstrapReceiver) -> tuple[Generation, ...]:
+def _entries_of(receiver: HostedReceiver) -> tuple[Generation, ...]:
     """The generations a receiver (owned by another thread) holds right now."""
     for _ in range(3):
         try:
@@ -958,7 +877,7 @@ def _entries_of(receiver: BootstrapReceiver) -> tuple[Generation, ...]:
     return ()  # pragma: no cover
 
 
-def _items_of(receiver: BootstrapReceiver) -> tuple[tuple[PoolKey, Generation], ...]:
+def _items_of(receiver: HostedReceiver) -> tuple[tuple[PoolKey, Generation], ...]:
     for _ in range(3):
         try:
             return tuple(receiver.entries.items())
@@ -967,7 +886,13 @@ def _items_of(receiver: BootstrapReceiver) -> tuple[tuple[PoolKey, Generation], 
     return ()  # pragma: no cover
 
 
-def _stamp(error: BootstrapError, now: float) -> None:
+def _refuse_room(room: int, receiver: HostedReceiver) -> HostedReceiver:
+    """``admit_room`` of a closed manager."""
+    raise ManagerClosed("the decode manager is closed: create a new one")
+
+
+def _note_evidence(error: BootstrapError, now: float) -> None:
+    """When the evidence arrived, on a PeerLost reason (for the detection-time stats)."""
     if isinstance(error, PeerLost) and error.evidence_at is None:
         error.evidence_at = now
 

@@ -8,8 +8,10 @@ invalidation of exactly the generations this receiver used (``spec/lifecycle.md`
 effect of every event, ``spec/manager.md`` the manager's part).
 
 Receivers are made by a :class:`~statemachine.decode.manager.DecodeManager`, which owns the
-shared parts, knows every receiver in flight, and completes or fails them. The API follows
-SGLang's decode-side receiver (``init``, ``send_metadata``, ``poll``, ``failure_exception``,
+shared parts, knows every receiver in flight, and completes or fails them; the two know each
+other only through :mod:`statemachine.decode.receiver_host` (``ReceiverHost``: what a receiver
+may ask of its manager; ``HostedReceiver``: what the manager may ask of a receiver). The API
+follows SGLang's decode-side receiver (``init``, ``send_metadata``, ``poll``, ``failure_exception``,
 ``abort``, ``clear``, ``invalidate_cached_bootstrap_infos``). One thread drives a receiver; the
 cross-thread inputs are single stores, each consumed by the owner's next call: the prefill's
 reports from the ack listener's thread (a success adds its rank to ``_responses`` and, at the
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from statemachine import lifecycle as life
 from statemachine import trace
@@ -34,7 +37,8 @@ from statemachine.backend import KVBackend, MetadataRequest
 from statemachine.decode.flight import Flight
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.decode.source import BootstrapSource
+from statemachine.decode.receiver_host import ReceiverHost
+from statemachine.decode.source import BootstrapQueries, as_source
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -44,7 +48,6 @@ from statemachine.errors import (
     FailedOnAnotherRank,
     InvalidRoom,
     InvalidTransition,
-    ManagerClosed,
     PeerLost,
     SendFailed,
     TransferFailed,
@@ -52,9 +55,6 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
-
-if TYPE_CHECKING:
-    from statemachine.decode.manager import DecodeManager
 
 __all__ = [
     "DEFAULT_PLAN",
@@ -70,6 +70,10 @@ DEFAULT_WAITING_TIMEOUT_S = 300.0
 _MAX_ROOM = 2**64 - 1
 
 _receiver_ids = itertools.count(1)
+#: Guards every receiver's set of responding prefill ranks: the ack listener's thread and a
+#: transfer engine's may both report one room. One lock for all (never on the hit path), so
+#: that a receiver needs none of its own.
+_RESPONSES_LOCK = threading.Lock()
 
 # What must come first, per public method, for InvalidTransition messages.
 _INIT_NEEDS = "init() runs once, on a new receiver; create a new receiver for a new request"
@@ -102,7 +106,7 @@ class Decode:
     """
 
     pool: BootstrapPool
-    client: BootstrapSource
+    client: BootstrapQueries
     transport: ZmqTransport
     backend: KVBackend
     waiting_timeout_s: float = DEFAULT_WAITING_TIMEOUT_S
@@ -146,11 +150,7 @@ def check_parts(
         raise ConfigurationError(
             f"pool must be a BootstrapPool, not {type(pool).__name__}: pass BootstrapPool()"
         )
-    if not isinstance(source, BootstrapSource):
-        raise ConfigurationError(
-            f"source/client must have get_rank, get_topology and query_dp_ranks (a "
-            f"BootstrapClient), not {type(source).__name__}"
-        )
+    as_source(source)  # the three questions at least (the one rule, in source.py)
     if not isinstance(transport, ZmqTransport):
         raise ConfigurationError(
             f"transport must be a ZmqTransport, not {type(transport).__name__}"
@@ -219,12 +219,12 @@ class BootstrapReceiver:
         "_metadata_sent",
         "_needed",
         "_notified",
-        "_pending",
         "_ready",
         "_reported",
         "_responses",
         "_sent_at",
         "addr",
+        "awaiting_dp_rank",
         "entries",
         "id",
         "on_change",
@@ -235,7 +235,7 @@ class BootstrapReceiver:
 
     def __init__(
         self,
-        manager: DecodeManager,
+        manager: ReceiverHost,
         addr: str,
         room: int,
         plan: RankPlan | None = None,
@@ -248,8 +248,6 @@ class BootstrapReceiver:
             type(prefill_dp_rank) is not int or prefill_dp_rank < 0
         ):
             raise InvalidRoom(f"prefill_dp_rank must be an int >= 0, not {prefill_dp_rank!r}")
-        if manager._closed:
-            raise ManagerClosed("the decode manager is closed: create a new one")
         self._m = manager
         self.addr = addr
         self.room = room
@@ -266,13 +264,14 @@ class BootstrapReceiver:
         #: when the metadata was sent (or, while the dp rank is pending, when that began)
         self._sent_at = 0.0
         self._acked = False
-        self._pending = False
+        #: The room waits for the manager's batched dp-rank query (read by the manager).
+        self.awaiting_dp_rank = False
         # Completion by distinct prefill responses (MGR-13): written by the ack listener's
         # thread (or a transfer engine's), read by the owner's poll.
         #: how many distinct prefill ranks must report success (known once the plan is)
         self._needed: int | None = None
         #: the prefill ranks that reported success for this room (made at the first report,
-        #: under the manager's lock: a hit that never hears from the prefill allocates none)
+        #: under _RESPONSES_LOCK: a hit that never hears from the prefill allocates none)
         self._responses: set[int] | None = None
         #: a failure the prefill reported: terminal, and it wins over any success (MGR-14)
         self._reported: BootstrapError | None = None
@@ -286,7 +285,7 @@ class BootstrapReceiver:
         #: the manager failed it. A scheduler can set it to wake its wait.
         self.on_change: Callable[[], None] | None = None
         # Known to the manager by room (one dict store): what the fan-out scans.
-        if manager._inflight.setdefault(room, self) is not self:
+        if manager.admit_room(room, self) is not self:
             raise InvalidRoom(
                 f"room {room} is already in flight: finish, abort or clear its receiver "
                 "before reusing the room"
@@ -319,19 +318,24 @@ class BootstrapReceiver:
         if self._metadata_sent:
             # SGLang's transfer queue force-arms an ABORT for every failed room whose
             # metadata went out: the prefill may be writing into our pages.
-            self._m._notify_abort(self, armed=True)
+            self._tell_abort(armed=True)
         elif prior == life.HANDSHAKING:
-            self._m._notify_abort(self, armed=False)  # SGLang's abort() on the prefill wait
+            self._tell_abort(armed=False)  # SGLang's abort() on the prefill wait
         self._invalidate(event)
-        self._m._ended(self, error)
+        self._m.receiver_ended(self, error)
         return KVPoll.Failed
+
+    def _tell_abort(self, *, armed: bool) -> None:
+        """The room's ranks are told once (MGR-15): the first time the room has ranks."""
+        if not self._notified:
+            self._notified = self._m.send_abort(self, armed=armed)
 
     def _invalidate(self, cause: str) -> int:
         removed = self._m.pool.invalidate(self.entries)
         self._fire(life.INVALIDATE)
         dropped = self.entries
         self.entries = {}
-        self._m._invalidated(dropped, removed, cause)
+        self._m.entries_invalidated(dropped, removed, cause)
         return removed
 
     # --- the SGLang-shaped API ------------------------------------------------------------
@@ -439,10 +443,11 @@ class BootstrapReceiver:
             raise InvalidTransition(state, life.SEND_OK, method="send_metadata", requires=requires)
         m = self._m
         if m.watermarked:
-            # etcd: a watch event marked a generation we hold (retired after we adopted it):
-            # fail instead of starting a transfer on it (NoStaleStart, spec/model.md).
-            marked = m._marked(self)
+            # The source marked a generation we hold (etcd: a watch event retired it after we
+            # adopted it): fail instead of starting a transfer on it (NoStaleStart).
+            marked = m.source.stale_mark(self.addr, self.entries.values())
             if marked is not None:
+                marked.evidence_at = m.clock()
                 return self._fail(life.PEER_LOST, marked)
         plan = self.plan
         request = MetadataRequest(
@@ -461,7 +466,7 @@ class BootstrapReceiver:
             for generation in self.entries.values():
                 transport.send_metadata(generation, backend, request)
         except SendFailed as error:
-            m._send_failed(error)
+            m.send_failed(error)
             return self._fail(life.SEND_FAIL, error)
         self._sent_at = m.clock()
         self._fire(life.SEND_OK)
@@ -477,11 +482,11 @@ class BootstrapReceiver:
         self._acked = True
         self._wake()
 
-    def _responded(self, prefill_rank: int) -> bool:
+    def responded(self, prefill_rank: int) -> bool:
         """A Success from ``prefill_rank`` (any thread). Counts once per distinct rank; the
         room is transferred when ``required_prefill_response_num`` ranks did (SGLang's
         ``apply_prefill_status``). Returns whether this report was new."""
-        with self._m._lock:  # the listener's and an engine's thread may both report
+        with _RESPONSES_LOCK:  # the listener's and an engine's thread may both report
             responses = self._responses
             if responses is None:
                 responses = self._responses = set()
@@ -495,16 +500,29 @@ class BootstrapReceiver:
             self._wake()
         return True
 
-    def _failed_by_prefill(self, error: BootstrapError) -> None:
+    def failed_by_prefill(self, error: BootstrapError) -> None:
         """A Failed status (any thread): terminal, and it wins over an unpolled success."""
         if self._reported is None:
             self._reported = error
             self._wake()
 
-    def _prefill_ready(self) -> None:
+    def prefill_ready(self) -> None:
         """The prefill's WaitingForInput answer to our BOOTSTRAP (any thread)."""
         self._ready = True
         self._wake()
+
+    def lose(self, error: BootstrapError) -> bool:
+        """The manager's fan-out (any thread): store the reason (one attribute store) and wake
+        the owner, whose next ``poll``/``send_metadata``/``init`` fires ``PeerLost``.
+
+        A room whose every response arrived is left alone: as SGLang's node-failure handler
+        fails only rooms not yet Success, evidence after the transfer changes nothing. Returns
+        whether the receiver was failed."""
+        if self.state in _TERMINAL or self._lost is not None or self._acked:
+            return False
+        self._lost = error
+        self._wake()
+        return True
 
     def _wake(self) -> None:
         wake = self.on_change
@@ -525,7 +543,7 @@ class BootstrapReceiver:
                 self._fail(life.PEER_LOST, self._reported)
             elif self._acked:  # every response arrived: done, whatever evidence came after
                 self._fire(life.COMPLETE)
-                self._m._ended(self, None)
+                self._m.receiver_ended(self, None)
             elif self._lost is not None:
                 self._fail(life.PEER_LOST, self._lost)
             elif self._m.clock() - self._sent_at >= self._m.waiting_timeout_s:
@@ -541,7 +559,7 @@ class BootstrapReceiver:
             lost = self._reported or self._lost
             if lost is not None:
                 self._fail(life.PEER_LOST, lost)
-            elif self._pending and self._bootstrap_expired():
+            elif self.awaiting_dp_rank and self._bootstrap_expired():
                 self._fail(life.FETCH_FAIL, self._bootstrap_timeout())
         elif state == life.HANDSHAKING:
             self._poll_handshake()
@@ -553,9 +571,9 @@ class BootstrapReceiver:
         self._sent_at = m.clock()  # the prefill wait clock (SGLang's waiting timeout value)
         self._fire(life.HANDSHAKE)
         try:
-            m._send_bootstrap(self)
+            m.send_bootstrap(self)
         except SendFailed as error:
-            m._send_failed(error)
+            m.send_failed(error)
             return self._fail(life.SEND_FAIL, error)
         return KVPoll.Bootstrapping
 
@@ -617,8 +635,8 @@ class BootstrapReceiver:
             self._fire(life.ABORT)
             # Once the room has its ranks (after init), every rank is told once: the legacy
             # ABORT before the metadata, one with a generation after it (MGR-15).
-            self._m._notify_abort(self, armed=self._metadata_sent)
-            self._m._ended(self, self._failure)
+            self._tell_abort(armed=self._metadata_sent)
+            self._m.receiver_ended(self, self._failure)
 
     def clear(self) -> None:
         """Forget this request. A terminal result is kept (Success stays Success, Failed stays
@@ -629,8 +647,8 @@ class BootstrapReceiver:
             self._failure = Aborted(f"room {self.room} cleared in state {state}")
             self._fire(life.ABORT)
             if self._m.prefill_complete:  # SGLang tells the prefill here under this policy
-                self._m._notify_abort(self, armed=self._metadata_sent)
-            self._m._ended(self, self._failure)
+                self._tell_abort(armed=self._metadata_sent)
+            self._m.receiver_ended(self, self._failure)
         self.entries = {}
 
     def invalidate_cached_bootstrap_infos(self) -> int:
@@ -661,18 +679,18 @@ class BootstrapReceiver:
             return 0
         if topology.follow_bootstrap_room is not False:  # never set means True (SGLang)
             return self.room % topology.dp_size
-        if not self._pending:
-            self._pending = True
+        if not self.awaiting_dp_rank:
+            self.awaiting_dp_rank = True
             self._sent_at = m.clock()
-            m._pend(self)
+            m.await_dp_rank(self)
         elif self._bootstrap_expired():
             raise self._bootstrap_timeout()
         return None
 
-    def _resolved(self, dp_rank: int) -> None:
+    def resolved(self, dp_rank: int) -> None:
         """The manager's batched query answered (called from the stepping thread)."""
         self._dp_rank = dp_rank
-        self._pending = False  # no bootstrap timeout any more: the next init() goes on
+        self.awaiting_dp_rank = False  # no bootstrap timeout any more: the next init() goes on
         wake = self.on_change
         if wake is not None:
             wake()
@@ -743,7 +761,7 @@ class BootstrapReceiver:
         m = self._m
         flights = m.flights
         self._fire(life.MISS)
-        m._watch(self.addr)
+        m.watch_address(self.addr)
         try:
             fresh = self._fetch(plan, missing)
         except BootstrapError as error:
@@ -758,22 +776,23 @@ class BootstrapReceiver:
         except SendFailed as error:
             if flights is not None:
                 flights.fail(led, error)
-            m._send_failed(error)
+            m.send_failed(error)
             return self._fail(life.REGISTER_FAIL, error)
         self._fire(life.REGISTER_OK)
         published: dict[PoolKey, Generation] = {}
         refused: BootstrapError | None = None
+        source, pool = m.source, m.pool
         for key, generation in fresh.items():
             # setdefault: a concurrent winner's generation replaces ours in our records.
-            held = m._publish(key, generation)
+            held = source.publish(pool, key, generation)
             if held is None:
-                # etcd's watermark: the watch applied a change this fetch predates; the object
-                # is not published and this request fails (the model's Publish with fresh =
-                # None, then PeerLost).
-                refused = refused or m._refused(self.addr, generation)
+                # The source's watermark (etcd: the watch applied a change this fetch
+                # predates): the object is not published and this request fails (the model's
+                # Publish with fresh = None, then PeerLost).
+                refused = refused or source.refusal(self.addr, generation)
                 continue
             if held is generation:
-                m._retain(generation)
+                m.retain_sockets(generation)
             self.entries[key] = published[key] = held
         if flights is not None:
             flights.resolve({k: f for k, f in led.items() if k in published}, published)
@@ -805,7 +824,7 @@ class BootstrapReceiver:
             ]
             if stale:
                 old_ids = {g.instance_id for k, g in adopted.items() if k in stale}
-                self._m._retire(self.addr, old_ids, instance_id, self)
+                self._m.instance_replaced(self.addr, old_ids, instance_id, self)
                 fresh.update(self._fetch_keys(plan, stale))
         return fresh
 
@@ -814,7 +833,7 @@ class BootstrapReceiver:
         source = m.source
         fresh: dict[PoolKey, Generation] = {}
         for key in keys:
-            stamp = m._stamp()  # etcd: the watch's revision before the first get_rank
+            stamp = source.stamp()  # etcd: the watch's revision before the first get_rank
             ranks: list[RankInfo] = []
             instance_ids: set[str | None] = set()
             for tp_rank, pp_rank in plan.fetch_order:
@@ -840,7 +859,7 @@ class BootstrapReceiver:
                     f"{self.addr} restarted while its ranks were fetched; retry the request",
                     addr=self.addr,
                 )
-            fresh[key] = m._generation(tuple(ranks), instance_ids.pop(), stamp)
+            fresh[key] = source.generation(tuple(ranks), instance_ids.pop(), stamp)
         return fresh
 
     def ranks(self) -> list[tuple[Generation, RankInfo]]:

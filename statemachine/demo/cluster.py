@@ -22,10 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from statemachine.errors import BootstrapError
-from statemachine.prefill.readiness import read_prefixed_line
+from statemachine.prefill.readiness import read_prefixed_line, read_ready
+
+_T = TypeVar("_T")
 
 HOST = "127.0.0.1"
 
@@ -67,32 +71,50 @@ class _Child:
 
     def go(self, argv: list[str], deadline: float, prefix: str) -> str:
         """Send ``argv``; return the first stdout line starting with ``prefix``."""
+        self._send(argv, deadline)
+        return self.read_line(prefix, deadline)
+
+    def go_ready(self, argv: list[str], deadline: float) -> list[bytes]:
+        """Send ``argv``; return the words of the child's ``READY`` line."""
+        self._send(argv, deadline)
+        fd = self._stdout()
+        return self._expect("the READY line", lambda: read_ready(fd, deadline, self._buffer))
+
+    def _send(self, argv: list[str], deadline: float) -> None:
         assert self.proc.stdin is not None
         if not self._warm:
             self.read_line("WARM", deadline)
             self._warm = True
         self.proc.stdin.write(json.dumps(argv).encode() + b"\n")
         self.proc.stdin.flush()
-        return self.read_line(prefix, deadline)
+
+    def _stdout(self) -> int:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.fileno()
 
     def read_line(self, prefix: str, deadline: float) -> str:
-        assert self.proc.stdout is not None
+        fd = self._stdout()
+        raw = self._expect(
+            prefix, lambda: read_prefixed_line(fd, prefix.encode(), deadline, self._buffer)
+        )
+        return raw.decode(errors="replace")
+
+    def _expect(self, what: str, read: Callable[[], _T | None]) -> _T:
+        """``read()``'s answer; ClusterError (with the child's stderr) on timeout or exit."""
         try:
-            raw = read_prefixed_line(
-                self.proc.stdout.fileno(), prefix.encode(), deadline, self._buffer
-            )
+            found = read()
         except TimeoutError:
             raise ClusterError(
-                f"no {prefix!r} line from a prefill process ({self.module}) in time"
+                f"no {what!r} line from a prefill process ({self.module}) in time"
                 + self.stderr_tail()
             ) from None
-        if raw is None:
+        if found is None:
             code = self.proc.wait(timeout=10.0)
             raise ClusterError(
-                f"a prefill process ({self.module}) exited with {code} before {prefix!r}"
+                f"a prefill process ({self.module}) exited with {code} before {what!r}"
                 + self.stderr_tail()
             )
-        return raw.decode(errors="replace")
+        return found
 
     def stderr_tail(self) -> str:
         """The child's last stderr lines, as ``": line | line"``; empty if it wrote none."""
@@ -180,11 +202,11 @@ class PrefillInstance:
         plans = [(tp, pp) for tp in range(self.tp_size) for pp in range(self.pp_size)]
         with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
             futures = [
-                pool.submit(child.go, self._rank_argv(tp, pp, old), deadline, "READY ")
+                pool.submit(child.go_ready, self._rank_argv(tp, pp, old), deadline)
                 for child, (tp, pp), old in zip(ranks, plans, olds, strict=True)
             ]
-            lines = [f.result() for f in futures]
-        self.rank_ports = [int(line.split()[1]) for line in lines]
+            readies = [f.result() for f in futures]
+        self.rank_ports = [int(words[0]) for words in readies]
         self.starts += 1
         if self.warm:
             self._spares = self._spawn()

@@ -1,7 +1,9 @@
 """What a change in etcd means to a decode: stamped generations, change events, and the glue.
 
-Kept apart from the source so that a receiver or manager can use these without caring which
-source it has: every function here does nothing for a source other than the etcd one.
+The etcd source's side of the ``BootstrapSource`` protocol (``statemachine/decode/source.py``)
+is built from these: its ``stamp``/``generation``/``refusal``/``stale_mark``/``attach`` call
+them, so the decode side never imports this module. They stay public for code that drives a
+pool with an etcd source and no manager (the tests, the benchmarks).
 
 * :class:`StampedGeneration` - a :class:`~statemachine.pool.Generation` that knows the store
   revision it was fetched at (docs/etcd.md, "The retirement rule");
@@ -15,8 +17,8 @@ source it has: every function here does nothing for a source other than the etcd
   receiver holding the object is marked at once, and fails at its next call instead of
   starting a transfer on it.
 
-``DecodeManager(source=EtcdBootstrapSource(...))`` (or ``DecodeManager.with_etcd``) wires all
-of this itself (docs/etcd.md, "Running a decode on etcd").
+``DecodeManager(source=EtcdBootstrapSource(...))`` (or ``DecodeManager.with_etcd``) uses all
+of this through the protocol (docs/etcd.md, "Running a decode on etcd").
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class RankChange(NamedTuple):
 ChangeListener = Callable[[RankChange], None]
 
 
-# --- the glue a receiver or manager needs (the HTTP client has none of these) -----------------
+# --- the etcd source's reports to its owner (the HTTP client has none of these) ---------------
 
 
 def revision_of(source: object) -> int | None:

@@ -45,14 +45,19 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from statemachine.discovery.changes import (
     ChangeListener,
     HeldGenerations,
     RankChange,
+    generation_for,
     mark_retired,
+    refused_publish,
+    retired_at,
+    retiring_listener,
+    stale_start,
 )
 from statemachine.discovery.deadline import Exchange
 from statemachine.discovery.gateway import (
@@ -72,14 +77,22 @@ from statemachine.discovery.layout import (
     parse_value,
     topology_of,
 )
-from statemachine.errors import DiscoveryError, NotFound, NotReady, WatchCompacted
-from statemachine.pool import BootstrapPool, Generation, PoolKey
+from statemachine.errors import (
+    BootstrapError,
+    DiscoveryError,
+    NotFound,
+    NotReady,
+    PeerLost,
+    WatchCompacted,
+)
+from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import (
     InvalidArgument,
     RouteReply,
     Topology,
     parse_addr,
     require_index,
+    require_rank,
 )
 
 __all__ = ["EtcdBootstrapSource", "EtcdSourceStats"]
@@ -210,7 +223,7 @@ class EtcdBootstrapSource:
         #: fan-out mark and the pool retirement of a change happen under it, and so does the
         #: watermark check + ``pool.publish`` of a fetch (spec/model.md, WatchEvent/Publish).
         self._retire_lock = threading.Lock()
-        #: The manager's in-flight holdings (``bind``): marked with the pool's entries.
+        #: The manager's in-flight holdings (``attach``): marked with the pool's entries.
         self._held: HeldGenerations | None = None
         self._bound_on_change: ChangeListener | None = None
         self._refused = 0
@@ -271,10 +284,7 @@ class EtcdBootstrapSource:
     def get_rank(
         self, addr: str, *, dp_rank: int, cp_rank: int, tp_rank: int, pp_rank: int
     ) -> RouteReply:
-        require_index("dp_rank", dp_rank)
-        require_index("cp_rank", cp_rank)
-        require_index("tp_rank", tp_rank)
-        require_index("pp_rank", pp_rank)
+        require_rank(dp_rank=dp_rank, cp_rank=cp_rank, tp_rank=tp_rank, pp_rank=pp_rank)
         view = self._view(addr)
         record = view.records.get((dp_rank, cp_rank, tp_rank, pp_rank))
         reference = view.reference
@@ -347,16 +357,17 @@ class EtcdBootstrapSource:
                     return False
         return True
 
-    def bind(
+    def attach(
         self,
         pool: BootstrapPool,
         *,
-        held: HeldGenerations | None = None,
-        on_change: ChangeListener | None = None,
+        held: HeldGenerations,
+        retire: Callable[[Sequence[Generation], BootstrapError], object],
     ) -> None:
-        """Serve a decode manager (``DecodeManager`` calls this; see docs/etcd.md): retire from
-        ``pool``, mark what ``held`` says the receivers in flight hold, and call ``on_change``
-        after the listener given at construction. Replaces an earlier binding."""
+        """Serve a decode manager (the ``BootstrapSource`` protocol; docs/etcd.md): retire from
+        ``pool``, mark what ``held`` says the receivers in flight hold, and hand each change's
+        retired generations to ``retire`` (the manager's fan-out, with ``RankRetired``) after
+        the listener given at construction. Replaces an earlier attachment."""
         if self.pool is not None and self.pool is not pool:
             raise InvalidArgument(
                 "this etcd source already retires from another pool: give the manager the "
@@ -364,12 +375,43 @@ class EtcdBootstrapSource:
             )
         self.pool = pool
         self._held = held
-        self._bound_on_change = on_change
+        self._bound_on_change = retiring_listener(retire)
 
-    def unbind(self) -> None:
+    def detach(self) -> None:
         """The manager closed: stop asking it (the pool stays, and so does ``on_change``)."""
         self._held = None
         self._bound_on_change = None
+
+    # --- what the source reports to its manager (the BootstrapSource protocol) ---------------
+
+    #: The watch and the leases find a dead or restarted prefill: no HTTP probes.
+    health_by_probes = False
+    #: A watch event marks the generations it retires (``changes.mark_retired``).
+    marks_generations = True
+
+    def shared_pool(self) -> BootstrapPool | None:
+        return self.pool
+
+    def stamp(self) -> int | None:
+        """The store's revision, read before a fetch (``changes.revision_of``)."""
+        return self._revision
+
+    def generation(
+        self, ranks: tuple[RankInfo, ...], instance_id: str | None, stamp: int | None
+    ) -> Generation:
+        """A :class:`~statemachine.discovery.changes.StampedGeneration` of revision ``stamp``."""
+        return generation_for(ranks, instance_id, stamp)
+
+    def refusal(self, addr: str, generation: Generation) -> BootstrapError:
+        return refused_publish(addr, getattr(generation, "revision", None), self._revision)
+
+    def stale_mark(self, addr: str, generations: Iterable[Generation]) -> PeerLost | None:
+        """``RankRetired`` if a watch event marked one of ``generations`` (NoStaleStart)."""
+        for generation in generations:
+            revision = retired_at(generation)
+            if revision is not None:
+                return stale_start(addr, revision)
+        return None
 
     def publish(
         self, pool: BootstrapPool, key: PoolKey, generation: Generation

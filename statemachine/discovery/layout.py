@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from statemachine.errors import BootstrapError
@@ -27,6 +28,7 @@ from statemachine.validation import (
     TOPOLOGY_KEYS,
     InvalidArgument,
     Topology,
+    TopologyClaim,
     is_int,
     is_valid_port,
     parse_addr,
@@ -47,39 +49,26 @@ class RankKey(NamedTuple):
     pp_rank: int
 
 
-class RankRecord(NamedTuple):
-    """One rank's registration as the decode side keeps it (validated)."""
+@dataclass(frozen=True, slots=True)
+class RankRecord(TopologyClaim):
+    """One rank's registration as the decode side keeps it (validated): the topology it claims
+    (the fields of :class:`~statemachine.validation.TopologyClaim`), where it listens, and the
+    etcd write it came from."""
 
     rank_ip: str
     rank_port: int
     instance_id: str
-    attn_tp_size: int
-    attn_cp_size: int
-    dp_size: int
-    pp_size: int
-    page_size: int | None
-    kv_cache_dtype: str | None
     follow_bootstrap_room: bool | None
     #: etcd ``mod_revision`` of the put that wrote this value
     mod_revision: int
     raw: bytes
+    #: The topology this rank claims (every rank of one instance claims the same), with the
+    #: dp-rank rule the decode follows: computed once, compared on every change of the prefill.
+    layout: tuple[TopologyClaim, bool | None] = field(init=False, repr=False, compare=False)
 
-    @property
-    def world(self) -> int:
-        return self.dp_size * self.attn_cp_size * self.attn_tp_size * self.pp_size
-
-    @property
-    def layout(self) -> tuple[object, ...]:
-        """The topology this rank claims (every rank of one instance claims the same)."""
-        return (
-            self.attn_tp_size,
-            self.attn_cp_size,
-            self.dp_size,
-            self.pp_size,
-            self.page_size,
-            self.kv_cache_dtype,
-            self.follow_bootstrap_room,
-        )
+    def __post_init__(self) -> None:
+        # A frozen dataclass: set the derived field once, as __init__ itself sets the others.
+        object.__setattr__(self, "layout", (self.claim(), self.follow_bootstrap_room))
 
 
 class MalformedValue(ValueError):
@@ -242,13 +231,5 @@ def topology_of(registration: Mapping[str, Any], record: RankRecord, addr: str) 
     the optional keys (the rank-plan switches of spec/plans.md PLAN-1, the allocation policy,
     DSpark) from the registration, as a bootstrap server takes them from its first one."""
     reply = {k: v for k, v in registration.items() if k in TOPOLOGY_KEYS | PLAN_KEYS}
-    reply.update(
-        attn_tp_size=record.attn_tp_size,
-        attn_cp_size=record.attn_cp_size,
-        dp_size=record.dp_size,
-        pp_size=record.pp_size,
-        page_size=record.page_size,
-        kv_cache_dtype=record.kv_cache_dtype,
-        follow_bootstrap_room=record.follow_bootstrap_room,
-    )
+    reply.update(record.claim_items(), follow_bootstrap_room=record.follow_bootstrap_room)
     return topology_reply(reply, addr=addr, status=200, instance_id=record.instance_id)

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from statemachine.decode.client import route_payload
 from statemachine.discovery.gateway import EtcdGateway, TLSConfig
 from statemachine.discovery.layout import (
     DEFAULT_PREFIX,
@@ -49,6 +48,7 @@ from statemachine.errors import (
     EtcdRequestFailed,
     EtcdUnavailable,
 )
+from statemachine.registration import route_payload
 from statemachine.validation import InvalidArgument, parse_addr
 
 DEFAULT_TTL = 10

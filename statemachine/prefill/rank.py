@@ -89,13 +89,14 @@ from statemachine.backend import (
     parse_register,
     ready_frames,
 )
-from statemachine.decode.client import register_rank, route_payload
+from statemachine.decode.client import register_rank
 from statemachine.decode.ranks.acks import ack_frames
 from statemachine.decode.ranks.transport import Endpoint, endpoint_url
 from statemachine.discovery.layout import DEFAULT_PREFIX
 from statemachine.discovery.registrar import DEFAULT_TTL, EtcdRegistrar, registrar_for
 from statemachine.errors import BootstrapError, NotReady, TransportFailure
-from statemachine.prefill.readiness import read_prefixed_line
+from statemachine.prefill.readiness import read_ready
+from statemachine.registration import route_payload
 from statemachine.validation import rank_ip_problem
 
 MAX_SESSIONS = 1024
@@ -834,15 +835,13 @@ class _StderrTail:
 def _wait_ready(proc: subprocess.Popen[bytes], timeout: float) -> int:
     assert proc.stdout is not None
     try:
-        line = read_prefixed_line(
-            proc.stdout.fileno(), b"READY ", time.monotonic() + timeout, bytearray()
-        )
+        words = read_ready(proc.stdout.fileno(), time.monotonic() + timeout)
     except TimeoutError:
         raise PrefillRankStartFailed(f"no READY within {timeout} s") from None
-    if line is None:
+    if words is None:
         code = proc.wait(timeout=5.0)
         raise PrefillRankStartFailed(f"prefill rank exited with {code} before READY")
-    return int(line[len(b"READY ") :])
+    return int(words[0])
 
 
 def _reap(proc: subprocess.Popen[bytes], sig: signal.Signals, timeout: float) -> bytes:

@@ -3,6 +3,8 @@
 The reference prefill processes announce themselves on stdout; their parents (the rank's
 :class:`~statemachine.prefill.rank.PrefillRankProcess`, the demo's cluster) wait for a line with
 a given prefix, skipping any other output, and must never wait past their deadline.
+:func:`read_ready` is the one reader of ``READY ...`` lines, used by the product, the tests'
+helper processes and the benchmarks' peers alike.
 """
 
 from __future__ import annotations
@@ -35,3 +37,16 @@ def read_prefixed_line(fd: int, prefix: bytes, deadline: float, buffer: bytearra
             if not chunk:
                 return None
             buffer += chunk
+
+
+#: What a child process prints once it serves, followed by what it serves on (a port; the
+#: etcd registrar: its instance id and lease id), if anything.
+READY = b"READY"
+
+
+def read_ready(fd: int, deadline: float, buffer: bytearray | None = None) -> list[bytes] | None:
+    """The words after ``READY`` on the first ``READY ...`` line read from ``fd``; ``None`` at
+    EOF (the child exited first). Other lines are skipped; :class:`TimeoutError` past
+    ``deadline`` (``time.monotonic()``)."""
+    line = read_prefixed_line(fd, READY, deadline, bytearray() if buffer is None else buffer)
+    return None if line is None else line.split()[1:]

@@ -49,6 +49,7 @@ from statemachine.validation import (
     MAX_PARALLEL_SIZE,
     MAX_WORLD,
     TOPOLOGY_KEYS,
+    TopologyClaim,
     bounded_extra,
     is_int,
     is_valid_port,
@@ -164,28 +165,6 @@ class ServerStats:
 
 
 @dataclass(frozen=True, slots=True)
-class _Claim:
-    """The topology a registration claims: what two ranks of one prefill must agree on."""
-
-    attn_tp_size: int
-    attn_cp_size: int
-    dp_size: int
-    pp_size: int
-    page_size: int | None
-    kv_cache_dtype: str | None
-
-    @property
-    def world(self) -> int:
-        return self.dp_size * self.attn_cp_size * self.attn_tp_size * self.pp_size
-
-    def describe(self) -> str:
-        return (
-            f"dp={self.dp_size} cp={self.attn_cp_size} tp={self.attn_tp_size} "
-            f"pp={self.pp_size} page_size={self.page_size} kv_cache_dtype={self.kv_cache_dtype}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
 class _Info:
     """What the topology reply says besides the claim, taken from a topology's first
     registration as SGLang does. Of these only the allocation policy and the DSpark layout
@@ -205,7 +184,7 @@ class _Info:
 class _Topology:
     """One claimed topology and the ranks registered under it (HTTP-54)."""
 
-    claim: _Claim
+    claim: TopologyClaim
     info: _Info
     ranks: dict[tuple[int, int, int, int], tuple[str, int]] = field(default_factory=dict)
 
@@ -216,13 +195,8 @@ class _Topology:
     def as_reply(self) -> dict[str, object]:
         claim, info = self.claim, self.info
         reply: dict[str, object] = dict(info.extra)
+        reply.update(claim.claim_items())
         reply.update(
-            attn_tp_size=claim.attn_tp_size,
-            attn_cp_size=claim.attn_cp_size,
-            dp_size=claim.dp_size,
-            pp_size=claim.pp_size,
-            page_size=claim.page_size,
-            kv_cache_dtype=claim.kv_cache_dtype,
             follow_bootstrap_room=info.follow_bootstrap_room,
             enable_dsa_cache_layer_split=info.enable_dsa_cache_layer_split,
             prefill_http_port=info.prefill_http_port,
@@ -291,7 +265,7 @@ def _layout(value: Any) -> bool:
 
 def parse_registration(
     obj: Mapping[str, Any],
-) -> tuple[tuple[int, int, int, int], tuple[str, int], _Claim, _Info]:
+) -> tuple[tuple[int, int, int, int], tuple[str, int], TopologyClaim, _Info]:
     """Check a ``PUT /route`` body: (rank key, (ip, port), the topology it claims, the rest)."""
     tp_size, tp_rank = _size_and_rank(obj, "attn_tp_size", "attn_tp_rank")
     cp_size, cp_rank = _size_and_rank(obj, "attn_cp_size", "attn_cp_rank")
@@ -309,7 +283,7 @@ def parse_registration(
     dp_size, dp_rank = (
         (attn_dp_size, attn_dp_rank) if system_dp_size == 1 else (system_dp_size, system_dp_rank)
     )
-    claim = _Claim(
+    claim = TopologyClaim(
         attn_tp_size=tp_size,
         attn_cp_size=cp_size,
         dp_size=dp_size,
@@ -531,7 +505,7 @@ class BootstrapServer:
     def _reset_state(self) -> None:
         # Everything below lives on the event loop thread once started.
         self._pinned: _Topology | None = None
-        self._candidates: dict[_Claim, _Topology] = {}
+        self._candidates: dict[TopologyClaim, _Topology] = {}
         self._dp_ranks: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self._conns: dict[_Guard, None] = {}
         self._starting = 0  # accepted, transport not made yet
@@ -998,7 +972,7 @@ class BootstrapServer:
         self,
         key: tuple[int, int, int, int],
         endpoint: tuple[str, int],
-        claim: _Claim,
+        claim: TopologyClaim,
         info: _Info,
     ) -> None:
         """Before any topology is complete, keep registrations per claimed topology (HTTP-54).
@@ -1032,7 +1006,7 @@ class BootstrapServer:
                     "; ".join(c.claim.describe() for c in others),
                 )
 
-    def _drop_smallest_candidate(self, keep: _Claim | None = None) -> None:
+    def _drop_smallest_candidate(self, keep: TopologyClaim | None = None) -> None:
         others = [c for c in self._candidates.values() if c.claim != keep]
         smallest = min(others, key=lambda c: len(c.ranks))  # min() keeps the oldest on ties
         del self._candidates[smallest.claim]

@@ -98,11 +98,11 @@ MUTANTS: tuple[CodeMutant, ...] = (
     # --- manager: failure fan-out -------------------------------------------------------------
     CodeMutant(
         "lose_ignores_acked",
-        MANAGER,
+        RECEIVER,
         (
             (
-                "if receiver.ended or receiver._lost is not None or receiver._acked:",
-                "if receiver.ended or receiver._lost is not None:",
+                "if self.state in _TERMINAL or self._lost is not None or self._acked:",
+                "if self.state in _TERMINAL or self._lost is not None:",
             ),
         ),
         (T_ACKED,),
