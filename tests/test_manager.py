@@ -55,6 +55,7 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, PoolKey, RankInfo
+from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from statemachine.registration import route_payload
 from statemachine.validation import Topology
@@ -794,6 +795,47 @@ def test_mgr_9_rank_plan_derived_from_topology_and_checked() -> None:
             assert "page_size" in str(wrong.failure)
     finally:
         stop_prefill(prefill)
+
+
+def test_mgr_9_a_restarted_prefill_is_planned_again_from_its_new_topology() -> None:
+    """The plan an address resolved once (and the hit path reads, ``address_plans``) goes with
+    the instance it was derived from: a prefill of tp 2 restarts behind the same address as tp
+    1, the health monitor sees the new instance, and the next request is planned from the new
+    topology (one rank) and succeeds; a plan kept from before would fetch a tp rank 1 that no
+    longer exists."""
+    first = start_prefill()
+    port = int(first.addr.rsplit(":", 1)[1])
+    second: Prefill | None = None
+    try:
+        with manager_for(
+            layout=DecodeLayout(0, 1), health_interval_s=0.05, failures_to_dead=10_000
+        ) as manager:
+            before = manager.receiver(first.addr, 1, prefill_dp_rank=0)
+            assert before.init() == KVPoll.WaitingForInput
+            assert before.plan is not None and before.plan.tp_ranks == (0, 1)
+            before.send_metadata((1,))
+            assert finish(before) == KVPoll.Success
+            assert _probed(manager, first.addr)
+            stop_prefill(first)
+            second = Prefill(BootstrapServer("127.0.0.1", port, token=TOKEN).start())
+            rank = PrefillRankProcess(second.server.address, TOKEN, tp_rank=0, tp_size=1)
+            second.ranks.append(rank)
+            rank.start()
+            rooms = iter(range(2, 10_000))
+
+            def served_by_one_rank() -> bool:
+                after = manager.receiver(first.addr, next(rooms), prefill_dp_rank=0)
+                if after.init() != KVPoll.WaitingForInput:
+                    return False
+                assert after.plan is not None and after.plan.tp_ranks == (0,)
+                after.send_metadata((2,))
+                return finish(after) == KVPoll.Success
+
+            assert wait_until(served_by_one_rank, timeout=POLL_LIMIT_S)
+    finally:
+        stop_prefill(first)
+        if second is not None:
+            stop_prefill(second)
 
 
 # --- API errors (issue 12) --------------------------------------------------------------------

@@ -78,7 +78,7 @@ from statemachine.decode.receiver import (
     Decode,
     transfer_failed,
 )
-from statemachine.decode.receiver_host import HostedReceiver
+from statemachine.decode.receiver_host import AddressPlan, HostedReceiver
 from statemachine.decode.source import BootstrapQueries, BootstrapSource, as_source
 from statemachine.errors import (
     BootstrapError,
@@ -248,6 +248,9 @@ class DecodeManager:
         self._pending: dict[str, dict[int, HostedReceiver]] = {}
         self._topologies: dict[str, Topology] = {}
         self._plans: dict[str, RankPlan] = {}
+        #: ReceiverHost.address_plans: per address, what init() needs before its lookup
+        #: (written under the lock, read lock-free: one dict get per hit).
+        self.address_plans: dict[str, AddressPlan] = {}
         self._retained: dict[Generation, tuple[Endpoint, ...]] = {}
         self._watched: set[str] = set()
         self._invalidations: dict[str, int] = {}
@@ -375,7 +378,7 @@ class DecodeManager:
         ``plan`` defaults to the one derived from the prefill's topology and this manager's
         ``layout`` (:meth:`plan_for`); ``prefill_dp_rank`` is the router's, if any.
         """
-        return BootstrapReceiver(self, addr, room, plan, prefill_dp_rank=prefill_dp_rank)
+        return BootstrapReceiver(self, addr, room, plan, prefill_dp_rank)  # by position: cheaper
 
     def in_flight(self) -> list[BootstrapReceiver]:
         """The receivers not yet ended (a snapshot)."""
@@ -407,6 +410,35 @@ class DecodeManager:
                 plan = derive_plan(addr, topology, self.layout)
             self._plans[addr] = plan
         return plan
+
+    def address_plan(self, addr: str) -> AddressPlan:
+        """``addr``'s plan, response count, pool keys per dp rank, and the policy checks
+        passed, resolved once (ReceiverHost.address_plans): the hit path reads it with one dict
+        get instead of a plan, a topology, a policy check and a key lookup per request. Raises
+        what :meth:`plan_for` or :meth:`check_prefill` raise (nothing is kept then)."""
+        known = self.address_plans.get(addr)
+        if known is not None:
+            return known
+        topology = self.topology(addr)
+        plan = self.plan_for(addr)
+        if self.policy_checked:
+            self.check_prefill(addr)
+        keys = {dp: plan.keys_for(addr, dp) for dp in range(topology.dp_size)}
+        known = AddressPlan(plan, plan.required_prefill_response_num, keys)
+        with self._lock:
+            # Kept only while the topology it was derived from is the one known: a restart
+            # that dropped it while we resolved must not leave a stale plan behind.
+            if self._topologies.get(addr) is topology:
+                self.address_plans[addr] = known
+        return known
+
+    def _forget_topology(self, addr: str) -> None:
+        """The prefill at ``addr`` died or restarted: its topology, plan and address plan are
+        fetched and derived again by the next request."""
+        with self._lock:
+            self.address_plans.pop(addr, None)
+            self._topologies.pop(addr, None)
+            self._plans.pop(addr, None)
 
     def check_prefill(self, addr: str) -> None:
         """SGLang 0.5.23's ``init()`` checks (MGR-16, MGR-17): this decode's allocation policy
@@ -695,9 +727,7 @@ class DecodeManager:
         """Fail every receiver in flight bound to ``addr``; invalidate their generations by
         identity and forget the address's topology. Returns how many receivers were failed."""
         _note_evidence(error, self.clock())
-        with self._lock:
-            self._topologies.pop(addr, None)
-            self._plans.pop(addr, None)
+        self._forget_topology(addr)
         used: dict[PoolKey, Generation] = {}
         failed = 0
         for receiver in self.in_flight():
@@ -777,9 +807,7 @@ class DecodeManager:
         cause: str,
         exclude: HostedReceiver | None = None,
     ) -> int:
-        with self._lock:
-            self._topologies.pop(addr, None)
-            self._plans.pop(addr, None)
+        self._forget_topology(addr)
         if not self.fanout:
             return 0
         candidates = list(self.pool.snapshot().items())

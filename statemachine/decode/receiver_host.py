@@ -17,6 +17,7 @@ call consumes (spec/manager.md MGR-2).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from statemachine.backend import KVBackend
@@ -28,7 +29,24 @@ from statemachine.errors import BootstrapError, SendFailed
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import Topology
 
-__all__ = ["HostedReceiver", "ReceiverHost"]
+__all__ = ["AddressPlan", "HostedReceiver", "ReceiverHost"]
+
+
+@dataclass(frozen=True, slots=True)
+class AddressPlan:
+    """What ``init()`` needs to know of one prefill address before its pool lookup, resolved
+    once per address by the host (``ReceiverHost.address_plan``) and read by every receiver
+    of that address with one dict get (``ReceiverHost.address_plans``): the rank plan derived
+    from the prefill's topology, the plan's response count, and the pool keys per prefill dp
+    rank. Its existence says the allocation-policy and staging checks passed (MGR-16, MGR-17)
+    for the topology it was derived from; the host forgets it with that topology.
+    """
+
+    plan: RankPlan
+    #: ``plan.required_prefill_response_num``, read once
+    needed: int
+    #: ``plan.keys_for(addr, dp_rank)`` for every dp rank of the prefill's topology
+    keys: Mapping[int, tuple[PoolKey, ...]]
 
 
 class HostedReceiver(Protocol):
@@ -97,7 +115,19 @@ class ReceiverHost(Protocol):
     #: The source marks stale generations: check them before starting a transfer.
     watermarked: bool
 
+    @property
+    def address_plans(self) -> Mapping[str, AddressPlan]:
+        """The addresses whose plan and checks are resolved (a plain dict attribute on the
+        host: one dict get on the hit path); an address not in it is resolved by
+        :meth:`address_plan`."""
+        ...
+
     # --- questions ------------------------------------------------------------------------
+    def address_plan(self, addr: str) -> AddressPlan:
+        """Resolve ``addr`` (topology, plan, policy checks) and keep it in ``address_plans``;
+        a :class:`~statemachine.errors.BootstrapError` if it cannot be served."""
+        ...
+
     def plan_for(self, addr: str) -> RankPlan: ...
 
     def topology(self, addr: str) -> Topology: ...
