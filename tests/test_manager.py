@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from http_support import HoldingProxy
 from test_receiver import (
     PLAN,
     POLL_LIMIT_S,
@@ -710,12 +711,12 @@ def test_mgr_8_pending_rooms_batch_one_query_per_address_per_step() -> None:
             receivers = [manager.receiver(server.address, room) for room in (1, 2, 3, 4)]
             assert [r.init() for r in receivers] == [KVPoll.Bootstrapping] * 4
             assert manager.stats().pending_dp == 4
-            assert manager.step() == 3
+            assert manager.step(wait=True) == 3  # the synchronous form
             assert server.stats().requests.get("POST /query_dp_ranks", 0) == 1
             assert [r.init() for r in receivers[:3]] == [KVPoll.WaitingForInput] * 3
             assert [next(iter(r.entries)).dp_rank for r in receivers[:3]] == [1, 0, 1]
             assert receivers[3].init() == KVPoll.Bootstrapping  # unknown: still pending
-            assert manager.step() == 0
+            assert manager.step(wait=True) == 0
             time.sleep(0.3)
             assert receivers[0].poll() == KVPoll.WaitingForInput  # resolved: no timeout
             assert receivers[3].poll() == KVPoll.Failed
@@ -728,6 +729,92 @@ def test_mgr_8_pending_rooms_batch_one_query_per_address_per_step() -> None:
         for sock in sockets:
             sock.close(linger=0)
         context.term()
+
+
+def test_mgr_8_step_returns_while_its_query_is_in_flight_and_applies_it_later() -> None:
+    """step() never waits on the network (issue 18): the bootstrap server holds the batched
+    POST /query_dp_ranks unanswered; step() returns with the query in flight, later steps
+    start no second one for that address, the rooms stay pending (init() says Bootstrapping
+    at once), and the step after the answer arrives resolves them."""
+    import zmq
+
+    context = zmq.Context()
+    sockets = [context.socket(zmq.PULL) for _ in range(2)]
+    ports = {(dp, 0): s.bind_to_random_port("tcp://127.0.0.1") for dp, s in enumerate(sockets)}
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    try:
+        _register_ranks(
+            server, ports, load_balance_method="round_robin", follow_bootstrap_room=False
+        )
+        import requests
+
+        for room, dp in ((1, 1), (2, 0)):
+            requests.post(
+                f"http://{server.address}/register_dp_rank",
+                json={"bootstrap_room": room, "dp_rank": dp},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+                timeout=5,
+            ).raise_for_status()
+        with HoldingProxy(server.address) as proxy, manager_for() as manager:
+            proxy.hold.clear()  # the topology comes back at once
+            receivers = [manager.receiver(proxy.address, room) for room in (1, 2)]
+            assert [r.init() for r in receivers] == [KVPoll.Bootstrapping] * 2
+            proxy.hold.set()  # from now on the server answers nothing
+            proxy.got_request.clear()
+            assert manager.step() == 0
+            assert proxy.got_request.wait(FAIL_BOUND_S)
+            assert manager.stats().dp_queries_in_flight == 1  # returned with it in flight
+            for _ in range(3):
+                assert manager.step() == 0
+            assert [r.init() for r in receivers] == [KVPoll.Bootstrapping] * 2
+            assert manager.stats().dp_queries == 1  # one query in flight per address
+            assert proxy.count("POST /query_dp_ranks") == 1
+            proxy.hold.clear()  # the answer goes out
+            resolved = 0
+            deadline = time.monotonic() + FAIL_BOUND_S
+            while resolved < 2 and time.monotonic() < deadline:
+                resolved += manager.step()
+                time.sleep(0.005)
+            assert resolved == 2
+            assert manager.stats().dp_queries_in_flight == 0
+            assert [r.init() for r in receivers] == [KVPoll.WaitingForInput] * 2
+            assert [next(iter(r.entries)).dp_rank for r in receivers] == [1, 0]
+            for receiver in receivers:
+                receiver.clear()
+    finally:
+        server.stop()
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
+
+
+def test_mgr_8_prepare_fetches_the_topology_off_the_callers_thread() -> None:
+    """prepare(addr) starts the topology fetch on the manager's background workers: while the
+    bootstrap server holds it unanswered, init() for that address returns Bootstrapping at
+    once instead of fetching on the caller's thread; once it is answered, init() goes on."""
+    prefill = start_prefill()
+    try:
+        with (
+            HoldingProxy(prefill.server.address) as proxy,
+            manager_for(layout=DecodeLayout(0, 1)) as manager,
+        ):
+            future = manager.prepare(proxy.address)
+            assert proxy.got_request.wait(FAIL_BOUND_S)
+            assert manager.prepare(proxy.address) is future  # one fetch per address
+            receiver = manager.receiver(proxy.address, 1, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.Bootstrapping
+            assert not future.done()  # the fetch is still held: init() did not wait for it
+            assert receiver.poll() == KVPoll.Bootstrapping
+            proxy.hold.clear()
+            known = future.result(timeout=FAIL_BOUND_S)
+            assert known.plan.tp_ranks == (0, 1)
+            assert manager.prepare(proxy.address).result(timeout=0) is known
+            assert receiver.init() == KVPoll.WaitingForInput
+            assert proxy.count("GET /route?prefill_dp_rank=-1") == 1  # one topology fetch
+            receiver.send_metadata((1,))
+            assert finish(receiver) == KVPoll.Success
+    finally:
+        stop_prefill(prefill)
 
 
 def test_mgr_8_follow_bootstrap_room_and_single_dp_need_no_query() -> None:

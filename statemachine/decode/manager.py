@@ -46,6 +46,7 @@ microseconds per thousand requests in flight, off the hit path.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import importlib
 import itertools
@@ -53,6 +54,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -65,6 +67,7 @@ from statemachine.completion import (
     PrefillEvent,
 )
 from statemachine.decode import holds
+from statemachine.decode.background import Background
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
@@ -142,6 +145,8 @@ class ManagerStats:
     dropped_events: int = 0
     #: rooms whose KV is held after an ABORT with a generation (MGR-15)
     kv_held: int = 0
+    #: batched dp-rank queries started by step() and not yet collected (MGR-8)
+    dp_queries_in_flight: int = 0
 
 
 class DecodeManager:
@@ -246,6 +251,12 @@ class DecodeManager:
         self.flights: Flights | None = Flights() if single_flight else None
         self._lock = threading.Lock()  # guards everything below (never taken on the hit path)
         self._pending: dict[str, dict[int, HostedReceiver]] = {}
+        #: the batched dp-rank query in flight per address, and the rooms it asks about
+        self._dp_inflight: dict[str, tuple[Future[dict[int, int]], dict[int, HostedReceiver]]] = {}
+        #: addresses being resolved by prepare() on the background workers
+        self._preparing: dict[str, Future[AddressPlan]] = {}
+        #: the workers of step()'s queries and prepare() (threads start on first use)
+        self._background = Background()
         self._topologies: dict[str, Topology] = {}
         self._plans: dict[str, RankPlan] = {}
         #: ReceiverHost.address_plans: per address, what init() needs before its lookup
@@ -485,21 +496,51 @@ class DecodeManager:
         with self._lock:
             self._pending.setdefault(receiver.addr, {})[receiver.room] = receiver
 
-    def step(self) -> int:
-        """Once per scheduler step: one ``POST /query_dp_ranks`` per address for every room
-        still pending; returns how many rooms were resolved. Unknown rooms stay pending (the
-        prefill may register them later) until their bootstrap timeout; a failed query
-        leaves them pending too."""
+    def step(self, *, wait: bool = False) -> int:
+        """Once per scheduler step: collect the batched dp-rank queries that finished, and
+        start one ``POST /query_dp_ranks`` per address for the rooms still pending (at most one
+        query in flight per address, on the manager's background workers, as SGLang 0.5.23's
+        scheduler prefetches them: ``decode.py:3130-3133``). Returns how many rooms were
+        resolved. Never waits on the network: a room resolved by a query this step started is
+        counted by a later step. ``wait=True`` is the synchronous form: it also waits for the
+        queries in flight (each bounded by the source's deadline) and applies them.
+
+        Unknown rooms stay pending (the prefill may register them later) until their
+        bootstrap timeout; a failed query leaves them pending too. Call it from one thread
+        (the scheduler's): the answers are applied on it.
+        """
+        resolved = self._collect_dp_queries()
         with self._lock:
-            batches = {addr: dict(rooms) for addr, rooms in self._pending.items() if rooms}
-        resolved = 0
-        for addr, rooms in batches.items():
+            starts = {
+                addr: dict(rooms)
+                for addr, rooms in self._pending.items()
+                if rooms and addr not in self._dp_inflight
+            }
+        for addr, rooms in starts.items():
+            future = self._background.submit(self.source.query_dp_ranks, addr, list(rooms))
             with self._lock:
                 self._dp_queries += 1
-            try:
-                answer = self.source.query_dp_ranks(addr, list(rooms))
-            except BootstrapError:
-                continue
+                self._dp_inflight[addr] = (future, rooms)
+        if wait:
+            with self._lock:
+                futures = [future for future, _ in self._dp_inflight.values()]
+            concurrent.futures.wait(futures)
+            resolved += self._collect_dp_queries()
+        return resolved
+
+    def _collect_dp_queries(self) -> int:
+        """Apply every finished dp-rank query (on the caller's thread); how many resolved."""
+        with self._lock:
+            finished = [
+                (addr, query) for addr, query in self._dp_inflight.items() if query[0].done()
+            ]
+            for addr, _ in finished:
+                del self._dp_inflight[addr]
+        resolved = 0
+        for addr, (future, rooms) in finished:
+            if future.cancelled() or future.exception() is not None:
+                continue  # the rooms stay pending: the next step asks again
+            answer = future.result()
             with self._lock:
                 waiting = self._pending.get(addr, {})
                 for room, dp_rank in answer.items():
@@ -509,6 +550,39 @@ class DecodeManager:
                         receiver.resolved(dp_rank)
                         resolved += 1
         return resolved
+
+    def prepare(self, addr: str) -> Future[AddressPlan]:
+        """Start resolving ``addr`` (its topology fetch, plan and policy checks) on the
+        background workers and return at once: a scheduler that learns of a new prefill calls
+        this, and until the future is done every ``init()`` for ``addr`` returns
+        ``Bootstrapping`` instead of fetching on the caller's thread (call it again later).
+        The future's result is the :class:`AddressPlan` (or the ``BootstrapError`` that
+        refused the address: the next ``init()`` meets it too). An address already resolved
+        gives a finished future; one being resolved, the future in flight."""
+        with self._lock:
+            known = self.address_plans.get(addr)
+            if known is None:
+                future = self._preparing.get(addr)
+                if future is None:
+                    future = self._background.submit(self._prepared, addr)
+                    self._preparing[addr] = future
+                return future
+        done: Future[AddressPlan] = Future()
+        done.set_result(known)
+        return done
+
+    def _prepared(self, addr: str) -> AddressPlan:
+        """A background worker resolves ``addr``; whatever happens, it is no longer being
+        prepared (the next ``init()`` reads the result or resolves it again)."""
+        try:
+            return self.address_plan(addr)
+        finally:
+            with self._lock:
+                self._preparing.pop(addr, None)
+
+    def preparing(self, addr: str) -> bool:
+        """Whether :meth:`prepare` is resolving ``addr`` in the background right now."""
+        return addr in self._preparing
 
     # --- completion -------------------------------------------------------------------------
 
@@ -861,6 +935,7 @@ class DecodeManager:
                 dp_queries=self._dp_queries,
                 dropped_events=self._unknown_events,
                 kv_held=self._holds.stats().held,
+                dp_queries_in_flight=len(self._dp_inflight),
             )
 
     def close(self) -> None:
@@ -879,6 +954,10 @@ class DecodeManager:
             self._retained.clear()
         for endpoints in retained:
             self.transport.release(endpoints)
+        self._background.close()  # queries not started are cancelled; none is applied
+        with self._lock:
+            self._dp_inflight.clear()
+            self._preparing.clear()
         self.source.detach()  # a source the caller owns must not call a closed manager
         self._close_owned()
 

@@ -409,6 +409,8 @@ class BootstrapReceiver:
         dp_rank = self._dp_rank
         try:
             if plan is None:
+                if m.preparing(self.addr):
+                    return _BOOTSTRAPPING  # resolved in the background (prepare): not here
                 known = m.address_plan(self.addr)  # SGLang checks in init(), before the routes
                 plan = self.plan = known.plan
             elif m.policy_checked:
