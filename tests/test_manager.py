@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from http_support import HoldingProxy
+from http_support import FakeClock, HoldingProxy
 from test_receiver import (
     PLAN,
     POLL_LIMIT_S,
@@ -176,6 +176,75 @@ def test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it(slow_prefill: P
         assert probe.init() == KVPoll.Failed
         assert isinstance(probe.failure, SendFailed), probe.failure
         assert manager.stats().failures.get("SendFailed") == 1
+
+
+def test_mgr_1_requests_after_a_known_death_fail_at_once_without_a_refetch_each(
+    slow_prefill: Prefill,
+) -> None:
+    """Issue 18: once a rank is known dead while its bootstrap server still names it, one
+    request refetches (and meets the dead rank); every request after it fails at once with the
+    typed, retryable RankDead and asks the server nothing (counted at the server) until
+    ``dead_recheck_s`` passed; then one request asks again."""
+    clock = FakeClock()
+    with manager_for(dead_recheck_s=5.0, clock=clock) as manager:
+        first = in_flight_waiting(manager, slow_prefill, range(1, 2))[0]
+        verdicts = VerdictRecorder()
+        manager.transport.subscribe(verdicts)
+        dead = ("127.0.0.1", slow_prefill.ranks[1].port)
+        slow_prefill.ranks[1].kill()
+        verdicts.wait_for(dead, alive=False, timeout=FAIL_BOUND_S)
+        assert wait_until(lambda: first.poll() == KVPoll.Failed)
+        routes = slow_prefill.server.stats().requests.get("GET /route", 0)
+        recheck = manager.receiver(slow_prefill.addr, 10, PLAN, prefill_dp_rank=0)
+        assert recheck.init() == KVPoll.Failed
+        assert isinstance(recheck.failure, SendFailed), recheck.failure
+        asked = slow_prefill.server.stats().requests.get("GET /route", 0)
+        assert asked == routes + TP  # the one refetch: every rank of the key
+        for room in range(11, 31):
+            receiver = manager.receiver(slow_prefill.addr, room, PLAN, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.Failed
+            assert isinstance(receiver.failure, RankDead), receiver.failure
+            assert "known dead" in str(receiver.failure) and "retry" in str(receiver.failure)
+        assert slow_prefill.server.stats().requests.get("GET /route", 0) == asked
+        assert manager.stats().refused_known_dead == 20
+        clock.now += 5.0  # the recheck is due: one request asks the server again
+        again = manager.receiver(slow_prefill.addr, 40, PLAN, prefill_dp_rank=0)
+        assert again.init() == KVPoll.Failed
+        assert isinstance(again.failure, SendFailed), again.failure
+        assert slow_prefill.server.stats().requests.get("GET /route", 0) == asked + TP
+        assert manager.stats().in_flight == 0
+
+
+def test_mgr_1_a_rank_known_dead_is_served_by_the_first_request_after_it_registers_again(
+    slow_prefill: Prefill,
+) -> None:
+    """Issue 18: the memory of a dead rank never outlives its registration: the rank comes
+    back on a new port and registers; the first request allowed to ask (the recheck is due)
+    fetches the new port and is served, and so is every request after it."""
+    clock = FakeClock()
+    with manager_for(dead_recheck_s=5.0, clock=clock) as manager:
+        first = in_flight_waiting(manager, slow_prefill, range(1, 2))[0]
+        verdicts = VerdictRecorder()
+        manager.transport.subscribe(verdicts)
+        old_port = slow_prefill.ranks[1].port
+        slow_prefill.ranks[1].kill()
+        verdicts.wait_for(("127.0.0.1", old_port), alive=False, timeout=FAIL_BOUND_S)
+        assert wait_until(lambda: first.poll() == KVPoll.Failed)
+        recheck = manager.receiver(slow_prefill.addr, 2, PLAN, prefill_dp_rank=0)
+        assert recheck.init() == KVPoll.Failed  # refetched, met the dead rank again
+        refused = manager.receiver(slow_prefill.addr, 3, PLAN, prefill_dp_rank=0)
+        assert refused.init() == KVPoll.Failed
+        assert isinstance(refused.failure, RankDead)
+        slow_prefill.ranks[1].start(avoid_port=old_port)  # registers its new port
+        assert slow_prefill.ranks[1].port != old_port
+        clock.now += 5.0
+        for room in (4, 5):
+            served = manager.receiver(slow_prefill.addr, room, PLAN, prefill_dp_rank=0)
+            assert served.init() == KVPoll.WaitingForInput, served.failure
+            ports = {rank.port for g in served.entries.values() for rank in g.ranks}
+            assert slow_prefill.ranks[1].port in ports
+            served.abort()
+        assert manager.stats().known_dead_keys == 0
 
 
 def test_mgr_1_a_failed_send_fails_every_request_in_flight_on_that_rank(

@@ -69,6 +69,7 @@ from statemachine.completion import (
 from statemachine.decode import holds
 from statemachine.decode.background import Background
 from statemachine.decode.client import BootstrapClient
+from statemachine.decode.dead_keys import DEFAULT_RECHECK_S, DeadKeys
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan, plan_without_layout
@@ -147,6 +148,9 @@ class ManagerStats:
     kv_held: int = 0
     #: batched dp-rank queries started by step() and not yet collected (MGR-8)
     dp_queries_in_flight: int = 0
+    #: pool keys whose ranks are known dead, and requests failed at once on them (MGR-1)
+    known_dead_keys: int = 0
+    refused_known_dead: int = 0
 
 
 class DecodeManager:
@@ -186,6 +190,7 @@ class DecodeManager:
         single_flight: bool = True,
         staging: bool = False,
         kv_release_timeout_s: float = DEFAULT_KV_RELEASE_TIMEOUT_S,
+        dead_recheck_s: float = DEFAULT_RECHECK_S,
     ) -> None:
         if completion not in ("acks", "external"):
             raise ConfigurationError(f"completion must be 'acks' or 'external', not {completion!r}")
@@ -201,6 +206,7 @@ class DecodeManager:
             ("bootstrap_timeout_s", bootstrap_timeout_s),
             ("flight_timeout_s", flight_timeout_s),
             ("kv_release_timeout_s", kv_release_timeout_s),
+            ("dead_recheck_s", dead_recheck_s),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigurationError(f"{name} must be a positive number, not {value!r}")
@@ -257,6 +263,8 @@ class DecodeManager:
         self._preparing: dict[str, Future[AddressPlan]] = {}
         #: the workers of step()'s queries and prepare() (threads start on first use)
         self._background = Background()
+        #: keys whose ranks are known dead: a miss on one fails at once (no refetch per request)
+        self.dead_keys = DeadKeys(clock=clock, recheck_s=float(dead_recheck_s))
         self._topologies: dict[str, Topology] = {}
         self._plans: dict[str, RankPlan] = {}
         #: ReceiverHost.address_plans: per address, what init() needs before its lookup
@@ -821,6 +829,19 @@ class DecodeManager:
         with self._lock:
             self._fanout[kind] = self._fanout.get(kind, 0) + failed
 
+    def _keys_holding(self, generations: set[Generation]) -> set[PoolKey]:
+        """The keys under which the pool or a receiver in flight holds one of
+        ``generations``."""
+        keys = {k for k, g in self.pool.snapshot().items() if g in generations}
+        for receiver in self.in_flight():
+            keys.update(k for k, g in _items_of(receiver) if g in generations)
+        return keys
+
+    def known_dead(self, addr: str, keys: Sequence[PoolKey]) -> RankDead | None:
+        """ReceiverHost: the error a request missing ``keys`` fails with at once because one of
+        them is known dead (``statemachine/decode/dead_keys.py``), or ``None``."""
+        return self.dead_keys.refusal(addr, keys)
+
     def _generations_using(self, url: str) -> set[Generation]:
         found: set[Generation] = set()
         candidates = list(self.pool.snapshot().values())
@@ -839,6 +860,7 @@ class DecodeManager:
         generations = self._generations_using(url)
         if not generations:
             return 0
+        self.dead_keys.record(self._keys_holding(generations), url, reason)
         error = RankDead(
             f"prefill rank {url} is dead ({reason}); retry the request: it will fetch the "
             "prefill's current ranks",
@@ -854,6 +876,8 @@ class DecodeManager:
         """Transport listener: an endpoint was found dead (evidence for the fan-out) or back."""
         if not alive:
             self._endpoint_dead(endpoint_url(endpoint), reason)
+        else:
+            self.dead_keys.forget_endpoint(endpoint_url(endpoint))
 
     def _on_dead(self, addr: str, reason: str) -> None:
         """Health monitor: ``addr`` stopped answering (the pool entries are already gone)."""
@@ -882,6 +906,7 @@ class DecodeManager:
         exclude: HostedReceiver | None = None,
     ) -> int:
         self._forget_topology(addr)
+        self.dead_keys.forget_address(addr)  # a new instance: every registration is new
         if not self.fanout:
             return 0
         candidates = list(self.pool.snapshot().items())
@@ -936,6 +961,8 @@ class DecodeManager:
                 dropped_events=self._unknown_events,
                 kv_held=self._holds.stats().held,
                 dp_queries_in_flight=len(self._dp_inflight),
+                known_dead_keys=len(self.dead_keys),
+                refused_known_dead=self.dead_keys.refused,
             )
 
     def close(self) -> None:
@@ -955,6 +982,7 @@ class DecodeManager:
         for endpoints in retained:
             self.transport.release(endpoints)
         self._background.close()  # queries not started are cancelled; none is applied
+        self.dead_keys.clear()
         with self._lock:
             self._dp_inflight.clear()
             self._preparing.clear()

@@ -753,6 +753,9 @@ class BootstrapReceiver:
     def _miss(self, plan: RankPlan, missing: list[PoolKey]) -> KVPoll:
         """Single-flight: follow the fetches in flight for our keys, or lead all of them."""
         m = self._m
+        dead = m.known_dead(self.addr, missing)
+        if dead is not None:  # a rank the source still names is known dead: no refetch
+            return self._fail(life.FETCH_FAIL, dead)
         flights = m.flights
         if flights is None:  # the anchor's behaviour: every miss fetches for itself
             return self._lead(plan, missing, {})

@@ -16,7 +16,7 @@ call consumes (spec/manager.md MGR-2).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +25,7 @@ from statemachine.decode.flight import Flights
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.source import BootstrapSource
-from statemachine.errors import BootstrapError, SendFailed
+from statemachine.errors import BootstrapError, PeerLost, SendFailed
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import Topology
 
@@ -126,6 +126,11 @@ class ReceiverHost(Protocol):
     def address_plan(self, addr: str) -> AddressPlan:
         """Resolve ``addr`` (topology, plan, policy checks) and keep it in ``address_plans``;
         a :class:`~statemachine.errors.BootstrapError` if it cannot be served."""
+        ...
+
+    def known_dead(self, addr: str, keys: Sequence[PoolKey]) -> PeerLost | None:
+        """The error a request missing ``keys`` fails with at once (one of them is known
+        dead: no refetch per request), or ``None``."""
         ...
 
     def preparing(self, addr: str) -> bool:
