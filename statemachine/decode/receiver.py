@@ -379,10 +379,11 @@ class BootstrapReceiver:
                     pool = m.pool
                     entries = self.entries
                     for key in keys:
-                        generation = pool.lookup(key)
+                        generation = pool.peek_hit(key)  # pool.lookup in two C calls
                         if generation is None:
                             result = self._missed(plan, keys, key)
                             break
+                        pool.count_hit()
                         entries[key] = generation
                     else:
                         self.state = _HIT_TO  # the Hit step (the Machine's table, read once)
