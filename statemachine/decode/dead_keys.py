@@ -2,13 +2,15 @@
 refetch each (issue 18 item 3).
 
 When the fan-out drops a generation because one of its endpoints is dead (a failed send or the
-transport's verdict, MGR-1), the bootstrap server usually still names that rank: the prefill
-rank died, its registration did not. A request for the key would refetch over HTTP (about a
-millisecond), get the dead port again, and fail on its first send there: a caller stall per
-request for as long as the rank stays dead. :class:`DeadKeys` remembers, per key, the endpoint
-found dead, and lets one request refetch the key per ``recheck_s``: the others that miss it
-meanwhile fail at once with :class:`RankDead` (the same typed, retryable error), without asking
-the source.
+transport's verdict, MGR-1) and the source is asked over the network (``health_by_probes``: the
+HTTP client; a watched local store such as etcd is asked in microseconds and sees a new
+registration at once, so it is not held off), the bootstrap server usually still names that
+rank: the prefill rank died, its registration did not. A request for the key would refetch over
+HTTP (about a millisecond), get the dead port again, and fail on its first send there: a caller
+stall per request for as long as the rank stays dead. :class:`DeadKeys` remembers, per key,
+the endpoint found dead, and lets one request refetch the key per ``recheck_s``: the others that
+miss it meanwhile fail at once with :class:`RankDead` (the same typed, retryable error), without
+asking the source.
 
 The request let through is the recheck: if the source names another endpoint (a new
 registration), or the rank answers on its old port, it is served and the memory is gone; if

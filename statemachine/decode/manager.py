@@ -860,7 +860,11 @@ class DecodeManager:
         generations = self._generations_using(url)
         if not generations:
             return 0
-        self.dead_keys.record(self._keys_holding(generations), url, reason)
+        if self.source.health_by_probes:
+            # A source asked over the network (HTTP) would be refetched per request; one that
+            # answers from a watched local store (etcd) costs microseconds to ask and sees a
+            # new registration at once, so its keys are never held as known dead.
+            self.dead_keys.record(self._keys_holding(generations), url, reason)
         error = RankDead(
             f"prefill rank {url} is dead ({reason}); retry the request: it will fetch the "
             "prefill's current ranks",
