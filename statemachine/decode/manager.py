@@ -546,9 +546,12 @@ class DecodeManager:
                 del self._dp_inflight[addr]
         resolved = 0
         for addr, (future, rooms) in finished:
-            if future.cancelled() or future.exception() is not None:
+            if future.cancelled():
+                continue
+            error = future.exception()
+            if isinstance(error, BootstrapError):
                 continue  # the rooms stay pending: the next step asks again
-            answer = future.result()
+            answer = future.result()  # raises what is not a BootstrapError: a source's bug
             with self._lock:
                 waiting = self._pending.get(addr, {})
                 for room, dp_rank in answer.items():
