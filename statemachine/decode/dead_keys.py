@@ -14,12 +14,14 @@ asking the source.
 
 The request let through is the recheck: if the source names another endpoint (a new
 registration), or the rank answers on its old port, it is served and the memory is gone; if
-it meets the dead rank again, the fan-out remembers the key again, and the next refetch waits
-for the next ``recheck_s``. The transport's verdict that the endpoint is back (``alive=True``)
-and a restart of the address (a new instance id) forget it at once. So while a rank stays dead,
-a request stalls for microseconds and the source is asked once per ``recheck_s`` per key; the
-first request at least ``recheck_s`` after the last refetch sees a new registration (the very
-first request after a death always refetches).
+its fresh fetch meets the dead rank again, the fan-out remembers the key again, and the next
+refetch waits for the next ``recheck_s``. Other requests still holding the old dead generation
+that fail on it later (concurrent requests, stragglers) say nothing new and hold nothing off.
+The transport's verdict that the endpoint is back (``alive=True``) and a restart of the address
+(a new instance id) forget it at once. So while a rank stays dead, a request stalls for
+microseconds and the source is asked once per ``recheck_s`` per key; the first request at
+least ``recheck_s`` after the last refetch sees a new registration (the very first request
+after a death always refetches).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from statemachine.errors import RankDead
-from statemachine.pool import PoolKey
+from statemachine.pool import Generation, PoolKey
 
 __all__ = ["DEFAULT_RECHECK_S", "DeadKeys"]
 
@@ -44,6 +46,8 @@ MAX_KEYS = 4096
 class _Dead:
     endpoint: str
     reason: str
+    #: the generation that died with the endpoint: reported again, it is old news
+    generation: Generation
 
 
 class DeadKeys:
@@ -56,21 +60,28 @@ class DeadKeys:
         self._dead: dict[PoolKey, _Dead] = {}
         #: when a request was last let through to refetch each key (kept across deaths)
         self._checked: dict[PoolKey, float] = {}
+        #: the dead generation each key was let through with: another request that still held
+        #: it and failed on it later says nothing new (only a fresh fetch naming the dead rank
+        #: again holds the key off again)
+        self._known: dict[PoolKey, Generation] = {}
         #: requests failed at once instead of refetching
         self.refused = 0
 
     def __len__(self) -> int:
         return len(self._dead)
 
-    def record(self, keys: Iterable[PoolKey], url: str, reason: str) -> None:
-        """The endpoint ``url`` of these keys' generations was found dead."""
+    def record(self, items: Iterable[tuple[PoolKey, Generation]], url: str, reason: str) -> None:
+        """The endpoint ``url`` of these (key, generation) pairs was found dead."""
         with self._lock:
-            for key in keys:
+            for key, generation in items:
+                if self._known.get(key) is generation:
+                    continue  # a straggler on the generation already let through: old news
                 if key not in self._dead and len(self._dead) >= MAX_KEYS:
                     oldest = next(iter(self._dead))
                     del self._dead[oldest]
                     self._checked.pop(oldest, None)
-                self._dead[key] = _Dead(url, reason)
+                    self._known.pop(oldest, None)
+                self._dead[key] = _Dead(url, reason, generation)
 
     def refusal(self, addr: str, keys: Iterable[PoolKey]) -> RankDead | None:
         """The error a request missing ``keys`` fails with at once, or ``None``: fetch (a key
@@ -83,9 +94,10 @@ class DeadKeys:
             if not dead:
                 return None
             if all(now - self._checked.get(key, -math.inf) >= self.recheck_s for key, _ in dead):
-                for key, _ in dead:  # this request is the recheck
+                for key, d in dead:  # this request is the recheck
                     del self._dead[key]
                     self._checked[key] = now
+                    self._known[key] = d.generation
                 return None
             self.refused += 1
         endpoint, reason = dead[0][1].endpoint, dead[0][1].reason
@@ -99,10 +111,13 @@ class DeadKeys:
         )
 
     def forget_endpoint(self, url: str) -> None:
-        """The transport says ``url`` answers again."""
+        """The transport says ``url`` answers again: a later death of it is news (the first
+        request after it asks the source)."""
         with self._lock:
             for key in [k for k, d in self._dead.items() if d.endpoint == url]:
                 del self._dead[key]
+                self._checked.pop(key, None)
+                self._known.pop(key, None)
 
     def forget_address(self, addr: str) -> None:
         """A new instance answers at ``addr``: its registrations are all new."""
@@ -111,8 +126,10 @@ class DeadKeys:
                 del self._dead[key]
             for key in [k for k in self._checked if k.addr == addr]:
                 del self._checked[key]
+                self._known.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
             self._dead.clear()
             self._checked.clear()
+            self._known.clear()

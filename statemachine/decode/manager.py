@@ -832,13 +832,13 @@ class DecodeManager:
         with self._lock:
             self._fanout[kind] = self._fanout.get(kind, 0) + failed
 
-    def _keys_holding(self, generations: set[Generation]) -> set[PoolKey]:
-        """The keys under which the pool or a receiver in flight holds one of
-        ``generations``."""
-        keys = {k for k, g in self.pool.snapshot().items() if g in generations}
+    def _keys_holding(self, generations: set[Generation]) -> list[tuple[PoolKey, Generation]]:
+        """The (key, generation) pairs of the pool and of the receivers in flight whose
+        generation is one of ``generations``."""
+        items = [(k, g) for k, g in self.pool.snapshot().items() if g in generations]
         for receiver in self.in_flight():
-            keys.update(k for k, g in _items_of(receiver) if g in generations)
-        return keys
+            items.extend((k, g) for k, g in _items_of(receiver) if g in generations)
+        return items
 
     def known_dead(self, addr: str, keys: Sequence[PoolKey]) -> RankDead | None:
         """ReceiverHost: the error a request missing ``keys`` fails with at once because one of
