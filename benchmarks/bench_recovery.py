@@ -36,6 +36,7 @@ import sys
 import time
 
 from statemachine.decode.client import BootstrapClient
+from statemachine.decode.dead_keys import DEFAULT_RECHECK_S
 from statemachine.decode.manager import DecodeManager
 from statemachine.demo.modes import OURS, PRESETS, SGLANG, ModeConfig
 from statemachine.demo.report import build_report
@@ -144,6 +145,8 @@ def rank_outage(
             health_interval_s=None,
             fanout=mode.manager_fanout,
             single_flight=mode.manager_fanout,
+            # issue 18: hold a key known dead off (one refetch per 50 ms, the rest fail at once)
+            dead_recheck_s=DEFAULT_RECHECK_S if mode.manager_fanout else None,
         )
         from statemachine.decode.plan import RankPlan
 

@@ -36,7 +36,11 @@ from statemachine.pool import Generation, PoolKey
 
 __all__ = ["DEFAULT_RECHECK_S", "DeadKeys"]
 
-#: At most one refetch of a key known dead per this many seconds (the others fail at once).
+#: A suggested ``DecodeManager(dead_recheck_s=...)``: at most one refetch of a key known dead
+#: per this many seconds (the others fail at once). The manager holds nothing off unless given
+#: one: while a key is held off, the requests that miss it do not ask the source, so a rank (or
+#: a whole prefill) that registers again within the window meets up to that long of failed,
+#: retryable requests - the price of microsecond stalls during an outage.
 DEFAULT_RECHECK_S = 0.05
 #: Keys remembered at most (each is a pool key whose generation died: few per prefill).
 MAX_KEYS = 4096

@@ -69,7 +69,7 @@ from statemachine.completion import (
 from statemachine.decode import holds
 from statemachine.decode.background import Background
 from statemachine.decode.client import BootstrapClient
-from statemachine.decode.dead_keys import DEFAULT_RECHECK_S, DeadKeys
+from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan, plan_without_layout
@@ -164,6 +164,8 @@ class DecodeManager:
     ``staging=True`` says the decode runs SGLang's staging buffer (attn-tp sizes may differ);
     this library does not implement it, so a prefill whose attn-tp differs from the layout's
     is refused (``TopologyMismatch``). ``kv_release_timeout_s``: see :meth:`kv_release`.
+    ``dead_recheck_s`` (off by default): hold a key whose rank is known dead off for that long
+    after each refetch that met it (``statemachine/decode/dead_keys.py``, MGR-1).
     """
 
     def __init__(
@@ -190,7 +192,7 @@ class DecodeManager:
         single_flight: bool = True,
         staging: bool = False,
         kv_release_timeout_s: float = DEFAULT_KV_RELEASE_TIMEOUT_S,
-        dead_recheck_s: float = DEFAULT_RECHECK_S,
+        dead_recheck_s: float | None = None,
     ) -> None:
         if completion not in ("acks", "external"):
             raise ConfigurationError(f"completion must be 'acks' or 'external', not {completion!r}")
@@ -206,7 +208,7 @@ class DecodeManager:
             ("bootstrap_timeout_s", bootstrap_timeout_s),
             ("flight_timeout_s", flight_timeout_s),
             ("kv_release_timeout_s", kv_release_timeout_s),
-            ("dead_recheck_s", dead_recheck_s),
+            ("dead_recheck_s", 1.0 if dead_recheck_s is None else dead_recheck_s),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigurationError(f"{name} must be a positive number, not {value!r}")
@@ -264,7 +266,10 @@ class DecodeManager:
         #: the workers of step()'s queries and prepare() (threads start on first use)
         self._background = Background()
         #: keys whose ranks are known dead: a miss on one fails at once (no refetch per request)
-        self.dead_keys = DeadKeys(clock=clock, recheck_s=float(dead_recheck_s))
+        #: (off unless dead_recheck_s is given: holding a key off trades up to dead_recheck_s
+        #: of failed requests after the rank registers again for microsecond stalls meanwhile)
+        self.dead_keys = DeadKeys(clock=clock, recheck_s=dead_recheck_s or 1.0)
+        self._hold_off_dead = dead_recheck_s is not None
         self._topologies: dict[str, Topology] = {}
         self._plans: dict[str, RankPlan] = {}
         #: ReceiverHost.address_plans: per address, what init() needs before its lookup
@@ -863,7 +868,7 @@ class DecodeManager:
         generations = self._generations_using(url)
         if not generations:
             return 0
-        if self.source.health_by_probes:
+        if self._hold_off_dead and self.source.health_by_probes:
             # A source asked over the network (HTTP) would be refetched per request; one that
             # answers from a watched local store (etcd) costs microseconds to ask and sees a
             # new registration at once, so its keys are never held as known dead.
