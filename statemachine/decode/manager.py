@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import logging
 import os
 import threading
 import time
@@ -104,6 +105,7 @@ DEFAULT_KV_RELEASE_TIMEOUT_S = 30.0
 Completion = Literal["acks", "external"]
 
 _session_ids = itertools.count(1)
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +144,8 @@ class ManagerStats:
     dropped_events: int = 0
     #: rooms whose KV is held after an ABORT with a generation (MGR-15)
     kv_held: int = 0
+    #: receivers' ``on_change`` calls that raised (contained; the first is logged, MGR-18)
+    callback_errors: int = 0
 
 
 class DecodeManager:
@@ -258,6 +262,7 @@ class DecodeManager:
         self._detection_total = 0.0
         self._detection_max = 0.0
         self._dp_queries = 0
+        self._callback_errors = 0
         self._closed = False
         #: True when the source marks stale generations (etcd): a receiver checks its
         #: generations' marks before it starts a transfer (one branch on the hit path otherwise).
@@ -608,6 +613,23 @@ class DecodeManager:
             frames = make(rank, receiver.room, instance_id=generation.instance_id)
             self.transport.send((rank.ip, rank.port), frames)
 
+    def callback_raised(self, receiver: HostedReceiver, error: Exception) -> None:
+        """A receiver's ``on_change`` raised (on whatever thread woke it): contained there,
+        counted here and logged once per manager, so a broken callback neither stops the
+        fan-out nor fails another request's call, nor floods the log (MGR-18)."""
+        with self._lock:
+            self._callback_errors += 1
+            first = self._callback_errors == 1
+        if first:
+            _log.error(
+                "room %d: on_change raised %r; contained (the receiver still fails or "
+                "completes at its owner's next call); later callback errors are only counted "
+                "in stats().callback_errors: fix the callback",
+                receiver.room,
+                error,
+                exc_info=error,
+            )
+
     # --- generations and their sockets -----------------------------------------------------
 
     def retain_sockets(self, generation: Generation) -> None:
@@ -833,6 +855,7 @@ class DecodeManager:
                 dp_queries=self._dp_queries,
                 dropped_events=self._unknown_events,
                 kv_held=self._holds.stats().held,
+                callback_errors=self._callback_errors,
             )
 
     def close(self) -> None:

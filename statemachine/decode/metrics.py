@@ -76,6 +76,11 @@ class PrometheusCollector:
             "Prefill messages for rooms not in flight, and stale ABORT acks.",
             stats.dropped_events,
         )
+        yield counter(
+            f"{p}_callback_errors",
+            "Receivers' on_change callbacks that raised (contained).",
+            stats.callback_errors,
+        )
         yield gauge(f"{p}_rooms_pending_dp", "Rooms waiting for their dp rank.", stats.pending_dp)
         yield gauge(f"{p}_zmq_sockets_open", "Cached ZMQ sockets open.", stats.sockets_open)
         yield gauge(

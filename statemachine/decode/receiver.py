@@ -525,9 +525,16 @@ class BootstrapReceiver:
         return True
 
     def _wake(self) -> None:
+        """Call the owner's ``on_change``. It runs on whatever thread brought the news (the
+        fan-out, the ack listener, another request's send): what it raises is contained and
+        reported to the manager (counted, logged once), so it can neither stop a fan-out nor
+        surface in another request's call (MGR-18)."""
         wake = self.on_change
         if wake is not None:
-            wake()
+            try:
+                wake()
+            except Exception as exc:
+                self._m.callback_raised(self, exc)
 
     def expected_acks(self) -> int:
         """How many distinct prefill ranks must report success: the plan's
@@ -691,9 +698,7 @@ class BootstrapReceiver:
         """The manager's batched query answered (called from the stepping thread)."""
         self._dp_rank = dp_rank
         self.awaiting_dp_rank = False  # no bootstrap timeout any more: the next init() goes on
-        wake = self.on_change
-        if wake is not None:
-            wake()
+        self._wake()
 
     def _bootstrap_expired(self) -> bool:
         return self._m.clock() - self._sent_at >= self._m.bootstrap_timeout_s

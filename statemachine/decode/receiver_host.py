@@ -141,6 +141,10 @@ class ReceiverHost(Protocol):
         """A send failed: every other request using that endpoint is lost too."""
         ...
 
+    def callback_raised(self, receiver: HostedReceiver, error: Exception) -> None:
+        """The receiver's ``on_change`` raised ``error`` (contained: counted, logged once)."""
+        ...
+
     def retain_sockets(self, generation: Generation) -> None:
         """``generation`` was published by this process: keep its endpoints' sockets."""
         ...
