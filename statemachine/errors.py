@@ -53,6 +53,12 @@ class ConfigurationError(BootstrapError, TypeError):
     """A decode manager (or ``Decode`` bundle) was built with a missing or wrong-typed part."""
 
 
+class InvalidKVIndices(BootstrapError, TypeError, ValueError):
+    """``send_metadata`` was given page indices it cannot send (not ints, not 1-d, outside
+    int32). Raised before anything is sent: the request is unchanged, call again with the
+    request's page indices. A ``TypeError`` and a ``ValueError`` too, as before."""
+
+
 # --- HTTP to the bootstrap server ------------------------------------------------------------
 
 

@@ -421,7 +421,9 @@ def test_mgr_2_fail_address_and_fail_generations_entry_points(slow_prefill: Pref
         assert manager.fail_generations([generation], RankDead("test", endpoint="x")) == 3
         assert manager.fail_generations([generation], RankDead("again", endpoint="x")) == 0
         assert manager.pool.get(key_of(slow_prefill)) is None
-        assert poll_all_failed(victims) and other.poll() == KVPoll.Bootstrapping
+        assert poll_all_failed(victims)
+        with pytest.raises(InvalidTransition):  # never init()ed (MGR-7), untouched
+            other.poll()
         assert manager.fail_address("127.0.0.1:1", PrefillDead("gone", addr="127.0.0.1:1")) == 1
         assert other.init() == KVPoll.Failed and isinstance(other.failure, PrefillDead)
         assert_nothing_left(manager)
@@ -939,7 +941,8 @@ def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
         assert woken.all_woken.wait(FAIL_BOUND_S)
         assert poll_all_failed(victims)
         assert all(isinstance(v.failure, RankDead) for v in victims)
-        assert bystander.poll() == KVPoll.Bootstrapping  # bound elsewhere: untouched
+        with pytest.raises(InvalidTransition):  # bound elsewhere: untouched (not lost), idle
+            bystander.poll()
         bystander.clear()
         assert_nothing_left(manager)
 

@@ -320,7 +320,7 @@ class DecodeManager:
     ) -> None:
         if source is None:
             client = BootstrapClient()
-            self._owned.append(client.close)
+            self._owned.append(client.close_all)  # every thread's sessions, not only ours
             source = client
         self.source: BootstrapSource = as_source(source)
         if pool is None:

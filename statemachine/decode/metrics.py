@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from statemachine.decode.manager import DecodeManager
+from statemachine.extras import require
 
 PREFIX = "pd_bootstrap"
 
@@ -32,12 +33,14 @@ class PrometheusCollector:
 
     def register(self, registry: Any = None) -> PrometheusCollector:
         """Register with ``registry`` (default: prometheus_client's global registry)."""
+        require("metrics", "PrometheusCollector")
         if registry is None:
             registry = importlib.import_module("prometheus_client").REGISTRY
         registry.register(self)
         return self
 
     def collect(self) -> Iterator[Any]:
+        require("metrics", "PrometheusCollector")
         core = importlib.import_module("prometheus_client.core")
         counter, gauge = core.CounterMetricFamily, core.GaugeMetricFamily
         p = self._prefix

@@ -79,6 +79,10 @@ _RESPONSES_LOCK = threading.Lock()
 _INIT_NEEDS = "init() runs once, on a new receiver; create a new receiver for a new request"
 _SEND_NEEDS = "send_metadata() runs once, after init() returned WaitingForInput"
 _INVALIDATE_NEEDS = "only a failed receiver has generations to invalidate (it does so itself)"
+_POLL_NEEDS = (
+    "call init() first: poll() reports a request's progress once init() ran (before it, "
+    "nothing is in progress and nothing was sent)"
+)
 _FAILURE_NEEDS = "failure_exception() cannot run while init() is fetching on the owner's thread"
 _HANDSHAKE_NEEDS = (
     "under the prefill_complete policy, send_metadata() runs once poll() returned "
@@ -212,6 +216,7 @@ class BootstrapReceiver:
 
     __slots__ = (
         "_acked",
+        "_asked_dp",
         "_dp_rank",
         "_failure",
         "_lost",
@@ -266,6 +271,9 @@ class BootstrapReceiver:
         self._acked = False
         #: The room waits for the manager's batched dp-rank query (read by the manager).
         self.awaiting_dp_rank = False
+        #: init() ran and left the room waiting for its dp rank (the one way to stay ``idle``
+        #: after init(): poll() before any init() raises instead of saying Bootstrapping)
+        self._asked_dp = False
         # Completion by distinct prefill responses (MGR-13): written by the ack listener's
         # thread (or a transfer engine's), read by the owner's poll.
         #: how many distinct prefill ranks must report success (known once the plan is)
@@ -568,6 +576,9 @@ class BootstrapReceiver:
                 self._fail(life.PEER_LOST, lost)
             elif self.awaiting_dp_rank and self._bootstrap_expired():
                 self._fail(life.FETCH_FAIL, self._bootstrap_timeout())
+            elif state == life.IDLE and not self._asked_dp:
+                # Never init()ed: Bootstrapping would be reported forever (MGR-7).
+                raise InvalidTransition(state, life.HIT, method="poll", requires=_POLL_NEEDS)
         elif state == life.HANDSHAKING:
             self._poll_handshake()
         return life.POLL_OF_STATE[self.state]
@@ -687,7 +698,7 @@ class BootstrapReceiver:
         if topology.follow_bootstrap_room is not False:  # never set means True (SGLang)
             return self.room % topology.dp_size
         if not self.awaiting_dp_rank:
-            self.awaiting_dp_rank = True
+            self.awaiting_dp_rank = self._asked_dp = True
             self._sent_at = m.clock()
             m.await_dp_rank(self)
         elif self._bootstrap_expired():
