@@ -75,6 +75,18 @@ class NotReady(BootstrapHTTPError):
     """503: not every prefill rank has registered yet. Retryable."""
 
 
+class RanksUnreachable(NotReady):
+    """The prefill's registered ranks cannot be reached and no newer registration is visible
+    yet: the transport already judged an endpoint dead (its socket monitor), or registering
+    with a rank failed. Nothing of this request was sent to a prefill. Retryable, as any
+    ``NotReady``: the first request after the prefill registers again (new ports, or its
+    ranks back) gets through. The same error on every source (HTTP and etcd alike)."""
+
+    def __init__(self, message: str, *, addr: str, endpoint: str) -> None:
+        super().__init__(message, addr=addr)
+        self.endpoint = endpoint
+
+
 class NotFound(BootstrapHTTPError):
     """404: the server does not know the requested rank."""
 

@@ -27,7 +27,7 @@ import inspect
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from statemachine import trace
 from statemachine.backend import KVBackend, MetadataRequest
 from statemachine.decode.flight import Flight
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
-from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
 from statemachine.decode.receiver_host import ReceiverHost
 from statemachine.decode.source import BootstrapQueries, as_source
 from statemachine.errors import (
@@ -49,6 +49,7 @@ from statemachine.errors import (
     InvalidRoom,
     InvalidTransition,
     PeerLost,
+    RanksUnreachable,
     SendFailed,
     TransferFailed,
     WaitingTimeout,
@@ -780,6 +781,10 @@ class BootstrapReceiver:
         m.watch_address(self.addr)
         try:
             fresh = self._fetch(plan, missing)
+            # One retry rule on every source (MGR-19): ranks the transport already judged
+            # dead, answered again (a store still listing a crashed prefill, a server that
+            # kept a dead rank's port), fail this request as retryable, in microseconds.
+            _refuse_known_dead(self.addr, m.transport, fresh.values())
         except BootstrapError as error:
             if flights is not None:
                 flights.fail(led, error)
@@ -790,10 +795,13 @@ class BootstrapReceiver:
             for generation in fresh.values():
                 m.transport.register(generation, m.backend)
         except SendFailed as error:
+            m.send_failed(error)  # the evidence, for the other requests on that endpoint
+            # Nothing of this request reached a prefill: retryable, as above (MGR-19).
+            unreachable = _unreachable(self.addr, error.endpoint, "registering with it failed")
+            unreachable.__cause__ = error
             if flights is not None:
-                flights.fail(led, error)
-            m.send_failed(error)
-            return self._fail(life.REGISTER_FAIL, error)
+                flights.fail(led, unreachable)
+            return self._fail(life.REGISTER_FAIL, unreachable)
         self._fire(life.REGISTER_OK)
         published: dict[PoolKey, Generation] = {}
         refused: BootstrapError | None = None
@@ -897,6 +905,30 @@ class BootstrapReceiver:
 
     def __repr__(self) -> str:
         return f"BootstrapReceiver(id={self.id}, room={self.room}, state={self.state!r})"
+
+
+def _unreachable(addr: str, endpoint: str, why: str) -> RanksUnreachable:
+    return RanksUnreachable(
+        f"{addr}: prefill rank {endpoint} cannot be reached ({why}) and no newer registration "
+        "is visible yet; nothing of this request was sent: retry shortly (the first request "
+        "after the prefill registers again gets through)",
+        addr=addr,
+        endpoint=endpoint,
+    )
+
+
+def _refuse_known_dead(addr: str, transport: ZmqTransport, fresh: Iterable[Generation]) -> None:
+    """``RanksUnreachable`` if a rank of ``fresh`` is at an endpoint the transport judged dead
+    (its circuit is open, ZMQ-19): registering there would fail anyway."""
+    is_down = transport.is_down
+    for generation in fresh:
+        for rank in generation.ranks:
+            if is_down((rank.ip, rank.port)):
+                raise _unreachable(
+                    addr,
+                    endpoint_url((rank.ip, rank.port)),
+                    "the transport's socket monitor judged it dead",
+                )
 
 
 def transfer_failed(
