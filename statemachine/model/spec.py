@@ -648,6 +648,10 @@ class BootstrapCache:
             enough = self.mutation == "CompleteWithoutAck" or all(s.acked[i])
         if not enough:
             return None
+        return self._end_request(s, i, "done")
+
+    def _end_request(self, s: State, i: int, state: str) -> State:
+        """Receiver ``i`` ends in ``state``: it lets go of its key, generation, acks and mark."""
         rgen = _put(s.rgen, i, NONE)
         return s._replace(
             rkey=_put(s.rkey, i, NONE),
@@ -656,7 +660,7 @@ class BootstrapCache:
             pooled=self.keep_pooled(s.pooled, s.pool, rgen),
             acked=self._no_acks_for(s.acked, i),
             marked=self.unmark(s.marked, i),
-            rstate=_put_state(s.rstate, i, "done"),
+            rstate=_put_state(s.rstate, i, state),
         )
 
     def timeout(self, s: State, i: int) -> State | None:
@@ -725,26 +729,13 @@ class BootstrapCache:
         faults = self.failure(s, False)
         if faults is None:
             return None
-        rgen = _put(s.rgen, i, NONE)
         tells = (
             state == "waiting" if self.mutation == "AbortBeforeSendSilent" else state in INITIALIZED
         )
-        return self.unflight(
-            s,
-            i,
-            "failed",
-            s._replace(
-                faults=faults,
-                notified=s.notified | {self.receivers[i]} if tells else s.notified,
-                rkey=_put(s.rkey, i, NONE),
-                rgen=rgen,
-                objEpoch=self.collect(s.pool, rgen, s.objEpoch),
-                pooled=self.keep_pooled(s.pooled, s.pool, rgen),
-                acked=self._no_acks_for(s.acked, i),
-                marked=self.unmark(s.marked, i),
-                rstate=_put_state(s.rstate, i, "aborted"),
-            ),
+        told = s._replace(
+            faults=faults, notified=s.notified | {self.receivers[i]} if tells else s.notified
         )
+        return self.unflight(s, i, "failed", self._end_request(told, i, "aborted"))
 
     def new_request(self, s: State, i: int) -> State | None:
         if s.rstate[i] not in FINAL_STATES:
