@@ -393,7 +393,9 @@ class DecodeManager:
     # --- topology, plans, dp ranks ----------------------------------------------------------
 
     def topology(self, addr: str) -> Topology:
-        """The prefill's topology, fetched once per address (refetched after a restart)."""
+        """The prefill's topology, fetched once per instance of the prefill (MGR-20): forgotten
+        when the address dies or restarts, when a fetch is answered by another instance, and
+        when it failed a request with ``TopologyMismatch``."""
         topology = self._topologies.get(addr)
         if topology is None:
             topology = self.source.get_topology(addr)
@@ -406,12 +408,36 @@ class DecodeManager:
         plan = self._plans.get(addr)
         if plan is None:
             topology = self.topology(addr)
-            if self.layout is None:
-                plan = plan_without_layout(addr, topology)
-            else:
-                plan = derive_plan(addr, topology, self.layout)
+            try:
+                if self.layout is None:
+                    plan = plan_without_layout(addr, topology)
+                else:
+                    plan = derive_plan(addr, topology, self.layout)
+            except TopologyMismatch:
+                self._forget_topology(addr, topology)
+                raise
             self._plans[addr] = plan
         return plan
+
+    def _forget_topology(self, addr: str, topology: Topology | None = None) -> None:
+        """Drop ``addr``'s topology (only ``topology``, if given: not a newer one another
+        thread just fetched) and the plan derived from it: the next request asks again."""
+        with self._lock:
+            if topology is None or self._topologies.get(addr) is topology:
+                self._topologies.pop(addr, None)
+                self._plans.pop(addr, None)
+
+    def fetched_from(self, addr: str, instance_id: str | None) -> None:
+        """A fetch from ``addr`` was answered by ``instance_id``: a cached topology of another
+        instance is forgotten, and so is the plan derived from it (MGR-20). Off the hit path."""
+        topology = self._topologies.get(addr)
+        if (
+            topology is not None
+            and instance_id is not None
+            and topology.instance_id is not None
+            and topology.instance_id != instance_id
+        ):
+            self._forget_topology(addr, topology)
 
     def check_prefill(self, addr: str) -> None:
         """SGLang 0.5.23's ``init()`` checks (MGR-16, MGR-17): this decode's allocation policy
@@ -419,14 +445,21 @@ class DecodeManager:
         staging (not implemented here) is refused where it would be used."""
         assert self.layout is not None  # policy_checked implies a layout
         topology = self.topology(addr)
-        if self.staging and topology.attn_tp_size != self.layout.tp_size:
+        try:
+            self._check_policy(addr, topology, self.layout)
+        except TopologyMismatch:
+            self._forget_topology(addr, topology)  # not remembered past its deployment
+            raise
+
+    def _check_policy(self, addr: str, topology: Topology, layout: DecodeLayout) -> None:
+        if self.staging and topology.attn_tp_size != layout.tp_size:
             raise TopologyMismatch(
                 f"{addr}: prefill attn tp size {topology.attn_tp_size} differs from this "
-                f"decode's {self.layout.tp_size} and staging is on: SGLang's staging buffer is "
+                f"decode's {layout.tp_size} and staging is on: SGLang's staging buffer is "
                 "not implemented here; run without staging (the plan maps the ranks), or with "
                 "equal attn tp sizes"
             )
-        mine = self.layout.decode_allocation_policy
+        mine = layout.decode_allocation_policy
         theirs = topology.decode_allocation_policy
         if theirs is None:
             return  # a prefill that does not report it (older than the policy): nothing to check

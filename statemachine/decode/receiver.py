@@ -868,7 +868,9 @@ class BootstrapReceiver:
                     tp_rank=tp_rank,
                     pp_rank=pp_rank,
                 )
-                instance_ids.add(reply.instance_id)
+                if reply.instance_id not in instance_ids:
+                    instance_ids.add(reply.instance_id)
+                    m.fetched_from(self.addr, reply.instance_id)  # new instance: re-plan (MGR-20)
                 ranks.append(
                     RankInfo(
                         reply.rank_ip,

@@ -141,6 +141,10 @@ class ReceiverHost(Protocol):
         """A send failed: every other request using that endpoint is lost too."""
         ...
 
+    def fetched_from(self, addr: str, instance_id: str | None) -> None:
+        """A fetch from ``addr`` was answered by ``instance_id`` (a new one: re-plan)."""
+        ...
+
     def callback_raised(self, receiver: HostedReceiver, error: Exception) -> None:
         """The receiver's ``on_change`` raised ``error`` (contained: counted, logged once)."""
         ...
