@@ -38,6 +38,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection
 from urllib3.connectionpool import HTTPConnectionPool
 
+from statemachine import call_deadline
 from statemachine.decode.source import AnswersOnly
 from statemachine.errors import (
     BootstrapHTTPError,
@@ -575,9 +576,26 @@ class BootstrapClient(AnswersOnly):
     ) -> tuple[bytes, str | None]:
         """Send one request; return (200 body, instance id) or raise the typed error."""
         session = self._session(addr)
+        seconds, timeout, timeouts = self._deadline, self._timeout, self._timeouts
+        cut = False  # the call's deadline is the nearer one
+        call_at = call_deadline.current()
+        if call_at is not None:  # inside a call's window (MGR-21): the smaller deadline wins
+            left = call_at - time.monotonic()
+            if left <= 0:
+                error = TransportFailure(
+                    f"{addr}: {what}: not sent, the request's bootstrap deadline passed (the "
+                    "prefill answered too slowly); retry the request",
+                    addr=addr,
+                )
+                self._count_error(error)
+                raise error
+            if left < seconds:
+                seconds, cut = left, True
+                timeout = (min(timeout[0], left), timeout[1])
+                timeouts = (timeouts[0], timeouts[1], left)
         with self._stats_lock:
             self._requests += 1
-        deadline = _Deadline(self._deadline, self._read_timeout)
+        deadline = _Deadline(seconds, self._read_timeout)
         try:
             try:
                 with deadline:
@@ -586,7 +604,7 @@ class BootstrapClient(AnswersOnly):
                         url,
                         data=body,
                         headers=_JSON_HEADERS if body is not None else None,
-                        timeout=self._timeout,
+                        timeout=timeout,
                         allow_redirects=False,
                         stream=True,
                     )
@@ -598,7 +616,13 @@ class BootstrapClient(AnswersOnly):
             except requests.exceptions.ContentDecodingError as exc:
                 raise MalformedReply(f"{addr}: {what}: {exc}", addr=addr, status=None) from exc
             except _TRANSPORT_ERRORS as exc:
-                reason = transport_reason(exc, deadline, self._timeouts)
+                reason = transport_reason(exc, deadline, timeouts)
+                if cut and deadline.passed():
+                    reason = (
+                        "no complete reply before the request's bootstrap deadline (one for the "
+                        "whole init(): DecodeManager's fetch_deadline_s); the prefill answers "
+                        "too slowly: retry the request"
+                    )
                 raise TransportFailure(f"{addr}: {what}: {reason}", addr=addr) from exc
         except BootstrapHTTPError as exc:
             self._count_error(exc)

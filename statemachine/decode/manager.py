@@ -99,6 +99,9 @@ from statemachine.validation import Topology
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0
 #: How long a request waits for another request's fetch of the same key.
 DEFAULT_FLIGHT_TIMEOUT_S = 30.0
+#: How long one ``init()`` may spend asking its source (the topology and every rank together);
+#: the HTTP client's own per-exchange deadline (HTTP-35) is the same by default.
+DEFAULT_FETCH_DEADLINE_S = 5.0
 #: SGLang's ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``: an aborted room's KV
 #: is freed after this even if some prefill rank never acknowledged the ABORT.
 DEFAULT_KV_RELEASE_TIMEOUT_S = 30.0
@@ -178,6 +181,7 @@ class DecodeManager:
         waiting_timeout_s: float = DEFAULT_WAITING_TIMEOUT_S,
         bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S,
         flight_timeout_s: float = DEFAULT_FLIGHT_TIMEOUT_S,
+        fetch_deadline_s: float = DEFAULT_FETCH_DEADLINE_S,
         transport_mode: Mode = "immediate",
         send_timeout_ms: int = 1000,
         clock: Callable[[], float] = time.monotonic,
@@ -200,6 +204,7 @@ class DecodeManager:
             ("bootstrap_timeout_s", bootstrap_timeout_s),
             ("flight_timeout_s", flight_timeout_s),
             ("kv_release_timeout_s", kv_release_timeout_s),
+            ("fetch_deadline_s", fetch_deadline_s),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigurationError(f"{name} must be a positive number, not {value!r}")
@@ -243,6 +248,8 @@ class DecodeManager:
         self.waiting_timeout_s = float(waiting_timeout_s)
         self.bootstrap_timeout_s = float(bootstrap_timeout_s)
         self.flight_timeout_s = float(flight_timeout_s)
+        #: init()'s questions to the source end by this many seconds after the first (MGR-21)
+        self.fetch_deadline_s = float(fetch_deadline_s)
         self.clock = clock
         #: False: SGLang's behaviour for the benchmarks' anchor - no failure fan-out from
         #: evidence (a request fails on its own send or timeout only), no single-flight.
@@ -252,6 +259,9 @@ class DecodeManager:
         self._pending: dict[str, dict[int, HostedReceiver]] = {}
         self._topologies: dict[str, Topology] = {}
         self._plans: dict[str, RankPlan] = {}
+        #: ReceiverHost: what is known now, read without a call (a hit's plan is one get)
+        self.topologies: Mapping[str, Topology] = self._topologies
+        self.plans: Mapping[str, RankPlan] = self._plans
         self._retained: dict[Generation, tuple[Endpoint, ...]] = {}
         self._watched: set[str] = set()
         self._invalidations: dict[str, int] = {}
@@ -851,15 +861,17 @@ class DecodeManager:
         )
         return self.fail_generations(stale, error, exclude=exclude)
 
-    def watch_address(self, addr: str) -> None:
-        """Health-watch every address this manager fetched from (off the hit path)."""
+    def watch_address(self, addr: str, instance_id: str | None) -> None:
+        """Health-watch every address this manager fetched from (off the hit path), with the
+        instance id the fetch saw as the baseline: no probe runs inside the request (MGR-21;
+        a server that sends no id gets its baseline from the watch thread's first probe)."""
         if self.health is None or addr in self._watched:
             return
         with self._lock:
             if addr in self._watched:
                 return
             self._watched.add(addr)
-        self.health.watch(addr)
+        self.health.watch(addr, instance_id=instance_id, baseline_now=False)
 
     # --- metrics and shutdown --------------------------------------------------------------
 

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from statemachine import call_deadline, trace
 from statemachine import lifecycle as life
-from statemachine import trace
 from statemachine.backend import KVBackend, MetadataRequest
 from statemachine.decode.flight import Flight
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
@@ -218,6 +218,7 @@ class BootstrapReceiver:
     __slots__ = (
         "_acked",
         "_asked_dp",
+        "_call_at",
         "_dp_rank",
         "_failure",
         "_lost",
@@ -275,6 +276,8 @@ class BootstrapReceiver:
         #: init() ran and left the room waiting for its dp rank (the one way to stay ``idle``
         #: after init(): poll() before any init() raises instead of saying Bootstrapping)
         self._asked_dp = False
+        #: when this init() call's questions to the source must end (0.0: none asked yet)
+        self._call_at = 0.0
         # Completion by distinct prefill responses (MGR-13): written by the ack listener's
         # thread (or a transfer engine's), read by the owner's poll.
         #: how many distinct prefill ranks must report success (known once the plan is)
@@ -380,16 +383,26 @@ class BootstrapReceiver:
         if plan is None or dp_rank is None:
             try:
                 if plan is None:
-                    plan = self.plan = m.plan_for(self.addr)
+                    plan = m.plans.get(self.addr)
+                    if plan is None:  # the topology is asked: inside this call's window
+                        with self._window():
+                            plan = m.plan_for(self.addr)
+                    self.plan = plan
                 if dp_rank is None:
                     dp_rank = self._resolve_dp_rank()
                     if dp_rank is None:
+                        self._call_at = 0.0  # the next init() is a new call
                         return KVPoll.Bootstrapping
             except BootstrapError as error:
                 return self._fail(life.FETCH_FAIL, error)
         if m.policy_checked:
             try:
-                m.check_prefill(self.addr)  # SGLang checks in init(), before the routes
+                # SGLang checks in init(), before the routes
+                if self.addr in m.topologies:
+                    m.check_prefill(self.addr)
+                else:
+                    with self._window():
+                        m.check_prefill(self.addr)
             except BootstrapError as error:
                 return self._fail(life.FETCH_FAIL, error)
         self._needed = plan.required_prefill_response_num
@@ -693,7 +706,10 @@ class BootstrapReceiver:
     def _resolve_dp_rank(self) -> int | None:
         """SGLang's order after a router-given rank; None while the room is pending."""
         m = self._m
-        topology = m.topology(self.addr)
+        topology = m.topologies.get(self.addr)
+        if topology is None:
+            with self._window():
+                topology = m.topology(self.addr)
         if topology.dp_size == 1:
             return 0
         if topology.follow_bootstrap_room is not False:  # never set means True (SGLang)
@@ -705,6 +721,14 @@ class BootstrapReceiver:
         elif self._bootstrap_expired():
             raise self._bootstrap_timeout()
         return None
+
+    def _window(self) -> call_deadline.Until:
+        """This init() call's deadline window: opened at its first question to the source,
+        ``fetch_deadline_s`` long, shared by every question after it (MGR-21)."""
+        at = self._call_at
+        if not at:
+            at = self._call_at = time.monotonic() + self._m.fetch_deadline_s
+        return call_deadline.Until(at)
 
     def resolved(self, dp_rank: int) -> None:
         """The manager's batched query answered (called from the stepping thread)."""
@@ -778,9 +802,9 @@ class BootstrapReceiver:
         m = self._m
         flights = m.flights
         self._fire(life.MISS)
-        m.watch_address(self.addr)
         try:
-            fresh = self._fetch(plan, missing)
+            with self._window():  # every rank's query ends by this call's deadline (MGR-21)
+                fresh = self._fetch(plan, missing)
             # One retry rule on every source (MGR-19): ranks the transport already judged
             # dead, answered again (a store still listing a crashed prefill, a server that
             # kept a dead rank's port), fail this request as retryable, in microseconds.
@@ -789,6 +813,9 @@ class BootstrapReceiver:
             if flights is not None:
                 flights.fail(led, error)
             return self._fail(life.FETCH_FAIL, error)
+        # Health-watch the address with the instance id just fetched as the baseline: no probe
+        # runs inside this request (MGR-21).
+        m.watch_address(self.addr, next(iter(fresh.values())).instance_id if fresh else None)
         self.entries.update(fresh)
         self._fire(life.FETCH_OK)
         try:
