@@ -49,6 +49,7 @@ from statemachine.errors import (
     PrefillDead,
     PrefillRestarted,
     RankDead,
+    RanksUnreachable,
     SendFailed,
     TopologyMismatch,
     WaitingTimeout,
@@ -168,12 +169,12 @@ def test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it(slow_prefill: P
         assert stats.failures.get("RankDead") == len(victims)
         assert stats.detection.count == len(victims)
         assert_nothing_left(manager)
-        # The server still lists the dead rank: the next request refetches it and fails on
-        # its first send there (the circuit is open, or the fresh connect is refused).
+        # The server still lists the dead rank: the next request refetches it and fails
+        # retryable (MGR-19: the circuit is open, or registering there is refused).
         probe = manager.receiver(slow_prefill.addr, 100, PLAN, prefill_dp_rank=0)
         assert probe.init() == KVPoll.Failed
-        assert isinstance(probe.failure, SendFailed), probe.failure
-        assert manager.stats().failures.get("SendFailed") == 1
+        assert isinstance(probe.failure, RanksUnreachable), probe.failure
+        assert manager.stats().failures.get("RanksUnreachable") == 1
 
 
 def test_mgr_1_a_failed_send_fails_every_request_in_flight_on_that_rank(
@@ -421,7 +422,9 @@ def test_mgr_2_fail_address_and_fail_generations_entry_points(slow_prefill: Pref
         assert manager.fail_generations([generation], RankDead("test", endpoint="x")) == 3
         assert manager.fail_generations([generation], RankDead("again", endpoint="x")) == 0
         assert manager.pool.get(key_of(slow_prefill)) is None
-        assert poll_all_failed(victims) and other.poll() == KVPoll.Bootstrapping
+        assert poll_all_failed(victims)
+        with pytest.raises(InvalidTransition):  # never init()ed (MGR-7), untouched
+            other.poll()
         assert manager.fail_address("127.0.0.1:1", PrefillDead("gone", addr="127.0.0.1:1")) == 1
         assert other.init() == KVPoll.Failed and isinstance(other.failure, PrefillDead)
         assert_nothing_left(manager)
@@ -512,7 +515,8 @@ def test_mgr_4_every_terminal_path_forgets_the_ack_expectation(slow_prefill: Pre
         slow_prefill.ranks[0].kill()
         # The timeout dropped the generation: a refetch registers with the dead rank and fails.
         failing = manager.receiver(slow_prefill.addr, 9, PLAN, prefill_dp_rank=0)
-        assert failing.init() == KVPoll.Failed and isinstance(failing.failure, SendFailed)
+        assert failing.init() == KVPoll.Failed
+        assert isinstance(failing.failure, RanksUnreachable)  # retryable (MGR-19)
         assert manager.acks.stats().expected == 0  # the manager never uses the listener's table
         assert manager.stats().in_flight == 0
 
@@ -939,7 +943,8 @@ def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
         assert woken.all_woken.wait(FAIL_BOUND_S)
         assert poll_all_failed(victims)
         assert all(isinstance(v.failure, RankDead) for v in victims)
-        assert bystander.poll() == KVPoll.Bootstrapping  # bound elsewhere: untouched
+        with pytest.raises(InvalidTransition):  # bound elsewhere: untouched (not lost), idle
+            bystander.poll()
         bystander.clear()
         assert_nothing_left(manager)
 

@@ -97,6 +97,12 @@ class ReceiverHost(Protocol):
     #: The source marks stale generations: check them before starting a transfer.
     watermarked: bool
 
+    #: How long one init() call may spend asking the source, all questions together (MGR-21).
+    fetch_deadline_s: float
+    #: The plans and topologies known now, by address (read only: a hit's plan is one get).
+    plans: Mapping[str, RankPlan]
+    topologies: Mapping[str, Topology]
+
     # --- questions ------------------------------------------------------------------------
     def plan_for(self, addr: str) -> RankPlan: ...
 
@@ -133,12 +139,21 @@ class ReceiverHost(Protocol):
         """Ask the room's dp rank in the next batched query (:meth:`resolved` answers)."""
         ...
 
-    def watch_address(self, addr: str) -> None:
-        """The receiver fetches from ``addr``: watch its health if the source needs probes."""
+    def watch_address(self, addr: str, instance_id: str | None) -> None:
+        """The receiver fetched from ``addr`` (answered by ``instance_id``, the baseline):
+        watch its health if the source needs probes."""
         ...
 
     def send_failed(self, error: SendFailed) -> None:
         """A send failed: every other request using that endpoint is lost too."""
+        ...
+
+    def fetched_from(self, addr: str, instance_id: str | None) -> None:
+        """A fetch from ``addr`` was answered by ``instance_id`` (a new one: re-plan)."""
+        ...
+
+    def callback_raised(self, receiver: HostedReceiver, error: Exception) -> None:
+        """The receiver's ``on_change`` raised ``error`` (contained: counted, logged once)."""
         ...
 
     def retain_sockets(self, generation: Generation) -> None:
