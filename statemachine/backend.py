@@ -34,6 +34,7 @@ own layouts, per SGLang release, live in :mod:`statemachine.sglang` (``spec/sgla
 
 from __future__ import annotations
 
+import operator
 import re
 import struct
 import sys
@@ -50,7 +51,7 @@ from statemachine.completion import (
     PrefillEvent,
     PrefillStatus,
 )
-from statemachine.errors import BootstrapError
+from statemachine.errors import BootstrapError, InvalidKVIndices
 from statemachine.pool import RankInfo
 
 REGISTER_KIND = b"register"
@@ -69,6 +70,11 @@ MAX_REASON_BYTES = 1024
 _FLAG = {False: b"0", True: b"1"}
 
 _INT32_MIN = -(2**31)
+#: What a caller does about bad page indices (every InvalidKVIndices message ends with it).
+_KV_NEXT = (
+    "pass the request's KV page indices as a sequence of ints or a 1-d integer numpy array "
+    "(nothing was sent; the request is unchanged)"
+)
 _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
 _INT64_MAX = 2**63 - 1
@@ -202,8 +208,10 @@ def _pack_state_indices(lists: Sequence[Sequence[int] | Any | None] | None) -> b
     if lists is None:
         return b""
     if isinstance(lists, (str, bytes, bytearray, memoryview)) or not isinstance(lists, Sequence):
-        raise TypeError(
-            f"state_indices must be a sequence of index lists, not {type(lists).__name__}"
+        raise InvalidKVIndices(
+            f"state_indices must be a sequence of index lists, not {type(lists).__name__}: "
+            "pass one list of ints (or None) per state pool (nothing was sent; the request is "
+            "unchanged)"
         )
     return pack_buffers([b"" if item is None else pack_indices(item) for item in lists])
 
@@ -247,6 +255,16 @@ def unpack_int_lists(data: bytes, code: str) -> tuple[tuple[int, ...], ...]:
     return tuple(lists)
 
 
+def _first_non_int(values: Sequence[Any]) -> str:
+    """The type name of the first item that is not an integer (for the error message)."""
+    for value in values:
+        try:
+            operator.index(value)
+        except TypeError:
+            return type(value).__name__
+    return "ints"  # pragma: no cover - array() refused something index() accepts
+
+
 def pack_indices(indices: Sequence[int] | Any) -> bytes:
     """Pack page indices to little-endian int32 bytes without a Python loop over them.
 
@@ -261,26 +279,31 @@ def pack_indices(indices: Sequence[int] | Any) -> bytes:
             wire: bytes = indices.tobytes()
             return wire
         if indices.ndim != 1 or indices.dtype.kind not in "iu":
-            raise TypeError(
-                f"kv_indices must be a 1-d integer array, not {indices.ndim}-d {indices.dtype}"
+            raise InvalidKVIndices(
+                f"kv_indices must be a 1-d integer array, not {indices.ndim}-d {indices.dtype}: "
+                + _KV_NEXT
             )
         if indices.size and (int(indices.min()) < _INT32_MIN or int(indices.max()) > _INT32_MAX):
-            raise ValueError("kv_indices item out of int32 range")
+            raise InvalidKVIndices("kv_indices item out of int32 range: " + _KV_NEXT)
         packed: bytes = numpy.ascontiguousarray(indices, dtype="<i4").tobytes()
         return packed
     if isinstance(indices, (str, bytes, bytearray, memoryview)) or not isinstance(
         indices, (Sequence, array)
     ):
-        raise TypeError(f"kv_indices must be a sequence of ints, not {type(indices).__name__}")
+        raise InvalidKVIndices(
+            f"kv_indices must be a sequence of ints, not {type(indices).__name__}: " + _KV_NEXT
+        )
     if isinstance(indices, array) and indices.typecode == "i" and indices.itemsize == 4:
         values = indices
     else:
         try:
             values = array("i", indices)  # C loop: rejects floats and non-ints, checks range
         except OverflowError:
-            raise ValueError("kv_indices item out of int32 range") from None
+            raise InvalidKVIndices("kv_indices item out of int32 range: " + _KV_NEXT) from None
         except TypeError:
-            raise TypeError("kv_indices items must be ints") from None
+            raise InvalidKVIndices(
+                f"kv_indices items must be ints, not {_first_non_int(indices)}: " + _KV_NEXT
+            ) from None
     if values.itemsize != 4:  # pragma: no cover - C int is 4 bytes on every supported platform
         raise TypeError("this platform's C int is not 4 bytes")
     if sys.byteorder == "big":  # pragma: no cover - the wire is little-endian

@@ -53,6 +53,12 @@ class ConfigurationError(BootstrapError, TypeError):
     """A decode manager (or ``Decode`` bundle) was built with a missing or wrong-typed part."""
 
 
+class InvalidKVIndices(BootstrapError, TypeError, ValueError):
+    """``send_metadata`` was given page indices it cannot send (not ints, not 1-d, outside
+    int32). Raised before anything is sent: the request is unchanged, call again with the
+    request's page indices. A ``TypeError`` and a ``ValueError`` too, as before."""
+
+
 # --- HTTP to the bootstrap server ------------------------------------------------------------
 
 
@@ -67,6 +73,18 @@ class BootstrapHTTPError(BootstrapError):
 
 class NotReady(BootstrapHTTPError):
     """503: not every prefill rank has registered yet. Retryable."""
+
+
+class RanksUnreachable(NotReady):
+    """The prefill's registered ranks cannot be reached and no newer registration is visible
+    yet: the transport already judged an endpoint dead (its socket monitor), or registering
+    with a rank failed. Nothing of this request was sent to a prefill. Retryable, as any
+    ``NotReady``: the first request after the prefill registers again (new ports, or its
+    ranks back) gets through. The same error on every source (HTTP and etcd alike)."""
+
+    def __init__(self, message: str, *, addr: str, endpoint: str) -> None:
+        super().__init__(message, addr=addr)
+        self.endpoint = endpoint
 
 
 class NotFound(BootstrapHTTPError):

@@ -2,7 +2,8 @@
 
 ``pip install 'pd-bootstrap-statemachine[server]'`` brings aiohttp for the reference bootstrap
 server (``pd-bootstrap serve`` and ``demo``, :class:`~statemachine.BootstrapServer`);
-``[plot]`` brings matplotlib for ``demo --plot``. Without them the library itself works.
+``[plot]`` brings matplotlib for ``demo --plot``; ``[metrics]`` brings prometheus_client for
+:class:`~statemachine.decode.metrics.PrometheusCollector`. Without them the library itself works.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from statemachine.errors import MissingExtra
 EXTRAS: dict[str, tuple[str, ...]] = {
     "server": ("aiohttp",),
     "plot": ("matplotlib",),
+    "metrics": ("prometheus_client",),
 }
 
 

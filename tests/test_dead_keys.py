@@ -11,7 +11,7 @@ from __future__ import annotations
 from http_support import FakeClock
 
 from statemachine.decode.dead_keys import DeadKeys
-from statemachine.errors import RankDead
+from statemachine.errors import RanksUnreachable
 from statemachine.pool import Generation, PoolKey, RankInfo
 
 KEY = PoolKey("127.0.0.1:8998", 0, 0, 0)
@@ -32,7 +32,7 @@ def test_one_request_per_recheck_asks_the_others_fail_at_once() -> None:
     assert dead.refusal(KEY.addr, [KEY]) is None  # the first request after a death asks
     dead.record([(KEY, generation())], URL, "reconnect refused")  # its fresh fetch: dead again
     refused = dead.refusal(KEY.addr, [KEY])
-    assert isinstance(refused, RankDead) and refused.endpoint == URL
+    assert isinstance(refused, RanksUnreachable) and refused.endpoint == URL
     assert "known dead" in str(refused) and "retry" in str(refused)
     clock.now += 1.0
     assert dead.refusal(KEY.addr, [KEY]) is None  # the recheck is due: one asks again
@@ -60,6 +60,6 @@ def test_alive_again_and_a_restart_forget_at_once() -> None:
         dead.record([(KEY, generation())], URL, "reconnect refused")
         assert dead.refusal(KEY.addr, [KEY]) is None
         dead.record([(KEY, generation())], URL, "reconnect refused")
-        assert isinstance(dead.refusal(KEY.addr, [KEY]), RankDead)
+        assert isinstance(dead.refusal(KEY.addr, [KEY]), RanksUnreachable)
         forget()
         assert dead.refusal(KEY.addr, [KEY]) is None

@@ -522,3 +522,53 @@ def test_prefill_rank_discovery_arguments() -> None:
     assert parse_args(["--bootstrap", "h:1", "--token", "t"]).discovery == "http"
     with pytest.raises(SystemExit):
         parse_args(["--bootstrap", "h:1"])  # http needs the server's token
+
+
+def test_a_stale_fetch_adopts_a_current_entry_another_request_published(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    """Found by the model (docs/formal-model.md): a leader whose fetch a watch event overtook
+    finds the pool already holding a *current* entry (another request fetched after the
+    change and published first). The model's Publish adopts the pool's entry, as setdefault
+    does; the source used to refuse the fetch first and fail the request with RankRetired."""
+    prefix, addr, _ = cluster
+    manager = manager_for(etcd, prefix, single_flight=False)  # two leaders on one key
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
+    key = PoolKey(addr, 0, 0, 0)
+    read_old = threading.Event()
+    go_on = threading.Event()
+    make = source.generation
+
+    def generation(*args: object, **kwargs: object) -> object:
+        # The first fetch (the stale leader) has read the old ranks: hold it there.
+        if threading.current_thread().name == "stale-leader":
+            read_old.set()
+            assert go_on.wait(BOUND)
+        return make(*args, **kwargs)  # type: ignore[arg-type]
+
+    try:
+        old = launch(etcd, cluster)  # keeps running: an overlapping restart
+        assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
+        stale = manager.receiver(addr, 1, PLAN, prefill_dp_rank=0)
+        outcome: list[KVPoll] = []
+        source.generation = generation  # type: ignore[method-assign]
+        leader = threading.Thread(target=lambda: outcome.append(stale.init()), name="stale-leader")
+        leader.start()
+        assert read_old.wait(BOUND)
+        new = launch(etcd, cluster)
+        assert wait_until(lambda: visible(source, addr) == new.expected(), BOUND)
+        current = run(manager, addr, 2)  # fetched after the change: published
+        assert current.state == life.DONE, current.failure
+        published = manager.pool.get(key)
+        assert published is not None
+        go_on.set()
+        leader.join(BOUND)
+        assert outcome == [KVPoll.WaitingForInput], stale.failure
+        assert stale.entries[key] is published  # adopted the current entry
+        assert source.stats().publishes_refused == 0
+        stale.send_metadata((1, 2, 3), aux_index=0)
+        assert finish(stale).state == life.DONE, stale.failure
+    finally:
+        go_on.set()
+        manager.close()

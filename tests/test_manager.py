@@ -50,6 +50,7 @@ from statemachine.errors import (
     PrefillDead,
     PrefillRestarted,
     RankDead,
+    RanksUnreachable,
     SendFailed,
     TopologyMismatch,
     WaitingTimeout,
@@ -170,12 +171,12 @@ def test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it(slow_prefill: P
         assert stats.failures.get("RankDead") == len(victims)
         assert stats.detection.count == len(victims)
         assert_nothing_left(manager)
-        # The server still lists the dead rank: the next request refetches it and fails on
-        # its first send there (the circuit is open, or the fresh connect is refused).
+        # The server still lists the dead rank: the next request refetches it and fails
+        # retryable (MGR-19: the circuit is open, or registering there is refused).
         probe = manager.receiver(slow_prefill.addr, 100, PLAN, prefill_dp_rank=0)
         assert probe.init() == KVPoll.Failed
-        assert isinstance(probe.failure, SendFailed), probe.failure
-        assert manager.stats().failures.get("SendFailed") == 1
+        assert isinstance(probe.failure, RanksUnreachable), probe.failure
+        assert manager.stats().failures.get("RanksUnreachable") == 1
 
 
 def test_mgr_1_requests_after_a_known_death_fail_at_once_without_a_refetch_each(
@@ -183,8 +184,8 @@ def test_mgr_1_requests_after_a_known_death_fail_at_once_without_a_refetch_each(
 ) -> None:
     """Issue 18: once a rank is known dead while its bootstrap server still names it, one
     request refetches (and meets the dead rank); every request after it fails at once with the
-    typed, retryable RankDead and asks the server nothing (counted at the server) until
-    ``dead_recheck_s`` passed; then one request asks again."""
+    one retry rule's typed, retryable RanksUnreachable (MGR-19) and asks the server nothing
+    (counted at the server) until ``dead_recheck_s`` passed; then one request asks again."""
     clock = FakeClock()
     with manager_for(dead_recheck_s=5.0, clock=clock) as manager:
         first = in_flight_waiting(manager, slow_prefill, range(1, 2))[0]
@@ -197,20 +198,20 @@ def test_mgr_1_requests_after_a_known_death_fail_at_once_without_a_refetch_each(
         routes = slow_prefill.server.stats().requests.get("GET /route", 0)
         recheck = manager.receiver(slow_prefill.addr, 10, PLAN, prefill_dp_rank=0)
         assert recheck.init() == KVPoll.Failed
-        assert isinstance(recheck.failure, SendFailed), recheck.failure
+        assert isinstance(recheck.failure, RanksUnreachable), recheck.failure  # MGR-19
         asked = slow_prefill.server.stats().requests.get("GET /route", 0)
         assert asked == routes + TP  # the one refetch: every rank of the key
         for room in range(11, 31):
             receiver = manager.receiver(slow_prefill.addr, room, PLAN, prefill_dp_rank=0)
             assert receiver.init() == KVPoll.Failed
-            assert isinstance(receiver.failure, RankDead), receiver.failure
+            assert isinstance(receiver.failure, RanksUnreachable), receiver.failure
             assert "known dead" in str(receiver.failure) and "retry" in str(receiver.failure)
         assert slow_prefill.server.stats().requests.get("GET /route", 0) == asked
         assert manager.stats().refused_known_dead == 20
         clock.now += 5.0  # the recheck is due: one request asks the server again
         again = manager.receiver(slow_prefill.addr, 40, PLAN, prefill_dp_rank=0)
         assert again.init() == KVPoll.Failed
-        assert isinstance(again.failure, SendFailed), again.failure
+        assert isinstance(again.failure, RanksUnreachable), again.failure
         assert slow_prefill.server.stats().requests.get("GET /route", 0) == asked + TP
         assert manager.stats().in_flight == 0
 
@@ -234,7 +235,8 @@ def test_mgr_1_a_rank_known_dead_is_served_by_the_first_request_after_it_registe
         assert recheck.init() == KVPoll.Failed  # refetched, met the dead rank again
         refused = manager.receiver(slow_prefill.addr, 3, PLAN, prefill_dp_rank=0)
         assert refused.init() == KVPoll.Failed
-        assert isinstance(refused.failure, RankDead)
+        assert isinstance(refused.failure, RanksUnreachable)
+        assert "known dead" in str(refused.failure)
         slow_prefill.ranks[1].start(avoid_port=old_port)  # registers its new port
         assert slow_prefill.ranks[1].port != old_port
         clock.now += 5.0
@@ -492,7 +494,9 @@ def test_mgr_2_fail_address_and_fail_generations_entry_points(slow_prefill: Pref
         assert manager.fail_generations([generation], RankDead("test", endpoint="x")) == 3
         assert manager.fail_generations([generation], RankDead("again", endpoint="x")) == 0
         assert manager.pool.get(key_of(slow_prefill)) is None
-        assert poll_all_failed(victims) and other.poll() == KVPoll.Bootstrapping
+        assert poll_all_failed(victims)
+        with pytest.raises(InvalidTransition):  # never init()ed (MGR-7), untouched
+            other.poll()
         assert manager.fail_address("127.0.0.1:1", PrefillDead("gone", addr="127.0.0.1:1")) == 1
         assert other.init() == KVPoll.Failed and isinstance(other.failure, PrefillDead)
         assert_nothing_left(manager)
@@ -583,7 +587,8 @@ def test_mgr_4_every_terminal_path_forgets_the_ack_expectation(slow_prefill: Pre
         slow_prefill.ranks[0].kill()
         # The timeout dropped the generation: a refetch registers with the dead rank and fails.
         failing = manager.receiver(slow_prefill.addr, 9, PLAN, prefill_dp_rank=0)
-        assert failing.init() == KVPoll.Failed and isinstance(failing.failure, SendFailed)
+        assert failing.init() == KVPoll.Failed
+        assert isinstance(failing.failure, RanksUnreachable)  # retryable (MGR-19)
         assert manager.acks.stats().expected == 0  # the manager never uses the listener's table
         assert manager.stats().in_flight == 0
 
@@ -1137,7 +1142,8 @@ def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
         assert woken.all_woken.wait(FAIL_BOUND_S)
         assert poll_all_failed(victims)
         assert all(isinstance(v.failure, RankDead) for v in victims)
-        assert bystander.poll() == KVPoll.Bootstrapping  # bound elsewhere: untouched
+        with pytest.raises(InvalidTransition):  # bound elsewhere: untouched (not lost), idle
+            bystander.poll()
         bystander.clear()
         assert_nothing_left(manager)
 

@@ -38,6 +38,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection
 from urllib3.connectionpool import HTTPConnectionPool
 
+from statemachine import call_deadline
 from statemachine.decode.source import AnswersOnly
 from statemachine.errors import (
     BootstrapHTTPError,
@@ -440,6 +441,8 @@ class BootstrapClient(AnswersOnly):
     Safe to share between threads: each thread gets its own sessions. ``close()`` releases the
     *calling* thread's sessions; the sessions of a thread that exits without calling it are
     closed (and counted in :meth:`stats`) when the thread's locals are dropped.
+    ``close_all()`` (what a :class:`~statemachine.decode.manager.DecodeManager` that made the
+    client calls as it closes) closes every thread's sessions and refuses new ones.
 
     ``deadline`` bounds each exchange in wall-clock seconds, connect + send + whole reply
     (HTTP-35); ``connect_timeout`` bounds the connect and ``read_timeout`` one silence.
@@ -469,6 +472,10 @@ class BootstrapClient(AnswersOnly):
         self._timeouts = (float(connect_timeout), float(read_timeout), self._deadline)
         self._max_sessions = max_sessions_per_thread
         self._local = threading.local()
+        #: every thread's session holder (weak: a thread's exit still drops its own), for
+        #: close_all(); changed under _stats_lock
+        self._holders: weakref.WeakSet[_ThreadSessions] = weakref.WeakSet()
+        self._shut = False
         # Counters are touched by every thread; one short uncontended lock per request costs
         # well under a microsecond against a ~100 us HTTP round trip, and keeps them exact.
         # Reentrant: a thread-exit finalizer may run on a thread that holds it.
@@ -489,6 +496,8 @@ class BootstrapClient(AnswersOnly):
             # The finalizer holds the dict and a weak reference to the client, never the
             # holder (which would keep it alive) nor the client (which would leak it).
             weakref.finalize(holder, _close_orphans, holder.sessions, weakref.ref(self))
+            with self._stats_lock:
+                self._holders.add(holder)
         return holder.sessions
 
     def _count_orphans(self, count: int) -> None:
@@ -501,6 +510,12 @@ class BootstrapClient(AnswersOnly):
         if session is not None:
             return session
         parse_addr(addr)  # validated once per (thread, address): off the hot path
+        if self._shut:
+            raise TransportFailure(
+                f"{addr}: this BootstrapClient was closed (close_all(): its DecodeManager "
+                "closed): create a new manager (or client) to query again",
+                addr=addr,
+            )
         if len(sessions) >= self._max_sessions:
             # Addresses are few in practice; the cap only stops unbounded growth. Evict the
             # oldest (dicts keep insertion order).
@@ -523,11 +538,18 @@ class BootstrapClient(AnswersOnly):
 
     def close(self) -> None:
         """Close the calling thread's sessions (other threads' sessions are theirs to close)."""
-        sessions = self._sessions()
-        count = len(sessions)
-        for session in sessions.values():
-            session.close()
-        sessions.clear()
+        count = _close_sessions(self._sessions())
+        with self._stats_lock:
+            self._closed += count
+
+    def close_all(self) -> None:
+        """Close every thread's sessions, and refuse new ones (``TransportFailure``): the
+        owner is done with this client. A query in progress on another thread then fails
+        with ``TransportFailure``, typed as any broken connection."""
+        with self._stats_lock:
+            self._shut = True
+            holders = list(self._holders)
+        count = sum(_close_sessions(holder.sessions) for holder in holders)
         with self._stats_lock:
             self._closed += count
 
@@ -554,9 +576,26 @@ class BootstrapClient(AnswersOnly):
     ) -> tuple[bytes, str | None]:
         """Send one request; return (200 body, instance id) or raise the typed error."""
         session = self._session(addr)
+        seconds, timeout, timeouts = self._deadline, self._timeout, self._timeouts
+        cut = False  # the call's deadline is the nearer one
+        call_at = call_deadline.current()
+        if call_at is not None:  # inside a call's window (MGR-21): the smaller deadline wins
+            left = call_at - time.monotonic()
+            if left <= 0:
+                error = TransportFailure(
+                    f"{addr}: {what}: not sent, the request's bootstrap deadline passed (the "
+                    "prefill answered too slowly); retry the request",
+                    addr=addr,
+                )
+                self._count_error(error)
+                raise error
+            if left < seconds:
+                seconds, cut = left, True
+                timeout = (min(timeout[0], left), timeout[1])
+                timeouts = (timeouts[0], timeouts[1], left)
         with self._stats_lock:
             self._requests += 1
-        deadline = _Deadline(self._deadline, self._read_timeout)
+        deadline = _Deadline(seconds, self._read_timeout)
         try:
             try:
                 with deadline:
@@ -565,7 +604,7 @@ class BootstrapClient(AnswersOnly):
                         url,
                         data=body,
                         headers=_JSON_HEADERS if body is not None else None,
-                        timeout=self._timeout,
+                        timeout=timeout,
                         allow_redirects=False,
                         stream=True,
                     )
@@ -577,7 +616,13 @@ class BootstrapClient(AnswersOnly):
             except requests.exceptions.ContentDecodingError as exc:
                 raise MalformedReply(f"{addr}: {what}: {exc}", addr=addr, status=None) from exc
             except _TRANSPORT_ERRORS as exc:
-                reason = transport_reason(exc, deadline, self._timeouts)
+                reason = transport_reason(exc, deadline, timeouts)
+                if cut and deadline.passed():
+                    reason = (
+                        "no complete reply before the request's bootstrap deadline (one for the "
+                        "whole init(): DecodeManager's fetch_deadline_s); the prefill answers "
+                        "too slowly: retry the request"
+                    )
                 raise TransportFailure(f"{addr}: {what}: {reason}", addr=addr) from exc
         except BootstrapHTTPError as exc:
             self._count_error(exc)
@@ -680,14 +725,25 @@ class BootstrapClient(AnswersOnly):
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
+def _close_sessions(sessions: dict[str, requests.Session]) -> int:
+    """Close and remove every session of one thread's dict; how many. ``popitem`` is atomic,
+    so a session closed by ``close_all`` on another thread is never closed (or counted) twice
+    by its own thread's ``close``."""
+    count = 0
+    while True:
+        try:
+            _, session = sessions.popitem()
+        except KeyError:
+            return count
+        session.close()
+        count += 1
+
+
 def _close_orphans(
     sessions: dict[str, requests.Session], client: weakref.ref[BootstrapClient]
 ) -> None:
     """Finalizer of an exited thread's sessions: close them and count them as closed."""
-    count = len(sessions)
-    for session in sessions.values():
-        session.close()
-    sessions.clear()
+    count = _close_sessions(sessions)
     owner = client()
     if owner is not None and count:
         owner._count_orphans(count)

@@ -9,7 +9,8 @@ rank: the prefill rank died, its registration did not. A request for the key wou
 HTTP (about a millisecond), get the dead port again, and fail on its first send there: a caller
 stall per request for as long as the rank stays dead. :class:`DeadKeys` remembers, per key,
 the endpoint found dead, and lets one request refetch the key per ``recheck_s``: the others that
-miss it meanwhile fail at once with :class:`RankDead` (the same typed, retryable error), without
+miss it meanwhile fail at once with :class:`RanksUnreachable` (the one retry rule's typed, retryable
+error, MGR-19), without
 asking the source.
 
 The request let through is the recheck: if the source names another endpoint (a new
@@ -31,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from statemachine.errors import RankDead
+from statemachine.errors import RanksUnreachable
 from statemachine.pool import Generation, PoolKey
 
 __all__ = ["DEFAULT_RECHECK_S", "DeadKeys"]
@@ -87,7 +88,7 @@ class DeadKeys:
                     self._known.pop(oldest, None)
                 self._dead[key] = _Dead(url, reason, generation)
 
-    def refusal(self, addr: str, keys: Iterable[PoolKey]) -> RankDead | None:
+    def refusal(self, addr: str, keys: Iterable[PoolKey]) -> RanksUnreachable | None:
         """The error a request missing ``keys`` fails with at once, or ``None``: fetch (a key
         known dead is let through once per ``recheck_s``, and forgotten until it dies again)."""
         if not self._dead:  # the common case: one truth test
@@ -105,13 +106,14 @@ class DeadKeys:
                 return None
             self.refused += 1
         endpoint, reason = dead[0][1].endpoint, dead[0][1].reason
-        return RankDead(
-            f"prefill rank {endpoint} of {addr} is known dead ({reason}) and was still named by "
-            f"its bootstrap source {now - self._checked.get(dead[0][0], now):.3f} s ago; retry "
-            f"the request: the source is asked again every {self.recheck_s:g} s, and the first "
-            "request after the rank registers again is served",
-            endpoint=endpoint,
+        return RanksUnreachable(
+            f"{addr}: prefill rank {endpoint} is known dead ({reason}) and was still named by "
+            f"its bootstrap source {now - self._checked.get(dead[0][0], now):.3f} s ago; nothing "
+            "of this request was sent: retry shortly (the source is asked again every "
+            f"{self.recheck_s:g} s, and the first request after the rank registers again gets "
+            "through)",
             addr=addr,
+            endpoint=endpoint,
         )
 
     def forget_endpoint(self, url: str) -> None:

@@ -107,12 +107,16 @@ class HealthMonitor:
 
     # --- watching -----------------------------------------------------------------------------
 
-    def watch(self, addr: str, *, instance_id: str | None = None) -> None:
+    def watch(
+        self, addr: str, *, instance_id: str | None = None, baseline_now: bool = True
+    ) -> None:
         """Watch ``addr`` (``"host:port"``); ``InvalidArgument`` if it is not an address.
 
         ``instance_id`` is the baseline if the caller knows it (the ``X-Bootstrap-Instance-Id``
         of a reply it just had); otherwise one probe is made now, bounded by the client's
-        timeouts. Watching an address already watched changes nothing.
+        timeouts - unless ``baseline_now`` is False: then the watch thread's first probe takes
+        it (a caller in a request's path must not wait for a probe). Watching an address
+        already watched changes nothing.
         """
         parse_addr(addr)
         with self._lock:
@@ -120,7 +124,7 @@ class HealthMonitor:
                 return
             watch = _Watch(addr, instance_id)
             self._watches[addr] = watch
-        if instance_id is None:
+        if instance_id is None and baseline_now:
             self._baseline(watch)
         with self._lock:
             if self._running and self._watches.get(addr) is watch:

@@ -50,6 +50,7 @@ import concurrent.futures
 import contextlib
 import importlib
 import itertools
+import logging
 import os
 import threading
 import time
@@ -92,6 +93,7 @@ from statemachine.errors import (
     PrefillDead,
     PrefillRestarted,
     RankDead,
+    RanksUnreachable,
     SendFailed,
     TopologyMismatch,
 )
@@ -102,12 +104,16 @@ from statemachine.validation import Topology
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0
 #: How long a request waits for another request's fetch of the same key.
 DEFAULT_FLIGHT_TIMEOUT_S = 30.0
+#: How long one ``init()`` may spend asking its source (the topology and every rank together);
+#: the HTTP client's own per-exchange deadline (HTTP-35) is the same by default.
+DEFAULT_FETCH_DEADLINE_S = 5.0
 #: SGLang's ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``: an aborted room's KV
 #: is freed after this even if some prefill rank never acknowledged the ABORT.
 DEFAULT_KV_RELEASE_TIMEOUT_S = 30.0
 Completion = Literal["acks", "external"]
 
 _session_ids = itertools.count(1)
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +152,8 @@ class ManagerStats:
     dropped_events: int = 0
     #: rooms whose KV is held after an ABORT with a generation (MGR-15)
     kv_held: int = 0
+    #: receivers' ``on_change`` calls that raised (contained; the first is logged, MGR-18)
+    callback_errors: int = 0
     #: batched dp-rank queries started by step() and not yet collected (MGR-8)
     dp_queries_in_flight: int = 0
     #: pool keys whose ranks are known dead, and requests failed at once on them (MGR-1)
@@ -185,6 +193,7 @@ class DecodeManager:
         waiting_timeout_s: float = DEFAULT_WAITING_TIMEOUT_S,
         bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S,
         flight_timeout_s: float = DEFAULT_FLIGHT_TIMEOUT_S,
+        fetch_deadline_s: float = DEFAULT_FETCH_DEADLINE_S,
         transport_mode: Mode = "immediate",
         send_timeout_ms: int = 1000,
         clock: Callable[[], float] = time.monotonic,
@@ -208,6 +217,7 @@ class DecodeManager:
             ("bootstrap_timeout_s", bootstrap_timeout_s),
             ("flight_timeout_s", flight_timeout_s),
             ("kv_release_timeout_s", kv_release_timeout_s),
+            ("fetch_deadline_s", fetch_deadline_s),
             ("dead_recheck_s", 1.0 if dead_recheck_s is None else dead_recheck_s),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -252,6 +262,8 @@ class DecodeManager:
         self.waiting_timeout_s = float(waiting_timeout_s)
         self.bootstrap_timeout_s = float(bootstrap_timeout_s)
         self.flight_timeout_s = float(flight_timeout_s)
+        #: init()'s questions to the source end by this many seconds after the first (MGR-21)
+        self.fetch_deadline_s = float(fetch_deadline_s)
         self.clock = clock
         #: False: SGLang's behaviour for the benchmarks' anchor - no failure fan-out from
         #: evidence (a request fails on its own send or timeout only), no single-flight.
@@ -272,6 +284,9 @@ class DecodeManager:
         self._hold_off_dead = dead_recheck_s is not None
         self._topologies: dict[str, Topology] = {}
         self._plans: dict[str, RankPlan] = {}
+        #: ReceiverHost: what is known now, read without a call
+        self.topologies: Mapping[str, Topology] = self._topologies
+        self.plans: Mapping[str, RankPlan] = self._plans
         #: ReceiverHost.address_plans: per address, what init() needs before its lookup
         #: (written under the lock, read lock-free: one dict get per hit).
         self.address_plans: dict[str, AddressPlan] = {}
@@ -285,6 +300,7 @@ class DecodeManager:
         self._detection_total = 0.0
         self._detection_max = 0.0
         self._dp_queries = 0
+        self._callback_errors = 0
         self._closed = False
         #: True when the source marks stale generations (etcd): a receiver checks its
         #: generations' marks before it starts a transfer (one branch on the hit path otherwise).
@@ -342,7 +358,7 @@ class DecodeManager:
     ) -> None:
         if source is None:
             client = BootstrapClient()
-            self._owned.append(client.close)
+            self._owned.append(client.close_all)  # every thread's sessions, not only ours
             source = client
         self.source: BootstrapSource = as_source(source)
         if pool is None:
@@ -415,7 +431,9 @@ class DecodeManager:
     # --- topology, plans, dp ranks ----------------------------------------------------------
 
     def topology(self, addr: str) -> Topology:
-        """The prefill's topology, fetched once per address (refetched after a restart)."""
+        """The prefill's topology, fetched once per instance of the prefill (MGR-20): forgotten
+        when the address dies or restarts, when a fetch is answered by another instance, and
+        when it failed a request with ``TopologyMismatch``."""
         topology = self._topologies.get(addr)
         if topology is None:
             topology = self.source.get_topology(addr)
@@ -428,10 +446,14 @@ class DecodeManager:
         plan = self._plans.get(addr)
         if plan is None:
             topology = self.topology(addr)
-            if self.layout is None:
-                plan = plan_without_layout(addr, topology)
-            else:
-                plan = derive_plan(addr, topology, self.layout)
+            try:
+                if self.layout is None:
+                    plan = plan_without_layout(addr, topology)
+                else:
+                    plan = derive_plan(addr, topology, self.layout)
+            except TopologyMismatch:
+                self._forget_topology(addr, topology)
+                raise
             self._plans[addr] = plan
         return plan
 
@@ -450,19 +472,33 @@ class DecodeManager:
         keys = {dp: plan.keys_for(addr, dp) for dp in range(topology.dp_size)}
         known = AddressPlan(plan, plan.required_prefill_response_num, keys)
         with self._lock:
-            # Kept only while the topology it was derived from is the one known: a restart
-            # that dropped it while we resolved must not leave a stale plan behind.
+            # Kept only while the topology it was derived from is the one known: a refresh or
+            # a restart that dropped it while we resolved must not leave a stale plan behind.
             if self._topologies.get(addr) is topology:
                 self.address_plans[addr] = known
         return known
 
-    def _forget_topology(self, addr: str) -> None:
-        """The prefill at ``addr`` died or restarted: its topology, plan and address plan are
-        fetched and derived again by the next request."""
+    def _forget_topology(self, addr: str, topology: Topology | None = None) -> None:
+        """Drop ``addr``'s topology (only ``topology``, if given: not a newer one another
+        thread just fetched) and the plan and address plan derived from it: the next request
+        asks again."""
         with self._lock:
-            self.address_plans.pop(addr, None)
-            self._topologies.pop(addr, None)
-            self._plans.pop(addr, None)
+            if topology is None or self._topologies.get(addr) is topology:
+                self._topologies.pop(addr, None)
+                self._plans.pop(addr, None)
+                self.address_plans.pop(addr, None)
+
+    def fetched_from(self, addr: str, instance_id: str | None) -> None:
+        """A fetch from ``addr`` was answered by ``instance_id``: a cached topology of another
+        instance is forgotten, and so is the plan derived from it (MGR-20). Off the hit path."""
+        topology = self._topologies.get(addr)
+        if (
+            topology is not None
+            and instance_id is not None
+            and topology.instance_id is not None
+            and topology.instance_id != instance_id
+        ):
+            self._forget_topology(addr, topology)
 
     def check_prefill(self, addr: str) -> None:
         """SGLang 0.5.23's ``init()`` checks (MGR-16, MGR-17): this decode's allocation policy
@@ -470,14 +506,21 @@ class DecodeManager:
         staging (not implemented here) is refused where it would be used."""
         assert self.layout is not None  # policy_checked implies a layout
         topology = self.topology(addr)
-        if self.staging and topology.attn_tp_size != self.layout.tp_size:
+        try:
+            self._check_policy(addr, topology, self.layout)
+        except TopologyMismatch:
+            self._forget_topology(addr, topology)  # not remembered past its deployment
+            raise
+
+    def _check_policy(self, addr: str, topology: Topology, layout: DecodeLayout) -> None:
+        if self.staging and topology.attn_tp_size != layout.tp_size:
             raise TopologyMismatch(
                 f"{addr}: prefill attn tp size {topology.attn_tp_size} differs from this "
-                f"decode's {self.layout.tp_size} and staging is on: SGLang's staging buffer is "
+                f"decode's {layout.tp_size} and staging is on: SGLang's staging buffer is "
                 "not implemented here; run without staging (the plan maps the ranks), or with "
                 "equal attn tp sizes"
             )
-        mine = self.layout.decode_allocation_policy
+        mine = layout.decode_allocation_policy
         theirs = topology.decode_allocation_policy
         if theirs is None:
             return  # a prefill that does not report it (older than the policy): nothing to check
@@ -730,6 +773,23 @@ class DecodeManager:
             frames = make(rank, receiver.room, instance_id=generation.instance_id)
             self.transport.send((rank.ip, rank.port), frames)
 
+    def callback_raised(self, receiver: HostedReceiver, error: Exception) -> None:
+        """A receiver's ``on_change`` raised (on whatever thread woke it): contained there,
+        counted here and logged once per manager, so a broken callback neither stops the
+        fan-out nor fails another request's call, nor floods the log (MGR-18)."""
+        with self._lock:
+            self._callback_errors += 1
+            first = self._callback_errors == 1
+        if first:
+            _log.error(
+                "room %d: on_change raised %r; contained (the receiver still fails or "
+                "completes at its owner's next call); later callback errors are only counted "
+                "in stats().callback_errors: fix the callback",
+                receiver.room,
+                error,
+                exc_info=error,
+            )
+
     # --- generations and their sockets -----------------------------------------------------
 
     def retain_sockets(self, generation: Generation) -> None:
@@ -845,7 +905,15 @@ class DecodeManager:
             items.extend((k, g) for k, g in _items_of(receiver) if g in generations)
         return items
 
-    def known_dead(self, addr: str, keys: Sequence[PoolKey]) -> RankDead | None:
+    def still_named_dead(
+        self, fresh: Mapping[PoolKey, Generation], error: RanksUnreachable
+    ) -> None:
+        """ReceiverHost: a fetch named again a rank judged dead (MGR-19): with the hold-off on,
+        its keys are held off until the next recheck (``dead_keys``)."""
+        if self._hold_off_dead and self.source.health_by_probes:
+            self.dead_keys.record(fresh.items(), error.endpoint, "named again after it died")
+
+    def known_dead(self, addr: str, keys: Sequence[PoolKey]) -> BootstrapError | None:
         """ReceiverHost: the error a request missing ``keys`` fails with at once because one of
         them is known dead (``statemachine/decode/dead_keys.py``), or ``None``."""
         return self.dead_keys.refusal(addr, keys)
@@ -935,15 +1003,17 @@ class DecodeManager:
         )
         return self.fail_generations(stale, error, exclude=exclude)
 
-    def watch_address(self, addr: str) -> None:
-        """Health-watch every address this manager fetched from (off the hit path)."""
+    def watch_address(self, addr: str, instance_id: str | None) -> None:
+        """Health-watch every address this manager fetched from (off the hit path), with the
+        instance id the fetch saw as the baseline: no probe runs inside the request (MGR-21;
+        a server that sends no id gets its baseline from the watch thread's first probe)."""
         if self.health is None or addr in self._watched:
             return
         with self._lock:
             if addr in self._watched:
                 return
             self._watched.add(addr)
-        self.health.watch(addr)
+        self.health.watch(addr, instance_id=instance_id, baseline_now=False)
 
     # --- metrics and shutdown --------------------------------------------------------------
 
@@ -972,6 +1042,7 @@ class DecodeManager:
                 dp_queries=self._dp_queries,
                 dropped_events=self._unknown_events,
                 kv_held=self._holds.stats().held,
+                callback_errors=self._callback_errors,
                 dp_queries_in_flight=len(self._dp_inflight),
                 known_dead_keys=len(self.dead_keys),
                 refused_known_dead=self.dead_keys.refused,

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from statemachine.decode.manager import DecodeManager
+from statemachine.extras import require
 
 PREFIX = "pd_bootstrap"
 
@@ -32,12 +33,14 @@ class PrometheusCollector:
 
     def register(self, registry: Any = None) -> PrometheusCollector:
         """Register with ``registry`` (default: prometheus_client's global registry)."""
+        require("metrics", "PrometheusCollector")
         if registry is None:
             registry = importlib.import_module("prometheus_client").REGISTRY
         registry.register(self)
         return self
 
     def collect(self) -> Iterator[Any]:
+        require("metrics", "PrometheusCollector")
         core = importlib.import_module("prometheus_client.core")
         counter, gauge = core.CounterMetricFamily, core.GaugeMetricFamily
         p = self._prefix
@@ -75,6 +78,11 @@ class PrometheusCollector:
             f"{p}_prefill_events_dropped",
             "Prefill messages for rooms not in flight, and stale ABORT acks.",
             stats.dropped_events,
+        )
+        yield counter(
+            f"{p}_callback_errors",
+            "Receivers' on_change callbacks that raised (contained).",
+            stats.callback_errors,
         )
         yield gauge(f"{p}_rooms_pending_dp", "Rooms waiting for their dp rank.", stats.pending_dp)
         yield gauge(f"{p}_zmq_sockets_open", "Cached ZMQ sockets open.", stats.sockets_open)

@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 from statemachine.errors import TopologyMismatch
 from statemachine.pool import EVERY_TP_RANK, PoolKey
-from statemachine.validation import Topology
+from statemachine.validation import InvalidArgument, Topology
 
 
 @dataclass(frozen=True)
@@ -138,19 +138,29 @@ class DecodeLayout:
         for name in ("tp_size", "pp_size", "kv_shard_size"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, not {value!r}")
+                raise InvalidArgument(
+                    f"DecodeLayout: {name} must be an int >= 1, not {value!r}: give this "
+                    "decode's own parallel size (SGLang's --tp-size / --pp-size)"
+                )
         if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), not {self.tp_rank!r}")
+            raise InvalidArgument(
+                f"DecodeLayout: tp_rank must be in [0, {self.tp_size}), not {self.tp_rank!r}: "
+                "give this decode process's own tp rank (0-based, below tp_size)"
+            )
         if type(self.pp_rank) is not int or not 0 <= self.pp_rank < self.pp_size:
-            raise ValueError(f"pp_rank must be in [0, {self.pp_size}), not {self.pp_rank!r}")
+            raise InvalidArgument(
+                f"DecodeLayout: pp_rank must be in [0, {self.pp_size}), not {self.pp_rank!r}: "
+                "give this decode process's own pp rank (0-based, below pp_size)"
+            )
         if self.dsv41_spec_layout is not None:
             # A private read-only copy: the caller's dict may change, the layout must not.
             object.__setattr__(
                 self, "dsv41_spec_layout", MappingProxyType(dict(self.dsv41_spec_layout))
             )
         if self.is_mla and self.is_hybrid_mla:
-            raise ValueError(
-                "is_mla and is_hybrid_mla exclude each other (a hybrid pool is not MLA)"
+            raise InvalidArgument(
+                "DecodeLayout: is_mla and is_hybrid_mla exclude each other (a hybrid pool is "
+                "not MLA): set the one your KV pool is"
             )
 
 

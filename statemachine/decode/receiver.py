@@ -27,16 +27,16 @@ import inspect
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from statemachine import call_deadline, trace
 from statemachine import lifecycle as life
-from statemachine import trace
 from statemachine.backend import KVBackend, MetadataRequest
 from statemachine.decode.flight import Flight
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
-from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
 from statemachine.decode.receiver_host import ReceiverHost
 from statemachine.decode.source import BootstrapQueries, as_source
 from statemachine.errors import (
@@ -49,6 +49,7 @@ from statemachine.errors import (
     InvalidRoom,
     InvalidTransition,
     PeerLost,
+    RanksUnreachable,
     SendFailed,
     TransferFailed,
     WaitingTimeout,
@@ -79,6 +80,10 @@ _RESPONSES_LOCK = threading.Lock()
 _INIT_NEEDS = "init() runs once, on a new receiver; create a new receiver for a new request"
 _SEND_NEEDS = "send_metadata() runs once, after init() returned WaitingForInput"
 _INVALIDATE_NEEDS = "only a failed receiver has generations to invalidate (it does so itself)"
+_POLL_NEEDS = (
+    "call init() first: poll() reports a request's progress once init() ran (before it, "
+    "nothing is in progress and nothing was sent)"
+)
 _FAILURE_NEEDS = "failure_exception() cannot run while init() is fetching on the owner's thread"
 _HANDSHAKE_NEEDS = (
     "under the prefill_complete policy, send_metadata() runs once poll() returned "
@@ -219,6 +224,8 @@ class BootstrapReceiver:
 
     __slots__ = (
         "_acked",
+        "_asked_dp",
+        "_call_at",
         "_dp_rank",
         "_failure",
         "_lost",
@@ -274,6 +281,11 @@ class BootstrapReceiver:
         self._acked = False
         #: The room waits for the manager's batched dp-rank query (read by the manager).
         self.awaiting_dp_rank = False
+        #: init() ran and left the room waiting for its dp rank (the one way to stay ``idle``
+        #: after init(): poll() before any init() raises instead of saying Bootstrapping)
+        self._asked_dp = False
+        #: when this init() call's questions to the source must end (0.0: none asked yet)
+        self._call_at = 0.0
         # Completion by distinct prefill responses (MGR-13): written by the ack listener's
         # thread (or a transfer engine's), read by the owner's poll.
         #: how many distinct prefill ranks must report success (known once the plan is)
@@ -381,9 +393,12 @@ class BootstrapReceiver:
                     for key in keys:
                         generation = pool.peek_hit(key)  # pool.lookup in two C calls
                         if generation is None:
-                            result = self._missed(plan, keys, key)
-                            break
-                        pool.count_hit()
+                            generation = pool.lookup(key)  # counts the miss
+                            if generation is None:
+                                result = self._missed(plan, keys, key)
+                                break
+                        else:
+                            pool.count_hit()
                         entries[key] = generation
                     else:
                         self.state = _HIT_TO  # the Hit step (the Machine's table, read once)
@@ -411,14 +426,26 @@ class BootstrapReceiver:
         try:
             if plan is None:
                 if m.preparing(self.addr):
-                    return _BOOTSTRAPPING  # resolved in the background (prepare): not here
-                known = m.address_plan(self.addr)  # SGLang checks in init(), before the routes
+                    # Resolved in the background (prepare): not fetched here; poll() says
+                    # Bootstrapping until a later init() goes on (as for a pending dp rank).
+                    self._asked_dp = True
+                    return _BOOTSTRAPPING
+                known = m.address_plans.get(self.addr)
+                if known is None:  # the topology is asked: inside this call's window
+                    with self._window():
+                        known = m.address_plan(self.addr)  # SGLang checks in init() too
                 plan = self.plan = known.plan
             elif m.policy_checked:
-                m.check_prefill(self.addr)
+                # SGLang checks in init(), before the routes
+                if self.addr in m.topologies:
+                    m.check_prefill(self.addr)
+                else:
+                    with self._window():
+                        m.check_prefill(self.addr)
             if dp_rank is None:
                 dp_rank = self._resolve_dp_rank()
                 if dp_rank is None:
+                    self._call_at = 0.0  # the next init() is a new call
                     return _BOOTSTRAPPING
         except BootstrapError as error:
             return self._fail(life.FETCH_FAIL, error)
@@ -571,9 +598,16 @@ class BootstrapReceiver:
         return True
 
     def _wake(self) -> None:
+        """Call the owner's ``on_change``. It runs on whatever thread brought the news (the
+        fan-out, the ack listener, another request's send): what it raises is contained and
+        reported to the manager (counted, logged once), so it can neither stop a fan-out nor
+        surface in another request's call (MGR-18)."""
         wake = self.on_change
         if wake is not None:
-            wake()
+            try:
+                wake()
+            except Exception as exc:
+                self._m.callback_raised(self, exc)
 
     def expected_acks(self) -> int:
         """How many distinct prefill ranks must report success: the plan's
@@ -607,6 +641,9 @@ class BootstrapReceiver:
                 self._fail(life.PEER_LOST, lost)
             elif self.awaiting_dp_rank and self._bootstrap_expired():
                 self._fail(life.FETCH_FAIL, self._bootstrap_timeout())
+            elif state == life.IDLE and not self._asked_dp:
+                # Never init()ed: Bootstrapping would be reported forever (MGR-7).
+                raise InvalidTransition(state, life.HIT, method="poll", requires=_POLL_NEEDS)
         elif state == life.HANDSHAKING:
             self._poll_handshake()
         return life.POLL_OF_STATE[self.state]
@@ -720,26 +757,35 @@ class BootstrapReceiver:
     def _resolve_dp_rank(self) -> int | None:
         """SGLang's order after a router-given rank; None while the room is pending."""
         m = self._m
-        topology = m.topology(self.addr)
+        topology = m.topologies.get(self.addr)
+        if topology is None:
+            with self._window():
+                topology = m.topology(self.addr)
         if topology.dp_size == 1:
             return 0
         if topology.follow_bootstrap_room is not False:  # never set means True (SGLang)
             return self.room % topology.dp_size
         if not self.awaiting_dp_rank:
-            self.awaiting_dp_rank = True
+            self.awaiting_dp_rank = self._asked_dp = True
             self._sent_at = m.clock()
             m.await_dp_rank(self)
         elif self._bootstrap_expired():
             raise self._bootstrap_timeout()
         return None
 
+    def _window(self) -> call_deadline.Until:
+        """This init() call's deadline window: opened at its first question to the source,
+        ``fetch_deadline_s`` long, shared by every question after it (MGR-21)."""
+        at = self._call_at
+        if not at:
+            at = self._call_at = time.monotonic() + self._m.fetch_deadline_s
+        return call_deadline.Until(at)
+
     def resolved(self, dp_rank: int) -> None:
         """The manager's batched query answered (called from the stepping thread)."""
         self._dp_rank = dp_rank
         self.awaiting_dp_rank = False  # no bootstrap timeout any more: the next init() goes on
-        wake = self.on_change
-        if wake is not None:
-            wake()
+        self._wake()
 
     def _bootstrap_expired(self) -> bool:
         return self._m.clock() - self._sent_at >= self._m.bootstrap_timeout_s
@@ -810,23 +856,37 @@ class BootstrapReceiver:
         m = self._m
         flights = m.flights
         self._fire(life.MISS)
-        m.watch_address(self.addr)
         try:
-            fresh = self._fetch(plan, missing)
+            with self._window():  # every rank's query ends by this call's deadline (MGR-21)
+                fresh = self._fetch(plan, missing)
+            # One retry rule on every source (MGR-19): ranks the transport already judged
+            # dead, answered again (a store still listing a crashed prefill, a server that
+            # kept a dead rank's port), fail this request as retryable, in microseconds.
+            try:
+                _refuse_known_dead(self.addr, m.transport, fresh.values())
+            except RanksUnreachable as error:
+                m.still_named_dead(fresh, error)  # the manager may hold the key off (MGR-1)
+                raise
         except BootstrapError as error:
             if flights is not None:
                 flights.fail(led, error)
             return self._fail(life.FETCH_FAIL, error)
+        # Health-watch the address with the instance id just fetched as the baseline: no probe
+        # runs inside this request (MGR-21).
+        m.watch_address(self.addr, next(iter(fresh.values())).instance_id if fresh else None)
         self.entries.update(fresh)
         self._fire(life.FETCH_OK)
         try:
             for generation in fresh.values():
                 m.transport.register(generation, m.backend)
         except SendFailed as error:
+            m.send_failed(error)  # the evidence, for the other requests on that endpoint
+            # Nothing of this request reached a prefill: retryable, as above (MGR-19).
+            unreachable = _unreachable(self.addr, error.endpoint, "registering with it failed")
+            unreachable.__cause__ = error
             if flights is not None:
-                flights.fail(led, error)
-            m.send_failed(error)
-            return self._fail(life.REGISTER_FAIL, error)
+                flights.fail(led, unreachable)
+            return self._fail(life.REGISTER_FAIL, unreachable)
         self._fire(life.REGISTER_OK)
         published: dict[PoolKey, Generation] = {}
         refused: BootstrapError | None = None
@@ -893,7 +953,9 @@ class BootstrapReceiver:
                     tp_rank=tp_rank,
                     pp_rank=pp_rank,
                 )
-                instance_ids.add(reply.instance_id)
+                if reply.instance_id not in instance_ids:
+                    instance_ids.add(reply.instance_id)
+                    m.fetched_from(self.addr, reply.instance_id)  # new instance: re-plan (MGR-20)
                 ranks.append(
                     RankInfo(
                         reply.rank_ip,
@@ -930,6 +992,30 @@ class BootstrapReceiver:
 
     def __repr__(self) -> str:
         return f"BootstrapReceiver(id={self.id}, room={self.room}, state={self.state!r})"
+
+
+def _unreachable(addr: str, endpoint: str, why: str) -> RanksUnreachable:
+    return RanksUnreachable(
+        f"{addr}: prefill rank {endpoint} cannot be reached ({why}) and no newer registration "
+        "is visible yet; nothing of this request was sent: retry shortly (the first request "
+        "after the prefill registers again gets through)",
+        addr=addr,
+        endpoint=endpoint,
+    )
+
+
+def _refuse_known_dead(addr: str, transport: ZmqTransport, fresh: Iterable[Generation]) -> None:
+    """``RanksUnreachable`` if a rank of ``fresh`` is at an endpoint the transport judged dead
+    (its circuit is open, ZMQ-19): registering there would fail anyway."""
+    is_down = transport.is_down
+    for generation in fresh:
+        for rank in generation.ranks:
+            if is_down((rank.ip, rank.port)):
+                raise _unreachable(
+                    addr,
+                    endpoint_url((rank.ip, rank.port)),
+                    "the transport's socket monitor judged it dead",
+                )
 
 
 def transfer_failed(

@@ -25,7 +25,7 @@ from statemachine.decode.flight import Flights
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.source import BootstrapSource
-from statemachine.errors import BootstrapError, PeerLost, SendFailed
+from statemachine.errors import BootstrapError, RanksUnreachable, SendFailed
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import Topology
 
@@ -115,6 +115,12 @@ class ReceiverHost(Protocol):
     #: The source marks stale generations: check them before starting a transfer.
     watermarked: bool
 
+    #: How long one init() call may spend asking the source, all questions together (MGR-21).
+    fetch_deadline_s: float
+    #: The plans and topologies known now, by address (read only).
+    plans: Mapping[str, RankPlan]
+    topologies: Mapping[str, Topology]
+
     @property
     def address_plans(self) -> Mapping[str, AddressPlan]:
         """The addresses whose plan and checks are resolved (a plain dict attribute on the
@@ -128,9 +134,15 @@ class ReceiverHost(Protocol):
         a :class:`~statemachine.errors.BootstrapError` if it cannot be served."""
         ...
 
-    def known_dead(self, addr: str, keys: Sequence[PoolKey]) -> PeerLost | None:
+    def known_dead(self, addr: str, keys: Sequence[PoolKey]) -> BootstrapError | None:
         """The error a request missing ``keys`` fails with at once (one of them is known
         dead: no refetch per request), or ``None``."""
+        ...
+
+    def still_named_dead(
+        self, fresh: Mapping[PoolKey, Generation], error: RanksUnreachable
+    ) -> None:
+        """A fetch named again a rank the transport judged dead (``error.endpoint``)."""
         ...
 
     def preparing(self, addr: str) -> bool:
@@ -172,12 +184,21 @@ class ReceiverHost(Protocol):
         """Ask the room's dp rank in the next batched query (:meth:`resolved` answers)."""
         ...
 
-    def watch_address(self, addr: str) -> None:
-        """The receiver fetches from ``addr``: watch its health if the source needs probes."""
+    def watch_address(self, addr: str, instance_id: str | None) -> None:
+        """The receiver fetched from ``addr`` (answered by ``instance_id``, the baseline):
+        watch its health if the source needs probes."""
         ...
 
     def send_failed(self, error: SendFailed) -> None:
         """A send failed: every other request using that endpoint is lost too."""
+        ...
+
+    def fetched_from(self, addr: str, instance_id: str | None) -> None:
+        """A fetch from ``addr`` was answered by ``instance_id`` (a new one: re-plan)."""
+        ...
+
+    def callback_raised(self, receiver: HostedReceiver, error: Exception) -> None:
+        """The receiver's ``on_change`` raised ``error`` (contained: counted, logged once)."""
         ...
 
     def retain_sockets(self, generation: Generation) -> None:

@@ -423,9 +423,17 @@ class EtcdBootstrapSource:
         (``None``: the caller fails its request with ``RankRetired``); one published first is
         found by that change's pool scan. So no stale object enters the slot a retirement just
         emptied (the model's mutation ``NoWatermark``).
+
+        A stale fetch whose key already holds a *current* entry (another request, or another
+        manager on the pool, fetched after the change) adopts that entry, as ``setdefault``
+        would have: the model's Publish lets a leader and its followers adopt the pool's entry,
+        so only a fetch with nothing current to adopt is refused.
         """
         with self._retire_lock:
             if not self.is_current(key, generation):
+                held = pool.get(key)
+                if held is not None and self.is_current(key, held):
+                    return pool.publish(key, generation)  # setdefault: returns ``held``
                 self._refused += 1
                 return None
             return pool.publish(key, generation)

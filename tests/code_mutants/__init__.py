@@ -484,12 +484,65 @@ MUTANTS: tuple[CodeMutant, ...] = (
         ETCD,
         (
             (
-                "            if not self.is_current(key, generation):\n                self._refused += 1",
-                "            if False:\n                self._refused += 1",
+                "            if not self.is_current(key, generation):\n                held = pool.get(key)",
+                "            if False:\n                held = pool.get(key)",
             ),
         ),
         (T_ETCD + "test_a_fetch_the_watch_overtook_is_not_published",),
         "a fetch the watch overtook is published (the model's NoWatermark)",
+    ),
+    CodeMutant(
+        "stale_fetch_refused_before_adopting",
+        ETCD,
+        (
+            (
+                "                if held is not None and self.is_current(key, held):\n",
+                "                if False:\n",
+            ),
+        ),
+        (T_ETCD + "test_a_stale_fetch_adopts_a_current_entry_another_request_published",),
+        "a stale fetch is refused although the pool holds a current entry to adopt (the model "
+        "adopts): the leader fails with RankRetired",
+    ),
+    # --- issue 17: callbacks, the retry rule --------------------------------------------------
+    CodeMutant(
+        "callback_not_contained",
+        RECEIVER,
+        (
+            (
+                "            try:\n                wake()\n            except Exception as exc:\n"
+                "                self._m.callback_raised(self, exc)\n",
+                "            wake()\n",
+            ),
+        ),
+        (
+            "tests/test_user_callbacks.py::test_a_raising_on_change_does_not_stop_the_fan_out",
+            "tests/test_user_callbacks.py::"
+            "test_another_requests_send_never_raises_the_callbacks_error",
+        ),
+        "a raising on_change stops the fan-out and surfaces in another request's send (MGR-18)",
+    ),
+    CodeMutant(
+        "known_dead_ranks_not_retryable",
+        RECEIVER,
+        (
+            (
+                "                _refuse_known_dead(self.addr, m.transport, fresh.values())\n",
+                "                pass\n",
+            ),
+            (
+                '            unreachable = _unreachable(self.addr, error.endpoint, "registering '
+                'with it failed")\n            unreachable.__cause__ = error\n',
+                "            unreachable = error\n",
+            ),
+        ),
+        (
+            "tests/test_retry_rule.py::"
+            "test_on_etcd_a_request_after_a_crash_is_retryable_until_the_new_registration",
+            "tests/test_retry_rule.py::test_on_http_the_same_request_fails_the_same_way",
+        ),
+        "a request that meets ranks known dead fails with SendFailed (not retryable) on etcd "
+        "where HTTP retries (MGR-19)",
     ),
     # --- server validation ----------------------------------------------------------------------
     CodeMutant(

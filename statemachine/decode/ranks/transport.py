@@ -56,6 +56,7 @@ from statemachine.decode.ranks.liveness import EVENTS, Liveness
 from statemachine.decode.ranks.monitor import SocketMonitor
 from statemachine.errors import SendFailed
 from statemachine.pool import Generation
+from statemachine.validation import InvalidArgument
 
 __all__ = [
     "Endpoint",
@@ -185,7 +186,11 @@ class ZmqTransport:
         down_hold_ms: int = 1000,
     ) -> None:
         if mode not in ("immediate", "queueing"):
-            raise ValueError(f"mode must be 'immediate' or 'queueing', not {mode!r}")
+            raise InvalidArgument(
+                f"mode must be 'immediate' or 'queueing', not {mode!r}: use 'immediate' (the "
+                "default: a send to a dead rank fails at once); 'queueing' is SGLang's socket "
+                "options, for comparisons"
+            )
         for name, value in (
             ("send_timeout_ms", send_timeout_ms),
             ("max_sockets", max_sockets),
@@ -195,12 +200,15 @@ class ZmqTransport:
             ("down_hold_ms", down_hold_ms),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, not {value!r}")
+                raise InvalidArgument(
+                    f"{name} must be a positive int (milliseconds or a count), not {value!r}"
+                )
         if monitor is None:
             monitor = mode == "immediate"
         elif monitor and mode == "queueing":
-            raise ValueError(
-                "monitor=True needs mode='immediate' (queueing is the SGLang baseline)"
+            raise InvalidArgument(
+                "monitor=True needs mode='immediate' (queueing is the SGLang baseline): drop "
+                "monitor=True or use mode='immediate'"
             )
         self.mode: Mode = mode
         self.send_timeout_ms = send_timeout_ms
