@@ -221,3 +221,101 @@ class TrickleServer:
                     conn.sendall(slow[i : i + 1])
             except OSError:
                 return  # the client gave up: what the tests want
+
+
+def _read_http_message(conn: socket.socket, buffer: bytearray) -> bytes | None:
+    """One HTTP/1.1 message (head and a Content-Length body) from ``conn``; None at EOF."""
+    while b"\r\n\r\n" not in buffer:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        buffer += chunk
+    head_end = buffer.index(b"\r\n\r\n") + 4
+    length = 0
+    for line in bytes(buffer[:head_end]).split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(buffer) < head_end + length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        buffer += chunk
+    message = bytes(buffer[: head_end + length])
+    del buffer[: head_end + length]
+    return message
+
+
+class HoldingProxy:
+    """A TCP proxy on 127.0.0.1 in front of a real HTTP server that holds every request it
+    receives while ``hold`` is set - a prefill whose bootstrap server does not answer - and
+    forwards it (then relays the real server's reply) once the test clears ``hold``.
+
+    ``received`` counts requests by their first line. Every connection's thread ends when
+    either side hangs up or at ``close()``; nothing is left running.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.hold = threading.Event()
+        self.hold.set()
+        self.received: dict[str, int] = {}
+        self.got_request = threading.Event()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        self._accept_thread = threading.Thread(target=self._accept, daemon=True)
+
+    def __enter__(self) -> HoldingProxy:
+        self._accept_thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._accept_thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        host, port = self.upstream.rsplit(":", 1)
+        conn.settimeout(0.05)
+        with conn, socket.create_connection((host, int(port)), timeout=5) as up:
+            inbound, outbound = bytearray(), bytearray()
+            while not self._stop.is_set():
+                try:
+                    request = _read_http_message(conn, inbound)
+                except TimeoutError:
+                    continue
+                if request is None:
+                    return
+                first = request.split(b"\r\n", 1)[0].decode(errors="replace")
+                with self._lock:
+                    self.received[first] = self.received.get(first, 0) + 1
+                self.got_request.set()
+                while self.hold.is_set():
+                    if self._stop.wait(0.01):
+                        return
+                up.sendall(request)
+                reply = _read_http_message(up, outbound)
+                if reply is None:
+                    return
+                conn.sendall(reply)
+
+    def count(self, prefix: str) -> int:
+        """Requests received whose first line starts with ``prefix`` (e.g. ``POST /query``)."""
+        with self._lock:
+            return sum(n for first, n in self.received.items() if first.startswith(prefix))

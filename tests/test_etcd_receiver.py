@@ -32,6 +32,7 @@ from statemachine.pool import PoolKey
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.validation import RouteReply
 from tests.etcd_support import EtcdServer, free_port, running_etcd, wait_until
+from tests.zmq_support import VerdictRecorder
 
 TP = 2
 PLAN = RankPlan(tp_ranks=tuple(range(TP)))
@@ -206,6 +207,39 @@ def test_graceful_restart_fails_no_request_started_after_the_new_registration(
             assert wait_until(lambda: manager.pool.get(PoolKey(addr, 0, 0, 0)) is None, BOUND)
         assert manager.stats().failures == {}
         assert source.stats().retired >= 2
+    finally:
+        manager.close()
+
+
+def test_a_crashed_rank_that_registers_again_serves_the_next_request(
+    etcd: EtcdServer, cluster: tuple[str, str, list[Instance]]
+) -> None:
+    """Issue 18: with etcd the store still names a SIGKILLed rank until its lease expires, but
+    asking the store costs microseconds and its watch shows a new registration at once, so a
+    key whose rank died is never held off as known dead (only a source asked over the network
+    is): requests on the dead rank fail, and the first request after the rank registered its
+    new port is served, however soon (``dead_recheck_s`` is an hour here)."""
+    prefix, addr, _ = cluster
+    instance = launch(etcd, cluster)
+    manager = manager_for(etcd, prefix, dead_recheck_s=3600.0)
+    source = manager.source
+    assert isinstance(source, EtcdBootstrapSource)
+    verdicts = VerdictRecorder()
+    manager.transport.subscribe(verdicts)
+    try:
+        assert wait_until(lambda: visible(source, addr) == instance.expected(), BOUND)
+        assert run(manager, addr, 1).state == life.DONE
+        crashed = instance.ranks[1]
+        old_port = crashed.port
+        crashed.kill()  # the lease (10 s) outlives the test's wait: etcd still names the port
+        verdicts.wait_for(("127.0.0.1", old_port), alive=False, timeout=BOUND)
+        for room in (2, 3):
+            assert run(manager, addr, room).state == life.INVALIDATED
+        crashed.start(avoid_port=old_port)  # registers its new port under the same instance
+        assert wait_until(lambda: visible(source, addr) == instance.expected(), BOUND)
+        served = run(manager, addr, 4)
+        assert served.state == life.DONE, served.failure
+        assert manager.stats().known_dead_keys == 0
     finally:
         manager.close()
 

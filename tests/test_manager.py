@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from http_support import FakeClock, HoldingProxy
 from test_receiver import (
     PLAN,
     POLL_LIMIT_S,
@@ -56,6 +57,7 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, PoolKey, RankInfo
+from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from statemachine.registration import route_payload
 from statemachine.validation import Topology
@@ -175,6 +177,76 @@ def test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it(slow_prefill: P
         assert probe.init() == KVPoll.Failed
         assert isinstance(probe.failure, RanksUnreachable), probe.failure
         assert manager.stats().failures.get("RanksUnreachable") == 1
+
+
+def test_mgr_1_requests_after_a_known_death_fail_at_once_without_a_refetch_each(
+    slow_prefill: Prefill,
+) -> None:
+    """Issue 18: once a rank is known dead while its bootstrap server still names it, one
+    request refetches (and meets the dead rank); every request after it fails at once with the
+    one retry rule's typed, retryable RanksUnreachable (MGR-19) and asks the server nothing
+    (counted at the server) until ``dead_recheck_s`` passed; then one request asks again."""
+    clock = FakeClock()
+    with manager_for(dead_recheck_s=5.0, clock=clock) as manager:
+        first = in_flight_waiting(manager, slow_prefill, range(1, 2))[0]
+        verdicts = VerdictRecorder()
+        manager.transport.subscribe(verdicts)
+        dead = ("127.0.0.1", slow_prefill.ranks[1].port)
+        slow_prefill.ranks[1].kill()
+        verdicts.wait_for(dead, alive=False, timeout=FAIL_BOUND_S)
+        assert wait_until(lambda: first.poll() == KVPoll.Failed)
+        routes = slow_prefill.server.stats().requests.get("GET /route", 0)
+        recheck = manager.receiver(slow_prefill.addr, 10, PLAN, prefill_dp_rank=0)
+        assert recheck.init() == KVPoll.Failed
+        assert isinstance(recheck.failure, RanksUnreachable), recheck.failure  # MGR-19
+        asked = slow_prefill.server.stats().requests.get("GET /route", 0)
+        assert asked == routes + TP  # the one refetch: every rank of the key
+        for room in range(11, 31):
+            receiver = manager.receiver(slow_prefill.addr, room, PLAN, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.Failed
+            assert isinstance(receiver.failure, RanksUnreachable), receiver.failure
+            assert "known dead" in str(receiver.failure) and "retry" in str(receiver.failure)
+        assert slow_prefill.server.stats().requests.get("GET /route", 0) == asked
+        assert manager.stats().refused_known_dead == 20
+        clock.now += 5.0  # the recheck is due: one request asks the server again
+        again = manager.receiver(slow_prefill.addr, 40, PLAN, prefill_dp_rank=0)
+        assert again.init() == KVPoll.Failed
+        assert isinstance(again.failure, RanksUnreachable), again.failure
+        assert slow_prefill.server.stats().requests.get("GET /route", 0) == asked + TP
+        assert manager.stats().in_flight == 0
+
+
+def test_mgr_1_a_rank_known_dead_is_served_by_the_first_request_after_it_registers_again(
+    slow_prefill: Prefill,
+) -> None:
+    """Issue 18: the memory of a dead rank never outlives its registration: the rank comes
+    back on a new port and registers; the first request allowed to ask (the recheck is due)
+    fetches the new port and is served, and so is every request after it."""
+    clock = FakeClock()
+    with manager_for(dead_recheck_s=5.0, clock=clock) as manager:
+        first = in_flight_waiting(manager, slow_prefill, range(1, 2))[0]
+        verdicts = VerdictRecorder()
+        manager.transport.subscribe(verdicts)
+        old_port = slow_prefill.ranks[1].port
+        slow_prefill.ranks[1].kill()
+        verdicts.wait_for(("127.0.0.1", old_port), alive=False, timeout=FAIL_BOUND_S)
+        assert wait_until(lambda: first.poll() == KVPoll.Failed)
+        recheck = manager.receiver(slow_prefill.addr, 2, PLAN, prefill_dp_rank=0)
+        assert recheck.init() == KVPoll.Failed  # refetched, met the dead rank again
+        refused = manager.receiver(slow_prefill.addr, 3, PLAN, prefill_dp_rank=0)
+        assert refused.init() == KVPoll.Failed
+        assert isinstance(refused.failure, RanksUnreachable)
+        assert "known dead" in str(refused.failure)
+        slow_prefill.ranks[1].start(avoid_port=old_port)  # registers its new port
+        assert slow_prefill.ranks[1].port != old_port
+        clock.now += 5.0
+        for room in (4, 5):
+            served = manager.receiver(slow_prefill.addr, room, PLAN, prefill_dp_rank=0)
+            assert served.init() == KVPoll.WaitingForInput, served.failure
+            ports = {rank.port for g in served.entries.values() for rank in g.ranks}
+            assert slow_prefill.ranks[1].port in ports
+            served.abort()
+        assert manager.stats().known_dead_keys == 0
 
 
 def test_mgr_1_a_failed_send_fails_every_request_in_flight_on_that_rank(
@@ -713,12 +785,12 @@ def test_mgr_8_pending_rooms_batch_one_query_per_address_per_step() -> None:
             receivers = [manager.receiver(server.address, room) for room in (1, 2, 3, 4)]
             assert [r.init() for r in receivers] == [KVPoll.Bootstrapping] * 4
             assert manager.stats().pending_dp == 4
-            assert manager.step() == 3
+            assert manager.step(wait=True) == 3  # the synchronous form
             assert server.stats().requests.get("POST /query_dp_ranks", 0) == 1
             assert [r.init() for r in receivers[:3]] == [KVPoll.WaitingForInput] * 3
             assert [next(iter(r.entries)).dp_rank for r in receivers[:3]] == [1, 0, 1]
             assert receivers[3].init() == KVPoll.Bootstrapping  # unknown: still pending
-            assert manager.step() == 0
+            assert manager.step(wait=True) == 0
             time.sleep(0.3)
             assert receivers[0].poll() == KVPoll.WaitingForInput  # resolved: no timeout
             assert receivers[3].poll() == KVPoll.Failed
@@ -731,6 +803,92 @@ def test_mgr_8_pending_rooms_batch_one_query_per_address_per_step() -> None:
         for sock in sockets:
             sock.close(linger=0)
         context.term()
+
+
+def test_mgr_8_step_returns_while_its_query_is_in_flight_and_applies_it_later() -> None:
+    """step() never waits on the network (issue 18): the bootstrap server holds the batched
+    POST /query_dp_ranks unanswered; step() returns with the query in flight, later steps
+    start no second one for that address, the rooms stay pending (init() says Bootstrapping
+    at once), and the step after the answer arrives resolves them."""
+    import zmq
+
+    context = zmq.Context()
+    sockets = [context.socket(zmq.PULL) for _ in range(2)]
+    ports = {(dp, 0): s.bind_to_random_port("tcp://127.0.0.1") for dp, s in enumerate(sockets)}
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    try:
+        _register_ranks(
+            server, ports, load_balance_method="round_robin", follow_bootstrap_room=False
+        )
+        import requests
+
+        for room, dp in ((1, 1), (2, 0)):
+            requests.post(
+                f"http://{server.address}/register_dp_rank",
+                json={"bootstrap_room": room, "dp_rank": dp},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+                timeout=5,
+            ).raise_for_status()
+        with HoldingProxy(server.address) as proxy, manager_for() as manager:
+            proxy.hold.clear()  # the topology comes back at once
+            receivers = [manager.receiver(proxy.address, room) for room in (1, 2)]
+            assert [r.init() for r in receivers] == [KVPoll.Bootstrapping] * 2
+            proxy.hold.set()  # from now on the server answers nothing
+            proxy.got_request.clear()
+            assert manager.step() == 0
+            assert proxy.got_request.wait(FAIL_BOUND_S)
+            assert manager.stats().dp_queries_in_flight == 1  # returned with it in flight
+            for _ in range(3):
+                assert manager.step() == 0
+            assert [r.init() for r in receivers] == [KVPoll.Bootstrapping] * 2
+            assert manager.stats().dp_queries == 1  # one query in flight per address
+            assert proxy.count("POST /query_dp_ranks") == 1
+            proxy.hold.clear()  # the answer goes out
+            resolved = 0
+            deadline = time.monotonic() + FAIL_BOUND_S
+            while resolved < 2 and time.monotonic() < deadline:
+                resolved += manager.step()
+                time.sleep(0.005)
+            assert resolved == 2
+            assert manager.stats().dp_queries_in_flight == 0
+            assert [r.init() for r in receivers] == [KVPoll.WaitingForInput] * 2
+            assert [next(iter(r.entries)).dp_rank for r in receivers] == [1, 0]
+            for receiver in receivers:
+                receiver.clear()
+    finally:
+        server.stop()
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
+
+
+def test_mgr_8_prepare_fetches_the_topology_off_the_callers_thread() -> None:
+    """prepare(addr) starts the topology fetch on the manager's background workers: while the
+    bootstrap server holds it unanswered, init() for that address returns Bootstrapping at
+    once instead of fetching on the caller's thread; once it is answered, init() goes on."""
+    prefill = start_prefill()
+    try:
+        with (
+            HoldingProxy(prefill.server.address) as proxy,
+            manager_for(layout=DecodeLayout(0, 1)) as manager,
+        ):
+            future = manager.prepare(proxy.address)
+            assert proxy.got_request.wait(FAIL_BOUND_S)
+            assert manager.prepare(proxy.address) is future  # one fetch per address
+            receiver = manager.receiver(proxy.address, 1, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.Bootstrapping
+            assert not future.done()  # the fetch is still held: init() did not wait for it
+            assert receiver.poll() == KVPoll.Bootstrapping
+            proxy.hold.clear()
+            known = future.result(timeout=FAIL_BOUND_S)
+            assert known.plan.tp_ranks == (0, 1)
+            assert manager.prepare(proxy.address).result(timeout=0) is known
+            assert receiver.init() == KVPoll.WaitingForInput
+            assert proxy.count("GET /route?prefill_dp_rank=-1") == 1  # one topology fetch
+            receiver.send_metadata((1,))
+            assert finish(receiver) == KVPoll.Success
+    finally:
+        stop_prefill(prefill)
 
 
 def test_mgr_8_follow_bootstrap_room_and_single_dp_need_no_query() -> None:
@@ -798,6 +956,47 @@ def test_mgr_9_rank_plan_derived_from_topology_and_checked() -> None:
             assert "page_size" in str(wrong.failure)
     finally:
         stop_prefill(prefill)
+
+
+def test_mgr_9_a_restarted_prefill_is_planned_again_from_its_new_topology() -> None:
+    """The plan an address resolved once (and the hit path reads, ``address_plans``) goes with
+    the instance it was derived from: a prefill of tp 2 restarts behind the same address as tp
+    1, the health monitor sees the new instance, and the next request is planned from the new
+    topology (one rank) and succeeds; a plan kept from before would fetch a tp rank 1 that no
+    longer exists."""
+    first = start_prefill()
+    port = int(first.addr.rsplit(":", 1)[1])
+    second: Prefill | None = None
+    try:
+        with manager_for(
+            layout=DecodeLayout(0, 1), health_interval_s=0.05, failures_to_dead=10_000
+        ) as manager:
+            before = manager.receiver(first.addr, 1, prefill_dp_rank=0)
+            assert before.init() == KVPoll.WaitingForInput
+            assert before.plan is not None and before.plan.tp_ranks == (0, 1)
+            before.send_metadata((1,))
+            assert finish(before) == KVPoll.Success
+            assert _probed(manager, first.addr)
+            stop_prefill(first)
+            second = Prefill(BootstrapServer("127.0.0.1", port, token=TOKEN).start())
+            rank = PrefillRankProcess(second.server.address, TOKEN, tp_rank=0, tp_size=1)
+            second.ranks.append(rank)
+            rank.start()
+            rooms = iter(range(2, 10_000))
+
+            def served_by_one_rank() -> bool:
+                after = manager.receiver(first.addr, next(rooms), prefill_dp_rank=0)
+                if after.init() != KVPoll.WaitingForInput:
+                    return False
+                assert after.plan is not None and after.plan.tp_ranks == (0,)
+                after.send_metadata((2,))
+                return finish(after) == KVPoll.Success
+
+            assert wait_until(served_by_one_rank, timeout=POLL_LIMIT_S)
+    finally:
+        stop_prefill(first)
+        if second is not None:
+            stop_prefill(second)
 
 
 # --- API errors (issue 12) --------------------------------------------------------------------

@@ -46,6 +46,7 @@ microseconds per thousand requests in flight, off the hit path.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import importlib
 import itertools
@@ -54,6 +55,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -66,7 +68,9 @@ from statemachine.completion import (
     PrefillEvent,
 )
 from statemachine.decode import holds
+from statemachine.decode.background import Background
 from statemachine.decode.client import BootstrapClient
+from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan, plan_without_layout
@@ -79,7 +83,7 @@ from statemachine.decode.receiver import (
     Decode,
     transfer_failed,
 )
-from statemachine.decode.receiver_host import HostedReceiver
+from statemachine.decode.receiver_host import AddressPlan, HostedReceiver
 from statemachine.decode.source import BootstrapQueries, BootstrapSource, as_source
 from statemachine.errors import (
     BootstrapError,
@@ -89,6 +93,7 @@ from statemachine.errors import (
     PrefillDead,
     PrefillRestarted,
     RankDead,
+    RanksUnreachable,
     SendFailed,
     TopologyMismatch,
 )
@@ -149,6 +154,11 @@ class ManagerStats:
     kv_held: int = 0
     #: receivers' ``on_change`` calls that raised (contained; the first is logged, MGR-18)
     callback_errors: int = 0
+    #: batched dp-rank queries started by step() and not yet collected (MGR-8)
+    dp_queries_in_flight: int = 0
+    #: pool keys whose ranks are known dead, and requests failed at once on them (MGR-1)
+    known_dead_keys: int = 0
+    refused_known_dead: int = 0
 
 
 class DecodeManager:
@@ -162,6 +172,8 @@ class DecodeManager:
     ``staging=True`` says the decode runs SGLang's staging buffer (attn-tp sizes may differ);
     this library does not implement it, so a prefill whose attn-tp differs from the layout's
     is refused (``TopologyMismatch``). ``kv_release_timeout_s``: see :meth:`kv_release`.
+    ``dead_recheck_s`` (off by default): hold a key whose rank is known dead off for that long
+    after each refetch that met it (``statemachine/decode/dead_keys.py``, MGR-1).
     """
 
     def __init__(
@@ -189,6 +201,7 @@ class DecodeManager:
         single_flight: bool = True,
         staging: bool = False,
         kv_release_timeout_s: float = DEFAULT_KV_RELEASE_TIMEOUT_S,
+        dead_recheck_s: float | None = None,
     ) -> None:
         if completion not in ("acks", "external"):
             raise ConfigurationError(f"completion must be 'acks' or 'external', not {completion!r}")
@@ -205,6 +218,7 @@ class DecodeManager:
             ("flight_timeout_s", flight_timeout_s),
             ("kv_release_timeout_s", kv_release_timeout_s),
             ("fetch_deadline_s", fetch_deadline_s),
+            ("dead_recheck_s", 1.0 if dead_recheck_s is None else dead_recheck_s),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigurationError(f"{name} must be a positive number, not {value!r}")
@@ -257,11 +271,25 @@ class DecodeManager:
         self.flights: Flights | None = Flights() if single_flight else None
         self._lock = threading.Lock()  # guards everything below (never taken on the hit path)
         self._pending: dict[str, dict[int, HostedReceiver]] = {}
+        #: the batched dp-rank query in flight per address, and the rooms it asks about
+        self._dp_inflight: dict[str, tuple[Future[dict[int, int]], dict[int, HostedReceiver]]] = {}
+        #: addresses being resolved by prepare() on the background workers
+        self._preparing: dict[str, Future[AddressPlan]] = {}
+        #: the workers of step()'s queries and prepare() (threads start on first use)
+        self._background = Background()
+        #: keys whose ranks are known dead: a miss on one fails at once (no refetch per request)
+        #: (off unless dead_recheck_s is given: holding a key off trades up to dead_recheck_s
+        #: of failed requests after the rank registers again for microsecond stalls meanwhile)
+        self.dead_keys = DeadKeys(clock=clock, recheck_s=dead_recheck_s or 1.0)
+        self._hold_off_dead = dead_recheck_s is not None
         self._topologies: dict[str, Topology] = {}
         self._plans: dict[str, RankPlan] = {}
-        #: ReceiverHost: what is known now, read without a call (a hit's plan is one get)
+        #: ReceiverHost: what is known now, read without a call
         self.topologies: Mapping[str, Topology] = self._topologies
         self.plans: Mapping[str, RankPlan] = self._plans
+        #: ReceiverHost.address_plans: per address, what init() needs before its lookup
+        #: (written under the lock, read lock-free: one dict get per hit).
+        self.address_plans: dict[str, AddressPlan] = {}
         self._retained: dict[Generation, tuple[Endpoint, ...]] = {}
         self._watched: set[str] = set()
         self._invalidations: dict[str, int] = {}
@@ -390,7 +418,7 @@ class DecodeManager:
         ``plan`` defaults to the one derived from the prefill's topology and this manager's
         ``layout`` (:meth:`plan_for`); ``prefill_dp_rank`` is the router's, if any.
         """
-        return BootstrapReceiver(self, addr, room, plan, prefill_dp_rank=prefill_dp_rank)
+        return BootstrapReceiver(self, addr, room, plan, prefill_dp_rank)  # by position: cheaper
 
     def in_flight(self) -> list[BootstrapReceiver]:
         """The receivers not yet ended (a snapshot)."""
@@ -429,13 +457,36 @@ class DecodeManager:
             self._plans[addr] = plan
         return plan
 
+    def address_plan(self, addr: str) -> AddressPlan:
+        """``addr``'s plan, response count, pool keys per dp rank, and the policy checks
+        passed, resolved once (ReceiverHost.address_plans): the hit path reads it with one dict
+        get instead of a plan, a topology, a policy check and a key lookup per request. Raises
+        what :meth:`plan_for` or :meth:`check_prefill` raise (nothing is kept then)."""
+        known = self.address_plans.get(addr)
+        if known is not None:
+            return known
+        topology = self.topology(addr)
+        plan = self.plan_for(addr)
+        if self.policy_checked:
+            self.check_prefill(addr)
+        keys = {dp: plan.keys_for(addr, dp) for dp in range(topology.dp_size)}
+        known = AddressPlan(plan, plan.required_prefill_response_num, keys)
+        with self._lock:
+            # Kept only while the topology it was derived from is the one known: a refresh or
+            # a restart that dropped it while we resolved must not leave a stale plan behind.
+            if self._topologies.get(addr) is topology:
+                self.address_plans[addr] = known
+        return known
+
     def _forget_topology(self, addr: str, topology: Topology | None = None) -> None:
         """Drop ``addr``'s topology (only ``topology``, if given: not a newer one another
-        thread just fetched) and the plan derived from it: the next request asks again."""
+        thread just fetched) and the plan and address plan derived from it: the next request
+        asks again."""
         with self._lock:
             if topology is None or self._topologies.get(addr) is topology:
                 self._topologies.pop(addr, None)
                 self._plans.pop(addr, None)
+                self.address_plans.pop(addr, None)
 
     def fetched_from(self, addr: str, instance_id: str | None) -> None:
         """A fetch from ``addr`` was answered by ``instance_id``: a cached topology of another
@@ -501,21 +552,54 @@ class DecodeManager:
         with self._lock:
             self._pending.setdefault(receiver.addr, {})[receiver.room] = receiver
 
-    def step(self) -> int:
-        """Once per scheduler step: one ``POST /query_dp_ranks`` per address for every room
-        still pending; returns how many rooms were resolved. Unknown rooms stay pending (the
-        prefill may register them later) until their bootstrap timeout; a failed query
-        leaves them pending too."""
+    def step(self, *, wait: bool = False) -> int:
+        """Once per scheduler step: collect the batched dp-rank queries that finished, and
+        start one ``POST /query_dp_ranks`` per address for the rooms still pending (at most one
+        query in flight per address, on the manager's background workers, as SGLang 0.5.23's
+        scheduler prefetches them: ``decode.py:3130-3133``). Returns how many rooms were
+        resolved. Never waits on the network: a room resolved by a query this step started is
+        counted by a later step. ``wait=True`` is the synchronous form: it also waits for the
+        queries in flight (each bounded by the source's deadline) and applies them.
+
+        Unknown rooms stay pending (the prefill may register them later) until their
+        bootstrap timeout; a failed query leaves them pending too. Call it from one thread
+        (the scheduler's): the answers are applied on it.
+        """
+        resolved = self._collect_dp_queries()
         with self._lock:
-            batches = {addr: dict(rooms) for addr, rooms in self._pending.items() if rooms}
-        resolved = 0
-        for addr, rooms in batches.items():
+            starts = {
+                addr: dict(rooms)
+                for addr, rooms in self._pending.items()
+                if rooms and addr not in self._dp_inflight
+            }
+        for addr, rooms in starts.items():
+            future = self._background.submit(self.source.query_dp_ranks, addr, list(rooms))
             with self._lock:
                 self._dp_queries += 1
-            try:
-                answer = self.source.query_dp_ranks(addr, list(rooms))
-            except BootstrapError:
+                self._dp_inflight[addr] = (future, rooms)
+        if wait:
+            with self._lock:
+                futures = [future for future, _ in self._dp_inflight.values()]
+            concurrent.futures.wait(futures)
+            resolved += self._collect_dp_queries()
+        return resolved
+
+    def _collect_dp_queries(self) -> int:
+        """Apply every finished dp-rank query (on the caller's thread); how many resolved."""
+        with self._lock:
+            finished = [
+                (addr, query) for addr, query in self._dp_inflight.items() if query[0].done()
+            ]
+            for addr, _ in finished:
+                del self._dp_inflight[addr]
+        resolved = 0
+        for addr, (future, rooms) in finished:
+            if future.cancelled():
                 continue
+            error = future.exception()
+            if isinstance(error, BootstrapError):
+                continue  # the rooms stay pending: the next step asks again
+            answer = future.result()  # raises what is not a BootstrapError: a source's bug
             with self._lock:
                 waiting = self._pending.get(addr, {})
                 for room, dp_rank in answer.items():
@@ -525,6 +609,39 @@ class DecodeManager:
                         receiver.resolved(dp_rank)
                         resolved += 1
         return resolved
+
+    def prepare(self, addr: str) -> Future[AddressPlan]:
+        """Start resolving ``addr`` (its topology fetch, plan and policy checks) on the
+        background workers and return at once: a scheduler that learns of a new prefill calls
+        this, and until the future is done every ``init()`` for ``addr`` returns
+        ``Bootstrapping`` instead of fetching on the caller's thread (call it again later).
+        The future's result is the :class:`AddressPlan` (or the ``BootstrapError`` that
+        refused the address: the next ``init()`` meets it too). An address already resolved
+        gives a finished future; one being resolved, the future in flight."""
+        with self._lock:
+            known = self.address_plans.get(addr)
+            if known is None:
+                future = self._preparing.get(addr)
+                if future is None:
+                    future = self._background.submit(self._prepared, addr)
+                    self._preparing[addr] = future
+                return future
+        done: Future[AddressPlan] = Future()
+        done.set_result(known)
+        return done
+
+    def _prepared(self, addr: str) -> AddressPlan:
+        """A background worker resolves ``addr``; whatever happens, it is no longer being
+        prepared (the next ``init()`` reads the result or resolves it again)."""
+        try:
+            return self.address_plan(addr)
+        finally:
+            with self._lock:
+                self._preparing.pop(addr, None)
+
+    def preparing(self, addr: str) -> bool:
+        """Whether :meth:`prepare` is resolving ``addr`` in the background right now."""
+        return addr in self._preparing
 
     # --- completion -------------------------------------------------------------------------
 
@@ -760,9 +877,7 @@ class DecodeManager:
         """Fail every receiver in flight bound to ``addr``; invalidate their generations by
         identity and forget the address's topology. Returns how many receivers were failed."""
         _note_evidence(error, self.clock())
-        with self._lock:
-            self._topologies.pop(addr, None)
-            self._plans.pop(addr, None)
+        self._forget_topology(addr)
         used: dict[PoolKey, Generation] = {}
         failed = 0
         for receiver in self.in_flight():
@@ -782,6 +897,27 @@ class DecodeManager:
         with self._lock:
             self._fanout[kind] = self._fanout.get(kind, 0) + failed
 
+    def _keys_holding(self, generations: set[Generation]) -> list[tuple[PoolKey, Generation]]:
+        """The (key, generation) pairs of the pool and of the receivers in flight whose
+        generation is one of ``generations``."""
+        items = [(k, g) for k, g in self.pool.snapshot().items() if g in generations]
+        for receiver in self.in_flight():
+            items.extend((k, g) for k, g in _items_of(receiver) if g in generations)
+        return items
+
+    def still_named_dead(
+        self, fresh: Mapping[PoolKey, Generation], error: RanksUnreachable
+    ) -> None:
+        """ReceiverHost: a fetch named again a rank judged dead (MGR-19): with the hold-off on,
+        its keys are held off until the next recheck (``dead_keys``)."""
+        if self._hold_off_dead and self.source.health_by_probes:
+            self.dead_keys.record(fresh.items(), error.endpoint, "named again after it died")
+
+    def known_dead(self, addr: str, keys: Sequence[PoolKey]) -> BootstrapError | None:
+        """ReceiverHost: the error a request missing ``keys`` fails with at once because one of
+        them is known dead (``statemachine/decode/dead_keys.py``), or ``None``."""
+        return self.dead_keys.refusal(addr, keys)
+
     def _generations_using(self, url: str) -> set[Generation]:
         found: set[Generation] = set()
         candidates = list(self.pool.snapshot().values())
@@ -800,6 +936,11 @@ class DecodeManager:
         generations = self._generations_using(url)
         if not generations:
             return 0
+        if self._hold_off_dead and self.source.health_by_probes:
+            # A source asked over the network (HTTP) would be refetched per request; one that
+            # answers from a watched local store (etcd) costs microseconds to ask and sees a
+            # new registration at once, so its keys are never held as known dead.
+            self.dead_keys.record(self._keys_holding(generations), url, reason)
         error = RankDead(
             f"prefill rank {url} is dead ({reason}); retry the request: it will fetch the "
             "prefill's current ranks",
@@ -815,6 +956,8 @@ class DecodeManager:
         """Transport listener: an endpoint was found dead (evidence for the fan-out) or back."""
         if not alive:
             self._endpoint_dead(endpoint_url(endpoint), reason)
+        else:
+            self.dead_keys.forget_endpoint(endpoint_url(endpoint))
 
     def _on_dead(self, addr: str, reason: str) -> None:
         """Health monitor: ``addr`` stopped answering (the pool entries are already gone)."""
@@ -842,9 +985,8 @@ class DecodeManager:
         cause: str,
         exclude: HostedReceiver | None = None,
     ) -> int:
-        with self._lock:
-            self._topologies.pop(addr, None)
-            self._plans.pop(addr, None)
+        self._forget_topology(addr)
+        self.dead_keys.forget_address(addr)  # a new instance: every registration is new
         if not self.fanout:
             return 0
         candidates = list(self.pool.snapshot().items())
@@ -901,6 +1043,9 @@ class DecodeManager:
                 dropped_events=self._unknown_events,
                 kv_held=self._holds.stats().held,
                 callback_errors=self._callback_errors,
+                dp_queries_in_flight=len(self._dp_inflight),
+                known_dead_keys=len(self.dead_keys),
+                refused_known_dead=self.dead_keys.refused,
             )
 
     def close(self) -> None:
@@ -919,6 +1064,11 @@ class DecodeManager:
             self._retained.clear()
         for endpoints in retained:
             self.transport.release(endpoints)
+        self._background.close()  # queries not started are cancelled; none is applied
+        self.dead_keys.clear()
+        with self._lock:
+            self._dp_inflight.clear()
+            self._preparing.clear()
         self.source.detach()  # a source the caller owns must not call a closed manager
         self._close_owned()
 

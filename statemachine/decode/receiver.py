@@ -98,6 +98,13 @@ _TERMINAL = frozenset({life.DONE, life.INVALIDATED, life.ABORTED})
 #: Where ``Hit`` leads from ``idle``, read from the Machine's table once (the hit path's step).
 _HIT_TO = life.TABLE[life.HIT][life.IDLE]
 _INITIAL = life.INITIAL
+_IDLE = life.IDLE
+# The poll results as module constants: reading an enum member through its class costs
+# ~45 ns on Python 3.11 (EnumType attribute lookup), a sixth of init() on a hit (issue 18).
+_BOOTSTRAPPING = KVPoll.Bootstrapping
+_WAITING_FOR_INPUT = KVPoll.WaitingForInput
+_TRANSFERRING = KVPoll.Transferring
+_FAILED = KVPoll.Failed
 
 
 @dataclass(frozen=True)
@@ -212,7 +219,7 @@ class BootstrapReceiver:
         receiver = manager.receiver("10.0.0.5:8998", room, prefill_dp_rank=0)
         receiver.init()                              # lookup / fetch / register / publish
         receiver.send_metadata(kv_indices, aux_index)  # to every rank; expects the acks
-        while receiver.poll() == KVPoll.Transferring: ...
+        while receiver.poll() == _TRANSFERRING: ...
     """
 
     __slots__ = (
@@ -246,9 +253,10 @@ class BootstrapReceiver:
         addr: str,
         room: int,
         plan: RankPlan | None = None,
-        *,
         prefill_dp_rank: int | None = None,
     ) -> None:
+        # prefill_dp_rank may be passed by position: calling a class with a keyword argument
+        # costs a kwargs dict (~0.12 us on Python 3.11), a tenth of a hit (issue 18).
         if type(room) is not int or not 0 <= room <= _MAX_ROOM:
             check_room(room)
         if prefill_dp_rank is not None and (
@@ -335,7 +343,7 @@ class BootstrapReceiver:
             self._tell_abort(armed=False)  # SGLang's abort() on the prefill wait
         self._invalidate(event)
         self._m.receiver_ended(self, error)
-        return KVPoll.Failed
+        return _FAILED
 
     def _tell_abort(self, *, armed: bool) -> None:
         """The room's ranks are told once (MGR-15): the first time the room has ranks."""
@@ -365,64 +373,107 @@ class BootstrapReceiver:
         BOOTSTRAP to every rank and returns Bootstrapping: ``poll()`` says WaitingForInput
         once the prefill answered (MGR-16).
         """
-        if self.state != life.IDLE:
+        if self.state != _IDLE:
             raise InvalidTransition(self.state, life.HIT, method="init", requires=_INIT_NEEDS)
-        result = self._init(prefill_dp_rank)
-        if result is KVPoll.WaitingForInput and self._m.prefill_complete:
-            return self._handshake()
-        return result
-
-    def _init(self, prefill_dp_rank: int | None) -> KVPoll:
-        if self._lost is not None:
-            return self._fail(life.PEER_LOST, self._lost)
         if prefill_dp_rank is not None:
             self._dp_rank = prefill_dp_rank
         m = self._m
+        if self.plan is None and self._lost is None:
+            # The hit path: the address's plan, response count, keys and policy verdict are
+            # resolved once (ReceiverHost.address_plans); here only the pool lookup is left.
+            known = m.address_plans.get(self.addr)
+            if known is not None:
+                keys = known.keys.get(self._dp_rank)  # type: ignore[arg-type]
+                if keys is not None:
+                    self.plan = plan = known.plan
+                    self._needed = known.needed
+                    # _look_up, inlined for the hit (one Python call less per request)
+                    pool = m.pool
+                    entries = self.entries
+                    for key in keys:
+                        generation = pool.peek_hit(key)  # pool.lookup in two C calls
+                        if generation is None:
+                            generation = pool.lookup(key)  # counts the miss
+                            if generation is None:
+                                result = self._missed(plan, keys, key)
+                                break
+                        else:
+                            pool.count_hit()
+                        entries[key] = generation
+                    else:
+                        self.state = _HIT_TO  # the Hit step (the Machine's table, read once)
+                        if trace.ENABLED:
+                            trace.emit(life.HIT, receiver=self.id, entries=entries, state=_HIT_TO)
+                        if m.prefill_complete:
+                            return self._handshake()
+                        return _WAITING_FOR_INPUT
+                    if result is _WAITING_FOR_INPUT and m.prefill_complete:
+                        return self._handshake()
+                    return result
+        result = self._init()
+        if result is _WAITING_FOR_INPUT and m.prefill_complete:
+            return self._handshake()
+        return result
+
+    def _init(self) -> KVPoll:
+        """``init()`` off the hit path: the address is not resolved yet, the plan was given,
+        the dp rank is pending, or the fan-out failed the request already."""
+        if self._lost is not None:
+            return self._fail(life.PEER_LOST, self._lost)
+        m = self._m
         plan = self.plan
         dp_rank = self._dp_rank
-        if plan is None or dp_rank is None:
-            try:
-                if plan is None:
-                    plan = m.plans.get(self.addr)
-                    if plan is None:  # the topology is asked: inside this call's window
-                        with self._window():
-                            plan = m.plan_for(self.addr)
-                    self.plan = plan
-                if dp_rank is None:
-                    dp_rank = self._resolve_dp_rank()
-                    if dp_rank is None:
-                        self._call_at = 0.0  # the next init() is a new call
-                        return KVPoll.Bootstrapping
-            except BootstrapError as error:
-                return self._fail(life.FETCH_FAIL, error)
-        if m.policy_checked:
-            try:
+        try:
+            if plan is None:
+                if m.preparing(self.addr):
+                    # Resolved in the background (prepare): not fetched here; poll() says
+                    # Bootstrapping until a later init() goes on (as for a pending dp rank).
+                    self._asked_dp = True
+                    return _BOOTSTRAPPING
+                known = m.address_plans.get(self.addr)
+                if known is None:  # the topology is asked: inside this call's window
+                    with self._window():
+                        known = m.address_plan(self.addr)  # SGLang checks in init() too
+                plan = self.plan = known.plan
+            elif m.policy_checked:
                 # SGLang checks in init(), before the routes
                 if self.addr in m.topologies:
                     m.check_prefill(self.addr)
                 else:
                     with self._window():
                         m.check_prefill(self.addr)
-            except BootstrapError as error:
-                return self._fail(life.FETCH_FAIL, error)
+            if dp_rank is None:
+                dp_rank = self._resolve_dp_rank()
+                if dp_rank is None:
+                    self._call_at = 0.0  # the next init() is a new call
+                    return _BOOTSTRAPPING
+        except BootstrapError as error:
+            return self._fail(life.FETCH_FAIL, error)
         self._needed = plan.required_prefill_response_num
-        pool = m.pool
-        missing: list[PoolKey] | None = None
-        for key in plan.keys_for(self.addr, dp_rank):
-            generation = pool.lookup(key)
+        return self._look_up(plan, plan.keys_for(self.addr, dp_rank))
+
+    def _look_up(self, plan: RankPlan, keys: tuple[PoolKey, ...]) -> KVPoll:
+        """Each key in the pool (no lock): all found is the Hit step, else the miss path."""
+        lookup = self._m.pool.lookup
+        entries = self.entries
+        for key in keys:
+            generation = lookup(key)
             if generation is None:
-                if missing is None:
-                    missing = [key]
-                else:
-                    missing.append(key)
+                return self._missed(plan, keys, key)
+            entries[key] = generation
+        self._fire(life.HIT)
+        return _WAITING_FOR_INPUT
+
+    def _missed(self, plan: RankPlan, keys: tuple[PoolKey, ...], first: PoolKey) -> KVPoll:
+        """``first`` missed the pool: look the keys after it up, then the miss path."""
+        lookup = self._m.pool.lookup
+        missing = [first]
+        for key in keys[keys.index(first) + 1 :]:
+            generation = lookup(key)
+            if generation is None:
+                missing.append(key)
             else:
                 self.entries[key] = generation
-        if missing is None:
-            # The Hit step, inlined: the destination comes from the Machine's table.
-            self.state = _HIT_TO
-            if trace.ENABLED:
-                trace.emit(life.HIT, receiver=self.id, entries=self.entries, state=_HIT_TO)
-            return KVPoll.WaitingForInput
         return self._miss(plan, missing)
 
     def send_metadata(
@@ -459,7 +510,7 @@ class BootstrapReceiver:
                 )
         elif state == life.FAILED or state == life.INVALIDATED or state == life.ABORTED:
             # SGLang records the failure and returns; the recorded reason (init's) stays.
-            return KVPoll.Failed
+            return _FAILED
         else:
             requires = _HANDSHAKE_NEEDS if state == life.HANDSHAKING else _SEND_NEEDS
             raise InvalidTransition(state, life.SEND_OK, method="send_metadata", requires=requires)
@@ -492,7 +543,7 @@ class BootstrapReceiver:
             return self._fail(life.SEND_FAIL, error)
         self._sent_at = m.clock()
         self._fire(life.SEND_OK)
-        return KVPoll.Transferring
+        return _TRANSFERRING
 
     def mark_transferred(self, room: int | None = None) -> None:
         """The whole room arrived, as a transfer engine that reports completion itself says
@@ -607,7 +658,7 @@ class BootstrapReceiver:
         except SendFailed as error:
             m.send_failed(error)
             return self._fail(life.SEND_FAIL, error)
-        return KVPoll.Bootstrapping
+        return _BOOTSTRAPPING
 
     def _poll_handshake(self) -> None:
         lost = self._reported or self._lost
@@ -749,6 +800,9 @@ class BootstrapReceiver:
     def _miss(self, plan: RankPlan, missing: list[PoolKey]) -> KVPoll:
         """Single-flight: follow the fetches in flight for our keys, or lead all of them."""
         m = self._m
+        dead = m.known_dead(self.addr, missing)
+        if dead is not None:  # a rank the source still names is known dead: no refetch
+            return self._fail(life.FETCH_FAIL, dead)
         flights = m.flights
         if flights is None:  # the anchor's behaviour: every miss fetches for itself
             return self._lead(plan, missing, {})
@@ -774,7 +828,7 @@ class BootstrapReceiver:
                     self.entries[key] = generation
             if not still:
                 self._fire(life.HIT)
-                return KVPoll.WaitingForInput
+                return _WAITING_FOR_INPUT
             missing = still
         # We lead. A flight that closed between our lookup and our claim published first:
         # its generation is in the pool now, so look once more before fetching.
@@ -785,7 +839,7 @@ class BootstrapReceiver:
             missing = [key for key in missing if key not in present]
             if not missing:
                 self._fire(life.HIT)
-                return KVPoll.WaitingForInput
+                return _WAITING_FOR_INPUT
         try:
             return self._lead(plan, missing, led)
         finally:
@@ -808,7 +862,11 @@ class BootstrapReceiver:
             # One retry rule on every source (MGR-19): ranks the transport already judged
             # dead, answered again (a store still listing a crashed prefill, a server that
             # kept a dead rank's port), fail this request as retryable, in microseconds.
-            _refuse_known_dead(self.addr, m.transport, fresh.values())
+            try:
+                _refuse_known_dead(self.addr, m.transport, fresh.values())
+            except RanksUnreachable as error:
+                m.still_named_dead(fresh, error)  # the manager may hold the key off (MGR-1)
+                raise
         except BootstrapError as error:
             if flights is not None:
                 flights.fail(led, error)
@@ -854,7 +912,7 @@ class BootstrapReceiver:
             return self._fail(life.PEER_LOST, refused)
         if self._lost is not None:  # failed by the fan-out while we fetched
             return self._fail(life.PEER_LOST, self._lost)
-        return KVPoll.WaitingForInput
+        return _WAITING_FOR_INPUT
 
     def _fetch(self, plan: RankPlan, keys: list[PoolKey]) -> dict[PoolKey, Generation]:
         """Ask the source for every (tp, pp) rank of each key; one generation each.

@@ -16,7 +16,8 @@ call consumes (spec/manager.md MGR-2).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from statemachine.backend import KVBackend
@@ -24,11 +25,28 @@ from statemachine.decode.flight import Flights
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.source import BootstrapSource
-from statemachine.errors import BootstrapError, SendFailed
+from statemachine.errors import BootstrapError, RanksUnreachable, SendFailed
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import Topology
 
-__all__ = ["HostedReceiver", "ReceiverHost"]
+__all__ = ["AddressPlan", "HostedReceiver", "ReceiverHost"]
+
+
+@dataclass(frozen=True, slots=True)
+class AddressPlan:
+    """What ``init()`` needs to know of one prefill address before its pool lookup, resolved
+    once per address by the host (``ReceiverHost.address_plan``) and read by every receiver
+    of that address with one dict get (``ReceiverHost.address_plans``): the rank plan derived
+    from the prefill's topology, the plan's response count, and the pool keys per prefill dp
+    rank. Its existence says the allocation-policy and staging checks passed (MGR-16, MGR-17)
+    for the topology it was derived from; the host forgets it with that topology.
+    """
+
+    plan: RankPlan
+    #: ``plan.required_prefill_response_num``, read once
+    needed: int
+    #: ``plan.keys_for(addr, dp_rank)`` for every dp rank of the prefill's topology
+    keys: Mapping[int, tuple[PoolKey, ...]]
 
 
 class HostedReceiver(Protocol):
@@ -99,11 +117,38 @@ class ReceiverHost(Protocol):
 
     #: How long one init() call may spend asking the source, all questions together (MGR-21).
     fetch_deadline_s: float
-    #: The plans and topologies known now, by address (read only: a hit's plan is one get).
+    #: The plans and topologies known now, by address (read only).
     plans: Mapping[str, RankPlan]
     topologies: Mapping[str, Topology]
 
+    @property
+    def address_plans(self) -> Mapping[str, AddressPlan]:
+        """The addresses whose plan and checks are resolved (a plain dict attribute on the
+        host: one dict get on the hit path); an address not in it is resolved by
+        :meth:`address_plan`."""
+        ...
+
     # --- questions ------------------------------------------------------------------------
+    def address_plan(self, addr: str) -> AddressPlan:
+        """Resolve ``addr`` (topology, plan, policy checks) and keep it in ``address_plans``;
+        a :class:`~statemachine.errors.BootstrapError` if it cannot be served."""
+        ...
+
+    def known_dead(self, addr: str, keys: Sequence[PoolKey]) -> BootstrapError | None:
+        """The error a request missing ``keys`` fails with at once (one of them is known
+        dead: no refetch per request), or ``None``."""
+        ...
+
+    def still_named_dead(
+        self, fresh: Mapping[PoolKey, Generation], error: RanksUnreachable
+    ) -> None:
+        """A fetch named again a rank the transport judged dead (``error.endpoint``)."""
+        ...
+
+    def preparing(self, addr: str) -> bool:
+        """``addr`` is being resolved in the background: init() must not fetch it too."""
+        ...
+
     def plan_for(self, addr: str) -> RankPlan: ...
 
     def topology(self, addr: str) -> Topology: ...

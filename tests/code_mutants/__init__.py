@@ -526,7 +526,10 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "known_dead_ranks_not_retryable",
         RECEIVER,
         (
-            ("            _refuse_known_dead(self.addr, m.transport, fresh.values())\n", ""),
+            (
+                "                _refuse_known_dead(self.addr, m.transport, fresh.values())\n",
+                "                pass\n",
+            ),
             (
                 '            unreachable = _unreachable(self.addr, error.endpoint, "registering '
                 'with it failed")\n            unreachable.__cause__ = error\n',
