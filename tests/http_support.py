@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 from statemachine.prefill.server import BootstrapServer
 from statemachine.registration import route_payload
@@ -149,27 +149,14 @@ def running_server(**kw: Any) -> Iterator[BootstrapServer]:
         server.stop()
 
 
-class TrickleServer:
-    """A raw TCP server on 127.0.0.1 that answers every request one byte per ``interval``.
+_Acceptor = TypeVar("_Acceptor", bound="_LoopbackAcceptor")
 
-    ``phase="headers"`` trickles from the first byte of the status line; ``phase="body"``
-    sends the status line and headers at once, then trickles a body of ``body_size`` bytes.
-    Each connection is served by a daemon thread that stops when the client hangs up, after
-    ``max_seconds``, or at ``close()`` - never left running.
-    """
 
-    def __init__(
-        self,
-        *,
-        interval: float = 1.0,
-        phase: str = "headers",
-        body_size: int = 1000,
-        max_seconds: float = 30.0,
-    ) -> None:
-        self.interval = interval
-        self.phase = phase
-        self.body_size = body_size
-        self.max_seconds = max_seconds
+class _LoopbackAcceptor:
+    """A raw TCP listener on 127.0.0.1 that serves each connection on its own daemon thread
+    (``_serve``) and, on exit, stops accepting and joins every thread it started."""
+
+    def __init__(self) -> None:
         self.accepted = 0
         self._stop = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -178,7 +165,7 @@ class TrickleServer:
         self._threads: list[threading.Thread] = []
         self._accept_thread = threading.Thread(target=self._accept, daemon=True)
 
-    def __enter__(self) -> TrickleServer:
+    def __enter__(self: _Acceptor) -> _Acceptor:
         self._accept_thread.start()
         return self
 
@@ -199,6 +186,33 @@ class TrickleServer:
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             self._threads.append(thread)
             thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class TrickleServer(_LoopbackAcceptor):
+    """A raw TCP server on 127.0.0.1 that answers every request one byte per ``interval``.
+
+    ``phase="headers"`` trickles from the first byte of the status line; ``phase="body"``
+    sends the status line and headers at once, then trickles a body of ``body_size`` bytes.
+    Each connection is served by a daemon thread that stops when the client hangs up, after
+    ``max_seconds``, or at ``close()`` - never left running.
+    """
+
+    def __init__(
+        self,
+        *,
+        interval: float = 1.0,
+        phase: str = "headers",
+        body_size: int = 1000,
+        max_seconds: float = 30.0,
+    ) -> None:
+        self.interval = interval
+        self.phase = phase
+        self.body_size = body_size
+        self.max_seconds = max_seconds
+        super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
         body = b'{"rank_ip": "127.0.0.1", "rank_port": 5000, "pad": "' + b"x" * self.body_size
@@ -246,7 +260,7 @@ def _read_http_message(conn: socket.socket, buffer: bytearray) -> bytes | None:
     return message
 
 
-class HoldingProxy:
+class HoldingProxy(_LoopbackAcceptor):
     """A TCP proxy on 127.0.0.1 in front of a real HTTP server that holds every request it
     receives while ``hold`` is set - a prefill whose bootstrap server does not answer - and
     forwards it (then relays the real server's reply) once the test clears ``hold``.
@@ -262,33 +276,7 @@ class HoldingProxy:
         self.received: dict[str, int] = {}
         self.got_request = threading.Event()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.05)
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._threads: list[threading.Thread] = []
-        self._accept_thread = threading.Thread(target=self._accept, daemon=True)
-
-    def __enter__(self) -> HoldingProxy:
-        self._accept_thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._accept_thread.join(5)
-        for thread in self._threads:
-            thread.join(5)
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
+        super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
         host, port = self.upstream.rsplit(":", 1)
