@@ -1080,6 +1080,10 @@ def test_stats_and_prometheus_export_read_the_same_figures(slow_prefill: Prefill
         assert "pd_bootstrap_cache_hits_total 1.0" in text
         assert "pd_bootstrap_failure_detection_seconds_count 2.0" in text
         assert "pd_bootstrap_zmq_sockets_open" in text
+        assert "pd_bootstrap_callback_errors_total 0.0" in text
+        assert "pd_bootstrap_dp_queries_in_flight 0.0" in text
+        assert "pd_bootstrap_known_dead_keys 0.0" in text
+        assert "pd_bootstrap_refused_known_dead_total 0.0" in text
 
 
 class SlowSource:

@@ -85,6 +85,21 @@ class PrometheusCollector:
             stats.callback_errors,
         )
         yield gauge(f"{p}_rooms_pending_dp", "Rooms waiting for their dp rank.", stats.pending_dp)
+        yield gauge(
+            f"{p}_dp_queries_in_flight",
+            "Batched dp-rank queries started by step() and not yet collected.",
+            stats.dp_queries_in_flight,
+        )
+        yield gauge(
+            f"{p}_known_dead_keys",
+            "Pool keys whose ranks are known dead (requests on them fail at once).",
+            stats.known_dead_keys,
+        )
+        yield counter(
+            f"{p}_refused_known_dead",
+            "Requests failed at once on a pool key whose ranks are known dead.",
+            stats.refused_known_dead,
+        )
         yield gauge(f"{p}_zmq_sockets_open", "Cached ZMQ sockets open.", stats.sockets_open)
         yield gauge(
             f"{p}_endpoints_retained",
