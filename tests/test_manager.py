@@ -756,31 +756,47 @@ def _register_ranks(
         register_rank(server.address, TOKEN, payload)
 
 
+@contextmanager
+def dp_prefill(dp_size: int, **extra: object) -> Iterator[BootstrapServer]:
+    """A bootstrap server with ``dp_size`` registered dp ranks (tp 1), each a bound ZMQ PULL
+    socket on loopback; ``extra`` goes into every registration. Everything closes on exit."""
+    import zmq
+
+    context = zmq.Context()
+    sockets = [context.socket(zmq.PULL) for _ in range(dp_size)]
+    ports = {(dp, 0): s.bind_to_random_port("tcp://127.0.0.1") for dp, s in enumerate(sockets)}
+    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
+    try:
+        _register_ranks(server, ports, **extra)
+        yield server
+    finally:
+        server.stop()
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
+
+
+def _register_dp_rooms(server: BootstrapServer, rooms: tuple[tuple[int, int], ...]) -> None:
+    """The prefill's POST /register_dp_rank for each (room, dp rank)."""
+    import requests
+
+    for room, dp in rooms:
+        requests.post(
+            f"http://{server.address}/register_dp_rank",
+            json={"bootstrap_room": room, "dp_rank": dp},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=5,
+        ).raise_for_status()
+
+
 def test_mgr_8_pending_rooms_batch_one_query_per_address_per_step() -> None:
     """dp_size 2 without follow_bootstrap_room: rooms wait (Bootstrapping) for the manager's
     step, which asks once for all pending rooms; an unknown room stays pending and fails with
     BootstrapTimeout after the bootstrap timeout - never at once."""
-    import zmq
-
-    context = zmq.Context()
-    sockets = [context.socket(zmq.PULL) for _ in range(2)]
-    ports = {(dp, 0): s.bind_to_random_port("tcp://127.0.0.1") for dp, s in enumerate(sockets)}
-    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
-    try:
-        # SGLang's prefill says so with a load-balance method other than follow_bootstrap_room
-        # (older reference servers read the flag itself; both are sent).
-        _register_ranks(
-            server, ports, load_balance_method="round_robin", follow_bootstrap_room=False
-        )
-        import requests
-
-        for room, dp in ((1, 1), (2, 0), (3, 1)):
-            requests.post(
-                f"http://{server.address}/register_dp_rank",
-                json={"bootstrap_room": room, "dp_rank": dp},
-                headers={"Authorization": f"Bearer {TOKEN}"},
-                timeout=5,
-            ).raise_for_status()
+    # SGLang's prefill says so with a load-balance method other than follow_bootstrap_room
+    # (older reference servers read the flag itself; both are sent).
+    with dp_prefill(2, load_balance_method="round_robin", follow_bootstrap_room=False) as server:
+        _register_dp_rooms(server, ((1, 1), (2, 0), (3, 1)))
         with manager_for(bootstrap_timeout_s=0.3) as manager:
             receivers = [manager.receiver(server.address, room) for room in (1, 2, 3, 4)]
             assert [r.init() for r in receivers] == [KVPoll.Bootstrapping] * 4
@@ -798,11 +814,6 @@ def test_mgr_8_pending_rooms_batch_one_query_per_address_per_step() -> None:
             for receiver in receivers[:3]:
                 receiver.clear()
             assert manager.stats().pending_dp == 0
-    finally:
-        server.stop()
-        for sock in sockets:
-            sock.close(linger=0)
-        context.term()
 
 
 def test_mgr_8_step_returns_while_its_query_is_in_flight_and_applies_it_later() -> None:
@@ -810,25 +821,8 @@ def test_mgr_8_step_returns_while_its_query_is_in_flight_and_applies_it_later() 
     POST /query_dp_ranks unanswered; step() returns with the query in flight, later steps
     start no second one for that address, the rooms stay pending (init() says Bootstrapping
     at once), and the step after the answer arrives resolves them."""
-    import zmq
-
-    context = zmq.Context()
-    sockets = [context.socket(zmq.PULL) for _ in range(2)]
-    ports = {(dp, 0): s.bind_to_random_port("tcp://127.0.0.1") for dp, s in enumerate(sockets)}
-    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
-    try:
-        _register_ranks(
-            server, ports, load_balance_method="round_robin", follow_bootstrap_room=False
-        )
-        import requests
-
-        for room, dp in ((1, 1), (2, 0)):
-            requests.post(
-                f"http://{server.address}/register_dp_rank",
-                json={"bootstrap_room": room, "dp_rank": dp},
-                headers={"Authorization": f"Bearer {TOKEN}"},
-                timeout=5,
-            ).raise_for_status()
+    with dp_prefill(2, load_balance_method="round_robin", follow_bootstrap_room=False) as server:
+        _register_dp_rooms(server, ((1, 1), (2, 0)))
         with HoldingProxy(server.address) as proxy, manager_for() as manager:
             proxy.hold.clear()  # the topology comes back at once
             receivers = [manager.receiver(proxy.address, room) for room in (1, 2)]
@@ -855,11 +849,6 @@ def test_mgr_8_step_returns_while_its_query_is_in_flight_and_applies_it_later() 
             assert [next(iter(r.entries)).dp_rank for r in receivers] == [1, 0]
             for receiver in receivers:
                 receiver.clear()
-    finally:
-        server.stop()
-        for sock in sockets:
-            sock.close(linger=0)
-        context.term()
 
 
 def test_mgr_8_prepare_fetches_the_topology_off_the_callers_thread() -> None:
@@ -895,29 +884,16 @@ def test_mgr_8_follow_bootstrap_room_and_single_dp_need_no_query() -> None:
     """SGLang's order: router-given rank first; follow_bootstrap_room: room % dp_size."""
     topology = Topology(2, 1, 4, 1, 16, "bfloat16", None, None)
     assert topology.follow_bootstrap_room is None  # never set means True
-    import zmq
-
-    context = zmq.Context()
-    sockets = [context.socket(zmq.PULL) for _ in range(4)]
-    ports = {(dp, 0): s.bind_to_random_port("tcp://127.0.0.1") for dp, s in enumerate(sockets)}
-    server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
-    try:
-        _register_ranks(server, ports)
-        with manager_for() as manager:
-            by_room = manager.receiver(server.address, 7)
-            assert by_room.init() == KVPoll.WaitingForInput
-            assert next(iter(by_room.entries)).dp_rank == 7 % 4
-            routed = manager.receiver(server.address, 8, prefill_dp_rank=2)
-            assert routed.init() == KVPoll.WaitingForInput
-            assert next(iter(routed.entries)).dp_rank == 2
-            assert server.stats().requests.get("POST /query_dp_ranks", 0) == 0
-            by_room.clear()
-            routed.clear()
-    finally:
-        server.stop()
-        for sock in sockets:
-            sock.close(linger=0)
-        context.term()
+    with dp_prefill(4) as server, manager_for() as manager:
+        by_room = manager.receiver(server.address, 7)
+        assert by_room.init() == KVPoll.WaitingForInput
+        assert next(iter(by_room.entries)).dp_rank == 7 % 4
+        routed = manager.receiver(server.address, 8, prefill_dp_rank=2)
+        assert routed.init() == KVPoll.WaitingForInput
+        assert next(iter(routed.entries)).dp_rank == 2
+        assert server.stats().requests.get("POST /query_dp_ranks", 0) == 0
+        by_room.clear()
+        routed.clear()
 
 
 def test_mgr_9_rank_plan_derived_from_topology_and_checked() -> None:
