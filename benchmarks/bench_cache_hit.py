@@ -43,11 +43,11 @@ from benchmarks.anchors import (
     sglang_cache,
     sglang_hits,
 )
-from statemachine.backend import SimpleBackend
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.wire.reference import SimpleBackend
 
 THREAD_COUNTS = (1, 4, 16)
 ROUNDS = 5

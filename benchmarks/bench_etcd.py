@@ -536,8 +536,8 @@ def _manager_hits(manager: object, addr: str, ops: int, first_room: int) -> floa
 def bench_manager_hit_path(endpoint: str, rounds: int, ops: int) -> None:
     """Cache hits through a DecodeManager: etcd source (watch running, stamped generation)
     vs the HTTP source (a BootstrapClient), interleaved rounds in one process."""
-    from statemachine.backend import SimpleBackend
     from statemachine.decode.manager import DecodeManager
+    from statemachine.wire.reference import SimpleBackend
 
     addr = "127.0.0.1:8998"
     key = PoolKey(addr, 0, 0, 0)

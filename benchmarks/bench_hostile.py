@@ -36,13 +36,13 @@ from ack_flood_support import ListenerProcess, SilentHandshakes
 from attack_support import AttackProcess, ServerProcess, rss_after_one_message
 from http_support import TrickleServer
 
-from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.lifecycle import KVPoll
 from statemachine.registration import route_payload
+from statemachine.wire.reference import SimpleBackend
 
 TOKEN = "bench-hostile-token"
 
@@ -176,7 +176,7 @@ def _listener_run(nofile: int, flood: int, seconds: float) -> dict[str, object]:
     none), a probe, and 20 acks from a live sender connecting during it."""
     import zmq
 
-    from statemachine.decode.ranks.acks import ack_frames
+    from statemachine.wire.reference import ack_frames
 
     with ListenerProcess(nofile) as listener:
         listener.expect(0, 20)

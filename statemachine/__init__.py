@@ -20,7 +20,7 @@ Every name in ``__all__`` imports from here. The import name is shared with the 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from statemachine.backend import KVBackend, MetadataRequest, SimpleBackend
+from statemachine.backend import KVBackend
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -52,6 +52,8 @@ from statemachine.errors import (
 from statemachine.lifecycle import KVPoll, Lifecycle
 from statemachine.pool import BootstrapPool, Generation, PoolKey, PoolStats, RankInfo
 from statemachine.validation import InvalidArgument, RouteReply, Topology
+from statemachine.wire.metadata import MetadataRequest
+from statemachine.wire.reference import SimpleBackend
 
 #: The package version, written only here (pyproject.toml reads it statically, without an import).
 __version__ = "0.1.0"

@@ -17,23 +17,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from zmq_support import LOOPBACK, pull_peer
 
-from statemachine.backend import (
-    ABORT_FRAMES,
-    ABORT_GENERATION_FRAMES,
-    BOOTSTRAP_FRAMES,
-    MAX_REASON_BYTES,
-    MalformedFrames,
-    MetadataRequest,
-    SimpleBackend,
-    abort_ack_frames,
-    failed_frames,
-    pack_int_lists,
-    parse_abort,
-    parse_bootstrap,
-    prefill_rank_id,
-    ready_frames,
-    unpack_int_lists,
-)
 from statemachine.completion import (
     STATUS_FAILED,
     STATUS_SUCCESS,
@@ -42,12 +25,27 @@ from statemachine.completion import (
     PrefillStatus,
 )
 from statemachine.decode.manager import DecodeManager
-from statemachine.decode.ranks.acks import ack_frames
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import ConfigurationError
 from statemachine.pool import RankInfo
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
+from statemachine.wire.metadata import MetadataRequest, pack_int_lists, unpack_int_lists
+from statemachine.wire.reference import (
+    ABORT_FRAMES,
+    ABORT_GENERATION_FRAMES,
+    BOOTSTRAP_FRAMES,
+    MAX_REASON_BYTES,
+    MalformedFrames,
+    SimpleBackend,
+    abort_ack_frames,
+    ack_frames,
+    failed_frames,
+    parse_abort,
+    parse_bootstrap,
+    prefill_rank_id,
+    ready_frames,
+)
 
 TOKEN = "test-token"
 RANK = RankInfo(LOOPBACK, 7000, 1, False)

@@ -492,10 +492,10 @@ def test_with_etcd_leaves_no_thread_behind(etcd: EtcdServer) -> None:
 
 
 def test_the_manager_shares_the_sources_pool_and_refuses_another() -> None:
-    from statemachine.backend import SimpleBackend
     from statemachine.discovery.gateway import EtcdGateway
     from statemachine.errors import ConfigurationError
     from statemachine.pool import BootstrapPool
+    from statemachine.wire.reference import SimpleBackend
 
     pool = BootstrapPool()
     source = EtcdBootstrapSource(EtcdGateway([f"http://127.0.0.1:{free_port()}"]), pool=pool)

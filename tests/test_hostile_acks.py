@@ -20,8 +20,9 @@ from zmq.utils.monitor import recv_monitor_message
 from zmq_support import AckRecorder
 
 from statemachine.completion import PrefillEvent, PrefillStatus
-from statemachine.decode.ranks.acks import EVICT_GRACE, MAX_FRAME_BYTES, AckListener, ack_frames
+from statemachine.decode.ranks.acks import EVICT_GRACE, MAX_FRAME_BYTES, AckListener
 from statemachine.validation import InvalidArgument
+from statemachine.wire.reference import ack_frames
 
 
 @pytest.mark.slow

@@ -21,7 +21,6 @@ from http_support import ScriptedServer, TrickleServer, free_port, running_serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
@@ -35,6 +34,7 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll
 from statemachine.validation import InvalidArgument, is_rank_ip, parse_addr, rank_ip_problem
+from statemachine.wire.reference import SimpleBackend
 
 TOKEN = "hostile-client-token"
 RANK = {"dp_rank": 0, "cp_rank": 0, "tp_rank": 0, "pp_rank": 0}

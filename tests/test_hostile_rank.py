@@ -12,12 +12,13 @@ from collections.abc import Iterator
 import pytest
 from zmq_support import LOOPBACK, AckRecorder
 
-from statemachine.backend import MetadataRequest, SimpleBackend
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.pool import Generation, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess, PrefillRankStartFailed
 from statemachine.prefill.server import BootstrapServer
+from statemachine.wire.metadata import MetadataRequest
+from statemachine.wire.reference import SimpleBackend
 
 TOKEN = "hostile-rank-token"
 

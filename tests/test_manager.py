@@ -31,7 +31,6 @@ from test_receiver import (
 from zmq_support import VerdictRecorder
 
 from statemachine import lifecycle as life
-from statemachine.backend import MetadataRequest, SimpleBackend, parse_metadata
 from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
@@ -61,6 +60,8 @@ from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from statemachine.registration import route_payload
 from statemachine.validation import Topology
+from statemachine.wire.metadata import MetadataRequest
+from statemachine.wire.reference import SimpleBackend, parse_metadata
 
 #: Generous bound for "failed quickly" under a loaded 2-core machine (the goal is 50 ms).
 FAIL_BOUND_S = 5.0
@@ -1131,7 +1132,7 @@ def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
 def test_mgr_5_6_frames_carry_the_dummy_flag_and_abort_parses_strictly() -> None:
     """MGR-5/MGR-6 frame layouts: the dummy flag is the last frame of register and metadata
     (b"0"/b"1", nothing else); the abort message is [abort, room, session, pp rank]."""
-    from statemachine.backend import (
+    from statemachine.wire.reference import (
         ABORT_FRAMES,
         METADATA_FRAMES,
         REGISTER_FRAMES,

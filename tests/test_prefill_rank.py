@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import pytest
 from zmq_support import LOOPBACK, AckRecorder
 
-from statemachine.backend import MetadataRequest, SimpleBackend
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport
@@ -19,6 +18,8 @@ from statemachine.errors import SendFailed
 from statemachine.pool import Generation, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess, PrefillRankStartFailed, parse_args
 from statemachine.prefill.server import BootstrapServer
+from statemachine.wire.metadata import MetadataRequest
+from statemachine.wire.reference import SimpleBackend
 
 TOKEN = "test-token"
 

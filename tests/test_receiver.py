@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from statemachine import lifecycle as life
-from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.ranks.acks import AckListener
@@ -38,6 +37,7 @@ from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, PoolKey, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
+from statemachine.wire.reference import SimpleBackend
 
 TOKEN = "receiver-test-token"
 TP = 2

@@ -27,17 +27,6 @@ import zmq
 from zmq_support import LOOPBACK, pull_peer
 
 from statemachine import trace
-from statemachine.backend import (
-    ABORT_FRAMES,
-    MAX_INSTANCE_ID_BYTES,
-    METADATA_FRAMES,
-    REGISTER_FRAMES,
-    MetadataRequest,
-    SimpleBackend,
-    parse_abort,
-    parse_metadata,
-    parse_register,
-)
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
@@ -55,6 +44,17 @@ from statemachine.prefill.rank import (
     parse_args,
 )
 from statemachine.prefill.server import BootstrapServer
+from statemachine.wire.metadata import MetadataRequest
+from statemachine.wire.reference import (
+    ABORT_FRAMES,
+    MAX_INSTANCE_ID_BYTES,
+    METADATA_FRAMES,
+    REGISTER_FRAMES,
+    SimpleBackend,
+    parse_abort,
+    parse_metadata,
+    parse_register,
+)
 
 TOKEN = "reused-port-token"
 PLAN = RankPlan(tp_ranks=(0,))

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from statemachine.backend import MetadataRequest
 from statemachine.completion import AbortAck, PrefillStatus
 from statemachine.decode.manager import DecodeManager
 from statemachine.errors import BootstrapError, ConfigurationError
@@ -27,6 +26,7 @@ from statemachine.sglang.v0_5_23.nixl import GUARD
 from statemachine.sglang.v0_5_23.nixl import METADATA_FRAMES as NIXL_METADATA
 from statemachine.sglang.v0_5_23.nixl import REGISTRATION_FRAMES as NIXL_REGISTRATION
 from statemachine.validation import InvalidArgument
+from statemachine.wire.metadata import MetadataRequest
 
 KV = DecodeKVArgs(
     engine_rank=0,

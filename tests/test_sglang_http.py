@@ -34,13 +34,13 @@ from sglang_support import (
     sglang_prefill_rank,
 )
 
-from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout
 from statemachine.errors import NotFound, NotReady, UnknownRoom
 from statemachine.lifecycle import KVPoll
 from statemachine.validation import PLAN_KEYS, TOPOLOGY_KEYS
+from statemachine.wire.reference import SimpleBackend
 
 pytestmark = requires_sglang
 

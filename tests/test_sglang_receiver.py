@@ -19,7 +19,6 @@ import pytest
 import zmq
 
 from statemachine import lifecycle as life
-from statemachine.backend import SimpleBackend
 from statemachine.completion import (
     STATUS_FAILED,
     STATUS_SUCCESS,
@@ -46,6 +45,7 @@ from statemachine.lifecycle import KVPoll
 from statemachine.pool import RankInfo
 from statemachine.prefill.server import BootstrapServer
 from statemachine.registration import route_payload
+from statemachine.wire.reference import SimpleBackend
 
 TOKEN = "sglang-receiver-token"
 BOUND_S = 5.0  # generous bound for a message to cross loopback on a loaded 2-core machine

@@ -28,7 +28,6 @@ from sglang_wire_support import (
     thread_deaths,
 )
 
-from statemachine.backend import MetadataRequest, SimpleBackend
 from statemachine.completion import (
     STATUS_FAILED,
     STATUS_SUCCESS,
@@ -40,6 +39,8 @@ from statemachine.errors import ConfigurationError
 from statemachine.pool import RankInfo
 from statemachine.sglang.v0_5_23 import DecodeKVArgs, MooncakeBackend, NixlBackend
 from statemachine.sglang.v0_5_23.nixl import GUARD
+from statemachine.wire.metadata import MetadataRequest
+from statemachine.wire.reference import SimpleBackend
 
 pytestmark = requires_sglang
 

@@ -24,19 +24,21 @@ from zmq_support import (
     with_deadline,
 )
 
-from statemachine.backend import (
-    METADATA_FRAMES,
-    REGISTER_FRAMES,
-    MalformedFrames,
-    MetadataRequest,
-    SimpleBackend,
-    parse_metadata,
-    parse_register,
-)
-from statemachine.decode.ranks.acks import AckListener, ack_frames, parse_ack
+from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
 from statemachine.errors import BootstrapError, SendFailed
 from statemachine.pool import Generation, RankInfo
+from statemachine.wire.metadata import MetadataRequest
+from statemachine.wire.reference import (
+    METADATA_FRAMES,
+    REGISTER_FRAMES,
+    MalformedFrames,
+    SimpleBackend,
+    ack_frames,
+    parse_ack,
+    parse_metadata,
+    parse_register,
+)
 
 # Send timeout for transports that only ever send to dead endpoints: keeps failing tests quick.
 # Transports that must reach live peers keep the default 1000 ms: on a loaded 2-core machine a

@@ -296,11 +296,12 @@ def test_zmq20_fds_threads_and_sockets_stay_flat_over_real_restarts() -> None:
     new port (a new generation that is registered, sent metadata, then released after the
     verdict): fds, monitor threads and sockets_open after the last equal those after the
     first (issue 8 measured +29 sockets and fds over 30 restarts before)."""
-    from statemachine.backend import MetadataRequest, SimpleBackend
     from statemachine.decode.ranks.transport import generation_endpoints
     from statemachine.pool import Generation, RankInfo
     from statemachine.prefill.rank import PrefillRankProcess
     from statemachine.prefill.server import BootstrapServer
+    from statemachine.wire.metadata import MetadataRequest
+    from statemachine.wire.reference import SimpleBackend
 
     token = "test-token"
     verdicts = VerdictRecorder()
@@ -408,11 +409,12 @@ def test_zmq19_a_dead_decode_does_not_delay_acks_to_a_live_one() -> None:
     ZmqTransport): ten metadata messages from a decode whose ack port is dead, then a live
     decode's request. Each ack to the dead decode used to take SNDTIMEO (10 s in all); now
     the first fails on the monitor's verdict and the others at once."""
-    from statemachine.backend import MetadataRequest, SimpleBackend
     from statemachine.decode.ranks.acks import AckListener
     from statemachine.pool import Generation, RankInfo
     from statemachine.prefill.rank import PrefillRankProcess
     from statemachine.prefill.server import BootstrapServer
+    from statemachine.wire.metadata import MetadataRequest
+    from statemachine.wire.reference import SimpleBackend
 
     token = "test-token"
     with BootstrapServer(token=token) as server, PrefillRankProcess(server.address, token) as rank:
@@ -440,9 +442,9 @@ def test_zmq19_a_dead_decode_does_not_delay_acks_to_a_live_one() -> None:
 def test_zmq20_a_generation_retains_and_releases_every_rank_dummy_included(
     context: zmq.Context,
 ) -> None:
-    from statemachine.backend import SimpleBackend
     from statemachine.decode.ranks.transport import generation_endpoints
     from statemachine.pool import Generation, RankInfo
+    from statemachine.wire.reference import SimpleBackend
 
     with (
         pull_peer(context) as (peer, port),

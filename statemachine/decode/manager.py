@@ -59,7 +59,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal, cast
 
-from statemachine.backend import KVBackend, SimpleBackend, decode_reply
+from statemachine.backend import KVBackend
 from statemachine.completion import (
     STATUS_FAILED,
     STATUS_SUCCESS,
@@ -99,6 +99,7 @@ from statemachine.errors import (
 )
 from statemachine.pool import BootstrapPool, Generation, PoolKey
 from statemachine.validation import Topology
+from statemachine.wire.reference import SimpleBackend, decode_reply
 
 #: SGLang's default bootstrap timeout (a room whose dp rank stays unknown fails after it).
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0

@@ -33,7 +33,7 @@ from typing import Any
 
 from statemachine import call_deadline, trace
 from statemachine import lifecycle as life
-from statemachine.backend import KVBackend, MetadataRequest
+from statemachine.backend import KVBackend
 from statemachine.decode.flight import Flight
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
@@ -56,6 +56,7 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.wire.metadata import MetadataRequest
 
 __all__ = [
     "DEFAULT_PLAN",

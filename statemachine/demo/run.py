@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statemachine import trace
-from statemachine.backend import SimpleBackend
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager, ManagerStats
 from statemachine.decode.ranks.acks import AckStats
@@ -31,6 +30,7 @@ from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.errors import BootstrapError
 from statemachine.pool import PoolStats
+from statemachine.wire.reference import SimpleBackend
 
 SAMPLE_INTERVAL_S = 0.02
 

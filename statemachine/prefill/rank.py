@@ -9,7 +9,7 @@ Like an SGLang prefill rank it binds one ``PULL`` socket on an ephemeral port of
 that happens to get a dead rank's port number does), registers it with the bootstrap server by
 ``PUT /route`` (:func:`statemachine.decode.client.register_rank`, SGLang's retry policy), keeps
 the instance id of the server's reply as its own, then prints ``READY <port>`` and serves the
-:class:`~statemachine.backend.SimpleBackend` messages (ZMQ-13):
+:class:`~statemachine.wire.reference.SimpleBackend` messages (ZMQ-13):
 
 * *register*: remember the decode session (by session id; bounded, oldest forgotten first);
 * *metadata*: after ``--ack-delay-ms``, PUSH ``[b"ack", room, tp_rank, pp_rank]`` to the ack
@@ -75,22 +75,7 @@ from typing import IO, Any
 import zmq
 
 from statemachine import cli_help, trace
-from statemachine.backend import (
-    ABORT_KIND,
-    BOOTSTRAP_KIND,
-    METADATA_KIND,
-    REGISTER_KIND,
-    MalformedFrames,
-    abort_ack_frames,
-    message_kind,
-    parse_abort,
-    parse_bootstrap,
-    parse_metadata,
-    parse_register,
-    ready_frames,
-)
 from statemachine.decode.client import register_rank
-from statemachine.decode.ranks.acks import ack_frames
 from statemachine.decode.ranks.transport import Endpoint, endpoint_url
 from statemachine.discovery.layout import DEFAULT_PREFIX
 from statemachine.discovery.registrar import DEFAULT_TTL, EtcdRegistrar, registrar_for
@@ -98,6 +83,21 @@ from statemachine.errors import BootstrapError, NotReady, TransportFailure
 from statemachine.prefill.readiness import read_ready
 from statemachine.registration import route_payload
 from statemachine.validation import rank_ip_problem
+from statemachine.wire.reference import (
+    ABORT_KIND,
+    BOOTSTRAP_KIND,
+    METADATA_KIND,
+    REGISTER_KIND,
+    MalformedFrames,
+    abort_ack_frames,
+    ack_frames,
+    message_kind,
+    parse_abort,
+    parse_bootstrap,
+    parse_metadata,
+    parse_register,
+    ready_frames,
+)
 
 MAX_SESSIONS = 1024
 #: Decode peers with an ack socket at a time (the least recently used is closed past it).

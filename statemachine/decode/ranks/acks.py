@@ -4,11 +4,12 @@ SGLang 0.5.23's prefill ranks push a *status* per room to the endpoint named in 
 (Mooncake ``[room, status, prefill_rank]``, NIXL ``[KV_STATUS, room, status, prefill_rank,
 reason]``) and an ``ABORT_ACK`` once an aborted room drained; the reference prefill rank
 (:mod:`statemachine.prefill.rank`) pushes a small ack ``[b"ack", room, tp_rank, pp_rank]``
-(ASCII integers, ZMQ-11). :class:`AckListener` listens on an ephemeral port as a ``PULL`` peer
-(a ``ZMQ_STREAM`` socket, see ACK-2 below) and, on a daemon thread, turns every message into a
+(ASCII integers, ZMQ-11; :mod:`statemachine.wire.reference`). :class:`AckListener` listens on
+an ephemeral port as a ``PULL`` peer (a ``ZMQ_STREAM`` socket, see ACK-2 below) and, on a daemon
+thread, turns every message into a
 :data:`~statemachine.completion.PrefillEvent` through a *decoder* - the manager passes its
 backend's ``decode_message``, so each backend parses its own wire; without one, the reference
-layout's replies are read (:func:`~statemachine.backend.decode_reply`).
+layout's replies are read (:func:`~statemachine.wire.reference.decode_reply`).
 
 Two ways to consume the events. A :class:`~statemachine.decode.manager.DecodeManager` passes
 ``on_event`` and gets every event (it counts distinct prefill responses per room itself,
@@ -58,12 +59,10 @@ from typing import Any
 
 import zmq
 
-from statemachine.backend import MalformedFrames, decode_reply
 from statemachine.completion import STATUS_SUCCESS, PrefillEvent, PrefillStatus
 from statemachine.validation import require_rank_ip
+from statemachine.wire.reference import decode_reply
 
-ACK_KIND = b"ack"
-ACK_FRAMES = 4
 #: Most frames one message may have (NIXL's status is 5; one spare for a trailing frame).
 MAX_FRAMES = 6
 #: Largest frame (a failure reason is one line of text; a room is at most 20 digits).
@@ -133,33 +132,6 @@ AckCallback = Callable[[int], None]
 Decoder = Callable[[Sequence[bytes]], PrefillEvent | None]
 #: Takes one event; returns False if it was dropped (no such room: counted as unknown).
 EventCallback = Callable[[PrefillEvent], bool]
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    room: int
-    tp_rank: int
-    pp_rank: int
-
-
-def ack_frames(room: int, tp_rank: int, pp_rank: int) -> list[bytes]:
-    """The frames of one ack."""
-    return [ACK_KIND, b"%d" % room, b"%d" % tp_rank, b"%d" % pp_rank]
-
-
-def parse_ack(frames: Sequence[bytes]) -> Ack:
-    """Parse an ack; :class:`~statemachine.backend.MalformedFrames` if it is not one."""
-    if len(frames) != ACK_FRAMES or frames[0] != ACK_KIND:
-        raise MalformedFrames(f"ack: bad shape ({len(frames)} frames)", kind="ack")
-    values = []
-    for frame in frames[1:]:
-        # isdigit() on bytes is ASCII-only; it also rejects b"", b"-1", b" 1" and b"1_0".
-        if not frame.isdigit() or len(frame) > 20:
-            raise MalformedFrames(
-                f"ack: not a non-negative ASCII integer: {frame[:32]!r}", kind="ack"
-            )
-        values.append(int(frame))
-    return Ack(values[0], values[1], values[2])
 
 
 @dataclass(frozen=True, slots=True)

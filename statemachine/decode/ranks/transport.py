@@ -44,7 +44,7 @@ from typing import Literal, NamedTuple, NoReturn
 
 import zmq
 
-from statemachine.backend import KVBackend, MetadataRequest
+from statemachine.backend import KVBackend
 from statemachine.decode.ranks.endpoints import (
     Endpoint,
     check_endpoint_shape,
@@ -57,6 +57,7 @@ from statemachine.decode.ranks.monitor import SocketMonitor
 from statemachine.errors import SendFailed
 from statemachine.pool import Generation
 from statemachine.validation import InvalidArgument
+from statemachine.wire.metadata import MetadataRequest
 
 __all__ = [
     "Endpoint",

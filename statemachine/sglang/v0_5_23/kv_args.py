@@ -16,8 +16,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from statemachine.backend import pack_buffers
 from statemachine.validation import InvalidArgument
+from statemachine.wire.metadata import pack_buffers
 
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1

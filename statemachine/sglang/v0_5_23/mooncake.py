@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from statemachine.backend import MetadataRequest
 from statemachine.completion import PrefillEvent
 from statemachine.pool import RankInfo
 from statemachine.sglang.v0_5_23.control import (
@@ -26,6 +25,7 @@ from statemachine.sglang.v0_5_23.control import (
 )
 from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs, pack_lists, pack_u32, pack_u64
 from statemachine.validation import InvalidArgument
+from statemachine.wire.metadata import MetadataRequest
 
 #: Frame 0 of a registration: the text ``None`` where metadata has its room.
 REGISTRATION_ROOM = b"None"
