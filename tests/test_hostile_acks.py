@@ -92,17 +92,81 @@ def test_ack2_a_five_frame_status_with_a_long_reason_reaches_the_decoder() -> No
     assert events == [PrefillStatus(7, 0, 1, reason.decode())]
 
 
-def test_ack2_small_malformed_messages_are_dropped_not_cut() -> None:
-    """A short non-ack message is counted and dropped; the same connection's next ack counts."""
+def test_zmq24_a_message_the_decoder_refuses_cuts_its_sender() -> None:
+    """Before (issue 27), a short non-ack message was counted and dropped and the connection
+    served on. A complete message the decoder refuses breaks the protocol like any ZMTP
+    violation: the sender is cut at that message, so the ack behind it on the same connection
+    is never read; a new connection is served."""
     with AckListener() as acks:
         done = AckRecorder()
-        acks.expect(3, 2, done)
-        send_frames(
-            acks.port,
-            [[b"ack", b"3"], ack_frames(3, 0, 0), [b"hello"], ack_frames(3, 1, 0)],
-        )
+        acks.expect(3, 1, done)
+        send_frames(acks.port, [[b"ack", b"3"], ack_frames(3, 0, 0)])
+        assert wait_until(lambda: acks.stats().malformed == 1)
+        time.sleep(0.2)
+        assert done.rooms == [] and acks.stats().received == 0
+        send_frames(acks.port, [ack_frames(3, 0, 0)])  # a new connection: served
         assert done.wait(5)
-        assert acks.stats().malformed == 2 and acks.stats().received == 2
+        assert acks.stats().malformed == 1 and acks.stats().received == 1
+
+
+def test_zmq24_an_event_for_an_unknown_room_is_not_a_violation() -> None:
+    """A well-formed ack for a room nobody expects is dropped, and its sender stays: the next
+    ack on the same connection counts."""
+    with AckListener() as acks:
+        done = AckRecorder()
+        acks.expect(5, 1, done)
+        send_frames(acks.port, [ack_frames(99, 0, 0), ack_frames(5, 0, 0)])
+        assert done.wait(5)
+        assert acks.stats().unknown == 1 and acks.stats().malformed == 0
+
+
+#: What a libzmq PUSH sends first: the ZMTP 3.0 greeting (NULL mechanism) and its READY.
+_READY_BODY = b"\x05READY\x0bSocket-Type" + (4).to_bytes(4, "big") + b"PUSH"
+_ZMTP_PUSH_HELLO = (
+    (b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31))
+    + bytes((0x04, len(_READY_BODY)))
+    + _READY_BODY
+)
+
+
+def _zmtp_message(frames: Sequence[bytes]) -> bytes:
+    """``frames`` as one ZMTP message (long frames with an 8-byte size)."""
+    out = b""
+    for i, frame in enumerate(frames):
+        more = 1 if i < len(frames) - 1 else 0
+        if len(frame) < 256:
+            out += bytes((more, len(frame))) + frame
+        else:
+            out += bytes((more | 2,)) + len(frame).to_bytes(8, "big") + frame
+    return out
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"ack", b"1" * 257, b"0", b"0"],  # a 257-byte frame where an integer goes
+        [*ack_frames(1, 0, 0), b"x"],  # a 5-frame ack
+    ],
+    ids=["257-byte-frame", "5-frame-message"],
+)
+def test_zmq24_the_two_violations_issue_27_found_open_are_cut_at_once(
+    frames: list[bytes],
+) -> None:
+    """Issue 27: these two left the connection open after 3 s (both fit the listener's generic
+    frame bounds, and the decoder's refusal only dropped the message); eleven other violations
+    were cut at once. Now the listener closes the connection (EOF here, well before its 30 s
+    silent timeout) and counts the violation."""
+    with AckListener() as acks:
+        with socket.create_connection(("127.0.0.1", acks.port), timeout=5) as raw:
+            raw.sendall(_ZMTP_PUSH_HELLO + _zmtp_message(frames))
+            raw.settimeout(5)
+            try:
+                while raw.recv(4096):
+                    pass
+            except TimeoutError:
+                pytest.fail("the listener left a violating connection open")
+        assert wait_until(lambda: acks.stats().malformed == 1)
+        assert acks.stats().received == 0 and acks.stats().peers == 0
 
 
 @pytest.mark.parametrize(
@@ -221,14 +285,6 @@ def test_ack2_silent_connection_is_cut_after_the_handshake_timeout(
 
 
 # --- ACK-5 / ACK-6: the ack port under a flood of connections (issue 17) ----------------------
-
-_READY_BODY = b"\x05READY\x0bSocket-Type" + (4).to_bytes(4, "big") + b"PUSH"
-#: What a libzmq PUSH sends first: the ZMTP 3.0 greeting (NULL mechanism) and its READY.
-_ZMTP_PUSH_HELLO = (
-    (b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31))
-    + bytes((0x04, len(_READY_BODY)))
-    + _READY_BODY
-)
 
 
 def _ack_message(room: int) -> bytes:

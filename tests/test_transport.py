@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from http_support import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from zmq_support import (
@@ -546,13 +547,15 @@ def test_zmq12_unknown_forgotten_and_malformed_acks_are_dropped(
     for room in range(100, 150):
         ack_sender.send_multipart(ack_frames(room, 0, 0))
     ack_sender.send_multipart(ack_frames(1, 0, 0))
-    ack_sender.send_multipart([b"ack", b"x", b"0", b"0"])
-    ack_sender.send_multipart([b"nonsense"])
     ack_sender.send_multipart(ack_frames(99, 0, 0))
     assert sentinel.event.wait(5)
+    # A malformed ack is a protocol violation: counted, and its sender cut (ZMQ-24; before
+    # issue 27 it was dropped and the connection served on, so it was sent mid-stream here).
+    ack_sender.send_multipart([b"ack", b"x", b"0", b"0"])
+    assert wait_until(lambda: listener.stats().malformed == 1)
     stats = listener.stats()
     assert forgotten.rooms == []
-    assert (stats.unknown, stats.malformed, stats.expected, stats.received) == (51, 2, 0, 52)
+    assert (stats.unknown, stats.malformed, stats.expected, stats.received) == (51, 1, 0, 52)
 
 
 def test_zmq12_a_raising_callback_does_not_stop_the_listener(

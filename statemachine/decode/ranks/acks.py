@@ -28,7 +28,8 @@ then frames parsed as they arrive. A peer whose message has more than :data:`MAX
 or a frame larger than :data:`MAX_FRAME_BYTES`, is disconnected at that frame; nothing of it is
 buffered. The bounds fit the largest message a 0.5.23 prefill sends the decode's PULL endpoint
 besides staging and AUX_DATA, which this listener does not take: NIXL's 5-frame status whose
-last frame is the failure reason (a line of text). Senders are
+last frame is the failure reason (a line of text). A complete message the decoder refuses
+(None) breaks the protocol as well: its sender is cut at that message (ZMQ-24). Senders are
 ordinary libzmq ``PUSH`` sockets and see a normal ``PULL`` peer.
 
 Holding connections (ACK-5, ACK-6): each sender holds an fd of this process, so the peer cap
@@ -128,7 +129,7 @@ def default_max_peers() -> int:
 _log = logging.getLogger(__name__)
 
 AckCallback = Callable[[int], None]
-#: One multipart message -> an event, or None (not a message of this wire: dropped).
+#: One multipart message -> an event, or None (not a message of this wire: its sender is cut).
 Decoder = Callable[[Sequence[bytes]], PrefillEvent | None]
 #: Takes one event; returns False if it was dropped (no such room: counted as unknown).
 EventCallback = Callable[[PrefillEvent], bool]
@@ -140,7 +141,7 @@ class AckStats:
     completed: int  # rooms whose callback fired
     unknown: int  # events for rooms nobody expected or in flight (dropped)
     duplicates: int  # second success from the same rank for an expected room (ignored)
-    malformed: int  # messages the decoder did not take (dropped)
+    malformed: int  # protocol violations (each cut its sender), decoder refusals included
     callback_errors: int  # callbacks that raised (logged, the listener keeps running)
     expected: int  # rooms currently expected (standalone ``expect``; 0 under a manager)
     peers: int = 0  # senders connected now (at most ``max_peers``)
@@ -324,45 +325,45 @@ class AckListener:
         with self._lock:
             self._malformed += 1
 
-    def _on_message(self, frames: list[bytes]) -> bool:
-        """Decode and deliver one message; True if it was taken (a room in flight), which
-        makes its sender *proven* (ACK-5)."""
+    def _on_message(self, frames: list[bytes]) -> int:
+        """Decode and deliver one message: TAKEN (a room in flight: its sender becomes
+        *proven*, ACK-5), DROPPED (a well-formed event for no room of ours) or REFUSED (not a
+        message of this wire: the sender broke the protocol and is cut, ACK-2)."""
         try:
             event = self._decode(frames)
         except Exception:  # a decoder must not raise; if one does, the thread lives on
             _log.exception("ack decoder raised")
             event = None
         if event is None:
-            self._on_malformed()
-            return False
+            return REFUSED
         with self._lock:
             self._received += 1
         if self._on_event is not None:
             if not self._call(self._on_event, event, event.room):
                 with self._lock:
                     self._unknown += 1
-                return False
-            return True
+                return DROPPED
+            return TAKEN
         if not isinstance(event, PrefillStatus) or event.status != STATUS_SUCCESS:
             with self._lock:
                 self._unknown += 1  # standalone, only successes complete a room
-            return False
+            return DROPPED
         with self._lock:
             pending = self._pending.get(event.room)
             if pending is None:
                 self._unknown += 1
-                return False
+                return DROPPED
             if event.prefill_rank in pending.ranks:
                 self._duplicates += 1
-                return True
+                return TAKEN
             pending.ranks.add(event.prefill_rank)
             if len(pending.ranks) < pending.needed:
-                return True
+                return TAKEN
             del self._pending[event.room]
             self._completed += 1
         # Outside the lock: a callback may call expect()/forget() itself.
         self._call(pending.callback, event.room, event.room)
-        return True
+        return TAKEN
 
     def _call(self, callback: Callable[[Any], object], argument: object, room: int) -> bool:
         """``callback(argument)``; False if it returned False. A callback that raises is
@@ -382,6 +383,9 @@ class AckListener:
 class _Cut(Exception):
     """The peer broke the protocol or a bound: disconnect it."""
 
+
+#: What became of one complete message (``AckListener._on_message``).
+TAKEN, DROPPED, REFUSED = 0, 1, 2
 
 #: A sender's standing, lowest first: who is cut first at the cap (ACK-5).
 _HANDSHAKING, _SILENT, _UNPROVEN, _PROVEN = 0, 1, 2, 3
@@ -421,7 +425,7 @@ class _ZmtpPull:
     def __init__(
         self,
         sock: zmq.Socket[bytes],
-        on_message: Callable[[list[bytes]], bool],
+        on_message: Callable[[list[bytes]], int],
         on_malformed: Callable[[], None],
         max_peers: int,
         silent_timeout: float = SILENT_TIMEOUT,
@@ -575,7 +579,10 @@ class _ZmtpPull:
                 raise _Cut  # no message we take is this long; the rest is never read
             if not flags & _FLAG_MORE:
                 peer.frames = []
-                if self._on_message(frames):
+                verdict = self._on_message(frames)
+                if verdict == REFUSED:
+                    raise _Cut  # the decoder's protocol, broken: as a ZMTP violation
+                if verdict == TAKEN:
                     if peer.tier == _PROVEN:
                         self._tiers[_PROVEN].move_to_end(peer_id)
                     else:
