@@ -40,14 +40,15 @@ import time
 import uuid
 from collections.abc import Callable
 
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.discovery.changes import RankChange, StampedGeneration
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.local_server import EtcdServer, find_etcd_binary
 from statemachine.discovery.registrar import EtcdRegistrar
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
-from statemachine.registration import route_payload
+from statemachine.prefill.registration import register_rank
+from statemachine.wire.http import route_payload
 
 TP = 8
 
@@ -238,7 +239,7 @@ def _hits_per_second(pool: BootstrapPool, key: PoolKey, ops: int) -> float:
 
 _CHURN = """
 import sys, time
-from statemachine.registration import route_payload
+from statemachine.wire.http import route_payload
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.registrar import EtcdRegistrar
 registrar = EtcdRegistrar(EtcdGateway([sys.argv[1]]), "127.0.0.1:7777", prefix=sys.argv[2])

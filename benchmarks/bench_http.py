@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import requests
 
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.demo.sampling import socket_counts
-from statemachine.registration import route_payload
+from statemachine.prefill.registration import register_rank
+from statemachine.wire.http import route_payload
 
 TP_SIZE = 4
 

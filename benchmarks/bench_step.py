@@ -27,11 +27,12 @@ import time
 import requests
 import zmq
 
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.lifecycle import KVPoll
+from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
-from statemachine.registration import route_payload
+from statemachine.wire.http import route_payload
 
 TOKEN = "bench-step"
 ROOMS = 1000

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from statemachine.decode.ranks.transport import ZmqTransport
     from statemachine.decode.receiver import BootstrapReceiver, Decode
     from statemachine.prefill.server import BootstrapServer
-    from statemachine.registration import route_payload
+    from statemachine.wire.http import route_payload
 
 # The runtime parts are imported on first use: the server needs aiohttp (an optional extra: its
 # module raises MissingExtra, naming the pip command, when aiohttp is absent), and keeping zmq
@@ -86,7 +86,7 @@ _LAZY = {
     "ZmqTransport": "statemachine.decode.ranks.transport",
     # A prefill's PUT /route body; exported here so that examples (docs/etcd.md) need not
     # know which module builds it.
-    "route_payload": "statemachine.registration",
+    "route_payload": "statemachine.wire.http",
 }
 
 

@@ -22,9 +22,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from statemachine.errors import BootstrapError, MalformedReply
+from statemachine.errors import BootstrapError
 
 #: Largest reply body the client reads; anything larger is a malformed reply (HTTP-24).
 MAX_REPLY_BYTES = 1 << 20
@@ -266,70 +266,6 @@ def require_rank(*, dp_rank: object, cp_rank: object, tp_rank: object, pp_rank: 
     require_index("pp_rank", pp_rank)
 
 
-# --- reply parsing ----------------------------------------------------------------------------
-
-
-def parse_json_object(body: bytes, *, addr: str, status: int) -> dict[str, object]:
-    """Decode a reply body that must be a JSON object."""
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise MalformedReply(
-            f"{addr}: reply is not JSON ({exc})", addr=addr, status=status
-        ) from None
-    if not isinstance(value, dict):
-        raise MalformedReply(
-            f"{addr}: reply is a JSON {type(value).__name__}, not an object",
-            addr=addr,
-            status=status,
-        )
-    return value
-
-
-def _field(
-    obj: Mapping[str, object], key: str, want: str, *, addr: str, status: int
-) -> MalformedReply:
-    shown = repr(obj[key])[:80] if key in obj else "missing"
-    return MalformedReply(
-        f"{addr}: reply field {key!r} must be {want}, got {shown}", addr=addr, status=status
-    )
-
-
-def route_reply(
-    obj: Mapping[str, object], *, addr: str, status: int, instance_id: str | None
-) -> RouteReply:
-    """``{"rank_ip": ip literal, "rank_port": 1..65535}``; extra keys ignored (HTTP-21)."""
-    ip = obj.get("rank_ip")
-    problem = rank_ip_problem(ip)
-    if problem is not None:
-        raise _field(obj, "rank_ip", f"a peer IP literal ({problem})", addr=addr, status=status)
-    port = obj.get("rank_port")
-    if not is_valid_port(port):
-        raise _field(obj, "rank_port", "an int in 1..65535", addr=addr, status=status)
-    return RouteReply(ip, port, instance_id)  # type: ignore[arg-type]
-
-
-def _bounded_int(
-    obj: Mapping[str, object], key: str, low: int, high: int, *, addr: str, status: int
-) -> int:
-    value = obj.get(key)
-    if not is_int(value) or not low <= value <= high:  # type: ignore[operator]
-        raise _field(obj, key, f"an int in {low}..{high}", addr=addr, status=status)
-    return value  # type: ignore[return-value]
-
-
-def _optional_value(
-    obj: Mapping[str, object], key: str, check: object, want: str, *, addr: str, status: int
-) -> object:
-    """``obj[key]`` when absent/null (None) or when ``check(value)`` holds; else malformed."""
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not check(value):  # type: ignore[operator]
-        raise _field(obj, key, f"null or {want}", addr=addr, status=status)
-    return value
-
-
 def json_size(value: object) -> int:
     """Bytes of ``value`` as compact JSON (what a bound on a carried value measures)."""
     return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
@@ -352,83 +288,3 @@ def bounded_extra(items: Mapping[str, object], known: frozenset[str]) -> dict[st
         if len(extra) == MAX_EXTRA_FIELDS:
             break
     return extra
-
-
-def _is_label(value: object) -> bool:
-    return isinstance(value, str) and len(value) <= MAX_LABEL
-
-
-def _is_layout(value: object) -> bool:
-    try:
-        return isinstance(value, dict) and json_size(value) <= MAX_LAYOUT_BYTES
-    except (TypeError, ValueError, RecursionError):
-        return False
-
-
-def topology_reply(
-    obj: Mapping[str, object], *, addr: str, status: int, instance_id: str | None
-) -> Topology:
-    """The four sizes are required ints in 1..MAX_PARALLEL_SIZE with a product of at most
-    MAX_WORLD; the rest may be absent or null; unknown keys go to ``extra`` (HTTP-22)."""
-    sizes = [
-        _bounded_int(obj, key, 1, MAX_PARALLEL_SIZE, addr=addr, status=status)
-        for key in ("attn_tp_size", "attn_cp_size", "dp_size", "pp_size")
-    ]
-    if sizes[0] * sizes[1] * sizes[2] * sizes[3] > MAX_WORLD:
-        raise MalformedReply(
-            f"{addr}: topology of {sizes[0] * sizes[1] * sizes[2] * sizes[3]} ranks is more "
-            f"than {MAX_WORLD}",
-            addr=addr,
-            status=status,
-        )
-    a: dict[str, Any] = {"addr": addr, "status": status}
-    page_size = _optional_value(
-        obj, "page_size", lambda v: is_int(v) and 1 <= v <= MAX_PAGE_SIZE, "an int >= 1", **a
-    )
-    layout = _optional_value(obj, "dsv41_spec_layout", _is_layout, "a small JSON object", **a)
-    return Topology(
-        attn_tp_size=sizes[0],
-        attn_cp_size=sizes[1],
-        dp_size=sizes[2],
-        pp_size=sizes[3],
-        page_size=page_size,  # type: ignore[arg-type]
-        kv_cache_dtype=_optional_value(obj, "kv_cache_dtype", _is_label, "a str", **a),  # type: ignore[arg-type]
-        follow_bootstrap_room=_optional_value(  # type: ignore[arg-type]
-            obj, "follow_bootstrap_room", lambda v: isinstance(v, bool), "a bool", **a
-        ),
-        instance_id=instance_id,
-        enable_dsa_cache_layer_split=_optional_value(  # type: ignore[arg-type]
-            obj, "enable_dsa_cache_layer_split", lambda v: isinstance(v, bool), "a bool", **a
-        ),
-        prefill_http_port=_optional_value(  # type: ignore[arg-type]
-            obj, "prefill_http_port", is_valid_port, "an int in 1..65535", **a
-        ),
-        decode_allocation_policy=_optional_value(  # type: ignore[arg-type]
-            obj, "decode_allocation_policy", _is_label, "a str", **a
-        ),
-        dsv41_spec_layout=None if layout is None else MappingProxyType(layout),  # type: ignore[arg-type]
-        kv_layout=_optional_value(obj, "kv_layout", _is_label, "a str", **a),  # type: ignore[arg-type]
-        enable_kv_cache_sharding=_optional_value(  # type: ignore[arg-type]
-            obj, "enable_kv_cache_sharding", lambda v: isinstance(v, bool), "a bool", **a
-        ),
-        extra=MappingProxyType(bounded_extra(obj, TOPOLOGY_KEYS | PLAN_KEYS)),
-    )
-
-
-def dp_ranks_reply(
-    obj: Mapping[str, object], rooms: Mapping[str, int], *, addr: str, status: int
-) -> dict[int, int]:
-    """``{"<room>": dp_rank}`` for the asked rooms the server knows; other keys ignored (HTTP-23).
-
-    ``rooms`` maps each asked room's decimal text to the room, so a reply key is matched
-    exactly (no ``int()`` leniency for ``" 7"`` or ``"0x7"``).
-    """
-    result: dict[int, int] = {}
-    for text, room in rooms.items():
-        if text not in obj:
-            continue
-        dp_rank = obj[text]
-        if not is_int(dp_rank) or dp_rank < 0:  # type: ignore[operator]
-            raise _field(obj, text, "a non-negative int", addr=addr, status=status)
-        result[room] = dp_rank  # type: ignore[assignment]
-    return result

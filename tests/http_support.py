@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 
 from statemachine.prefill.server import BootstrapServer
-from statemachine.registration import route_payload
+from statemachine.wire.http import route_payload
 
 
 @dataclass

@@ -22,13 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from statemachine.decode.client import (
-    INSTANCE_HEADER,
     BootstrapClient,
     InvalidArgument,
     RouteReply,
     Topology,
-    new_session,
-    register_rank,
 )
 from statemachine.errors import (
     BootstrapHTTPError,
@@ -38,7 +35,10 @@ from statemachine.errors import (
     RequestRejected,
     TransportFailure,
 )
+from statemachine.http_exchange import new_session
+from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
+from statemachine.wire.http import INSTANCE_HEADER
 
 TOKEN = "client-test-token"
 RANK = {"dp_rank": 0, "cp_rank": 0, "tp_rank": 0, "pp_rank": 0}

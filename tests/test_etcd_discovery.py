@@ -35,8 +35,8 @@ from statemachine.discovery.layout import (
 from statemachine.discovery.registrar import EtcdRegistrar
 from statemachine.errors import BootstrapError, EtcdUnavailable, NotFound, NotReady
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
-from statemachine.registration import route_payload
 from statemachine.validation import InvalidArgument
+from statemachine.wire.http import route_payload
 from tests.etcd_support import EtcdServer, free_port, running_etcd, wait_until
 
 ADDR = "127.0.0.1:8998"

@@ -38,7 +38,7 @@ from statemachine.discovery.gateway import (
 from statemachine.discovery.layout import RankKey, encode_value, rank_key
 from statemachine.errors import NotReady
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
-from statemachine.registration import route_payload
+from statemachine.wire.http import route_payload
 
 ADDR = "127.0.0.1:8998"
 TP = 2

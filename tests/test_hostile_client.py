@@ -21,7 +21,7 @@ from http_support import ScriptedServer, TrickleServer, free_port, running_serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
@@ -33,6 +33,7 @@ from statemachine.errors import (
     UnknownRoom,
 )
 from statemachine.lifecycle import KVPoll
+from statemachine.prefill.registration import register_rank
 from statemachine.validation import InvalidArgument, is_rank_ip, parse_addr, rank_ip_problem
 from statemachine.wire.reference import SimpleBackend
 
@@ -346,7 +347,7 @@ def test_http35_silent_resolver_is_bounded_by_the_deadline(
         release.wait(3.0)
         raise OSError("resolver gave up")
 
-    monkeypatch.setattr("statemachine.decode.client._first_address", silent)
+    monkeypatch.setattr("statemachine.http_exchange._first_address", silent)
     client = BootstrapClient(deadline=0.5)
     try:
         elapsed, result = timed(lambda: client.health("bootstrap.silent-resolver.test:8998"))

@@ -24,8 +24,9 @@ import requests
 from attack_support import HealthFlood, ServerProcess, SlowAttack
 from http_support import running_server, wait_until
 
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.errors import BootstrapError
+from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import MAX_EXTRA_FIELDS, MAX_PARALLEL_SIZE, MAX_WORLD
 

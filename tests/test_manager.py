@@ -31,7 +31,7 @@ from test_receiver import (
 from zmq_support import VerdictRecorder
 
 from statemachine import lifecycle as life
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
 from statemachine.decode.ranks.transport import ZmqTransport
@@ -57,9 +57,10 @@ from statemachine.errors import (
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, PoolKey, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
-from statemachine.registration import route_payload
 from statemachine.validation import Topology
+from statemachine.wire.http import route_payload
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import SimpleBackend, parse_metadata
 

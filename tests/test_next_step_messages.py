@@ -17,11 +17,12 @@ import pytest
 from http_support import free_port, rank_payload, running_server
 
 from statemachine import DecodeManager
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.discovery.gateway import EtcdGateway
 from statemachine.errors import EtcdUnavailable, NotFound, NotReady, SendFailed
 from statemachine.prefill.readiness import read_prefixed_line
+from statemachine.prefill.registration import register_rank
 from statemachine.validation import InvalidArgument, parse_addr
 
 TOKEN = "next-step-token"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import (
     DEFAULT_PLAN,
@@ -27,9 +27,9 @@ from statemachine.decode.plan import (
 from statemachine.errors import MalformedReply, TopologyMismatch
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import EVERY_TP_RANK, PoolKey
+from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
-from statemachine.registration import route_payload
-from statemachine.validation import topology_reply
+from statemachine.wire.http import route_payload, topology_reply
 
 ADDR = "10.0.0.1:8998"
 TOKEN = "plan-token"

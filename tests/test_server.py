@@ -18,7 +18,8 @@ from http_support import FakeClock, free_port, rank_payload, running_server, wai
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statemachine.prefill.server import INSTANCE_HEADER, BootstrapServer
+from statemachine.prefill.server import BootstrapServer
+from statemachine.wire.http import INSTANCE_HEADER
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

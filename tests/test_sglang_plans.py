@@ -38,13 +38,14 @@ from sglang_support import (
     sglang_server_args,
 )
 
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
 from statemachine.errors import TopologyMismatch
 from statemachine.pool import EVERY_TP_RANK
+from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
-from statemachine.registration import route_payload
-from statemachine.validation import Topology, topology_reply
+from statemachine.validation import Topology
+from statemachine.wire.http import route_payload, topology_reply
 
 pytestmark = requires_sglang
 

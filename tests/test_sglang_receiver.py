@@ -27,7 +27,7 @@ from statemachine.completion import (
     PrefillEvent,
     PrefillStatus,
 )
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan
 from statemachine.decode.receiver import DEFAULT_FAILED_REASON
@@ -43,8 +43,9 @@ from statemachine.errors import (
 )
 from statemachine.lifecycle import KVPoll
 from statemachine.pool import RankInfo
+from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
-from statemachine.registration import route_payload
+from statemachine.wire.http import route_payload
 from statemachine.wire.reference import SimpleBackend
 
 TOKEN = "sglang-receiver-token"

@@ -149,7 +149,7 @@ def test_the_server_refusing_a_changed_topology_says_to_restart_it() -> None:
     import requests
     from http_support import rank_payload, running_server
 
-    from statemachine.decode.client import register_rank
+    from statemachine.prefill.registration import register_rank
 
     with running_server(host="127.0.0.1", port=0, token=TOKEN) as server:
         register_rank(server.address, TOKEN, rank_payload(tp=0, tp_size=1, page_size=16))

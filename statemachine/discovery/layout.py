@@ -33,8 +33,8 @@ from statemachine.validation import (
     is_valid_port,
     parse_addr,
     rank_ip_problem,
-    topology_reply,
 )
+from statemachine.wire.http import topology_reply
 
 DEFAULT_PREFIX = "/pd-bootstrap/v1/ranks"
 MAX_INSTANCE_ID = 128

@@ -48,8 +48,8 @@ from statemachine.errors import (
     EtcdRequestFailed,
     EtcdUnavailable,
 )
-from statemachine.registration import route_payload
 from statemachine.validation import InvalidArgument, parse_addr
+from statemachine.wire.http import route_payload
 
 DEFAULT_TTL = 10
 

@@ -56,6 +56,14 @@ from statemachine.validation import (
     json_size,
     rank_ip_problem,
 )
+from statemachine.wire.http import (
+    DP_RANKS_KEY,
+    HEALTH_PATH,
+    INSTANCE_HEADER,
+    QUERY_DP_RANKS_PATH,
+    RANK_PARAMS,
+    ROUTE_PATH,
+)
 
 try:
     from aiohttp import web
@@ -63,7 +71,6 @@ try:
 except ModuleNotFoundError as exc:  # the `server` extra is not installed: say which to install
     raise MissingExtra("server", "the bootstrap server", exc.name or "aiohttp") from exc
 
-INSTANCE_HEADER = "X-Bootstrap-Instance-Id"
 DEFAULT_MAX_BODY = 64 * 1024
 DEFAULT_DP_TTL = 120.0
 #: Hard cap on remembered room -> dp rank entries, on top of the TTL.
@@ -94,18 +101,17 @@ EVICT_GRACE = 0.1
 
 _log = logging.getLogger(__name__)
 
-_RANK_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 # Optional sign, at most 18 digits: fits an int64, and never feeds int() a huge string.
 _INT_PARAM = re.compile(r"-?[0-9]{1,18}", re.ASCII)
 # Route labels for the request counters; anything else is counted as "other" (bounded dict).
 _ROUTE_LABELS = frozenset(
     f"{m} {p}"
     for m, p in (
-        ("PUT", "/route"),
-        ("GET", "/route"),
+        ("PUT", ROUTE_PATH),
+        ("GET", ROUTE_PATH),
         ("POST", "/register_dp_rank"),
-        ("POST", "/query_dp_ranks"),
-        ("GET", "/health"),
+        ("POST", QUERY_DP_RANKS_PATH),
+        ("GET", HEALTH_PATH),
     )
 )
 #: Registration keys this server interprets (reference §1 and §7); any other key is carried
@@ -323,7 +329,7 @@ def parse_registration(
 def _rank_params(query: MultiMapping[str]) -> list[int]:
     """The four ``GET /route`` parameters, each present once and an integer (HTTP-12)."""
     values = []
-    for name in _RANK_PARAMS:
+    for name in RANK_PARAMS:
         found = query.getall(name, [])
         if len(found) != 1 or _INT_PARAM.fullmatch(found[0]) is None:
             raise BadRequest(f"parameter {name!r} must be given once, as an integer")
@@ -602,13 +608,13 @@ class BootstrapServer:
     async def _serve(self) -> None:
         app = web.Application(client_max_size=self._max_body, middlewares=[self._middleware])
         app.on_response_prepare.append(self._stamp)
-        app.router.add_put("/route", self._put_route, expect_handler=self._expect_auth)
-        app.router.add_get("/route", self._get_route)
+        app.router.add_put(ROUTE_PATH, self._put_route, expect_handler=self._expect_auth)
+        app.router.add_get(ROUTE_PATH, self._get_route)
         app.router.add_post(
             "/register_dp_rank", self._register_dp_rank, expect_handler=self._expect_auth
         )
-        app.router.add_post("/query_dp_ranks", self._query_dp_ranks, expect_handler=self._expect)
-        app.router.add_get("/health", self._health)
+        app.router.add_post(QUERY_DP_RANKS_PATH, self._query_dp_ranks, expect_handler=self._expect)
+        app.router.add_get(HEALTH_PATH, self._health)
         runner = web.AppRunner(
             app,
             access_log=None,
@@ -1072,9 +1078,9 @@ class BootstrapServer:
 
     async def _query_dp_ranks(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
-        rooms = body.get("bootstrap_rooms")
+        rooms = body.get(DP_RANKS_KEY)
         if not isinstance(rooms, list) or not all(is_int(r) and 0 <= r <= INT64_MAX for r in rooms):
-            raise BadRequest("'bootstrap_rooms' must be a list of ints in 0..2**63-1")
+            raise BadRequest(f"{DP_RANKS_KEY!r} must be a list of ints in 0..2**63-1")
         now = self._clock()
         self._expire(now)
         found: dict[str, int] = {}
