@@ -36,11 +36,11 @@ from ack_flood_support import ListenerProcess, SilentHandshakes
 from attack_support import AttackProcess, ServerProcess, rss_after_one_message
 from http_support import TrickleServer
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.lifecycle import KVPoll
 from statemachine.prefill.registration import register_rank
 from statemachine.wire.http import route_payload
 from statemachine.wire.reference import SimpleBackend

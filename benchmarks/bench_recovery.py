@@ -35,13 +35,13 @@ import statistics
 import sys
 import time
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.dead_keys import DEFAULT_RECHECK_S
 from statemachine.decode.manager import DecodeManager
 from statemachine.demo.modes import OURS, PRESETS, SGLANG, ModeConfig
 from statemachine.demo.report import build_report
 from statemachine.demo.run import DemoConfig, RunResult, run_demo
-from statemachine.lifecycle import KVPoll
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 

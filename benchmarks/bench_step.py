@@ -27,9 +27,9 @@ import time
 import requests
 import zmq
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
-from statemachine.lifecycle import KVPoll
 from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
 from statemachine.wire.http import route_payload

@@ -58,10 +58,10 @@ import zmq
 
 from benchmarks.anchors import ADDR, SGLangDecodeManagerAnchor, SGLangReceiverAnchor
 from benchmarks.zmq_peer import LOOPBACK, PeerProcess
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout
-from statemachine.lifecycle import KVPoll
 from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
 from statemachine.sglang.v0_5_23 import DecodeKVArgs, MooncakeBackend

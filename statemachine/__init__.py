@@ -21,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from statemachine.backend import KVBackend
+from statemachine.completion import KVPoll
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -49,7 +50,7 @@ from statemachine.errors import (
     UnknownRoom,
     WaitingTimeout,
 )
-from statemachine.lifecycle import KVPoll, Lifecycle
+from statemachine.lifecycle import Lifecycle
 from statemachine.pool import BootstrapPool, Generation, PoolKey, PoolStats, RankInfo
 from statemachine.validation import InvalidArgument, RouteReply, Topology
 from statemachine.wire.metadata import MetadataRequest

@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("statemachine.demo.cli", "end-to-end run through a prefill restart"),
     "serve": ("statemachine.prefill.server", "run the reference bootstrap server"),
     "check": ("statemachine.model.check", "model-check the Python mirror of the TLA+ spec"),
-    "table": ("statemachine.lifecycle", "print the lifecycle table and Mermaid diagram"),
+    "table": ("statemachine.lifecycle_cli", "print the lifecycle table and Mermaid diagram"),
     "etcd": ("statemachine.discovery.etcd_cli", "start a local etcd for trying the etcd source"),
 }
 

@@ -8,19 +8,29 @@ manager applies them to the room's receiver the way SGLang's decode manager does
 ``required_prefill_response_num``; a failure fails the room with its reason; a late event for a
 room that already ended changes nothing.
 
-The status codes are SGLang's ``KVPoll`` integers (``base/conn.py`` in the 0.5.23 wheel).
+The status codes are SGLang's ``KVPoll`` integers (``base/conn.py`` in the 0.5.23 wheel),
+:class:`KVPoll`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
-#: SGLang's KVPoll values that a prefill sends in a status message.
-STATUS_FAILED = 0
-#: Sent only under the ``prefill_complete`` allocation policy: the prefill finished computing and
-#: saw this decode's BOOTSTRAP message; the decode may now allocate KV and send its metadata.
-STATUS_WAITING_FOR_INPUT = 2
-STATUS_SUCCESS = 4
+
+class KVPoll(IntEnum):
+    """SGLang's ``KVPoll`` numbers (``base/conn.py``), written once: what a receiver's ``poll()``
+    reports (``lifecycle.POLL_OF_STATE``) and the status a prefill sends in a status message
+    (Failed, WaitingForInput, Success), so a decode worker can use our receiver in place of its
+    own. WaitingForInput arrives in a status only under the ``prefill_complete`` allocation
+    policy: the prefill finished computing and saw this decode's BOOTSTRAP message; the decode
+    may now allocate KV and send its metadata."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,17 +14,14 @@ receiver is a ``__slots__`` object that steps through that table: one dict looku
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
-from enum import IntEnum
 from types import MappingProxyType
 from typing import Any
 
 from transitions import Machine
 
-from statemachine import cli_help
+from statemachine.completion import KVPoll
 from statemachine.errors import InvalidTransition
-from statemachine.progname import prog
 
 # --- states ---------------------------------------------------------------------------------
 
@@ -212,16 +209,6 @@ class Lifecycle:
         return f"Lifecycle({self.state!r})"
 
 
-class KVPoll(IntEnum):
-    """SGLang's poll values, so a decode worker can use our receiver in place of its own."""
-
-    Failed = 0
-    Bootstrapping = 1
-    WaitingForInput = 2
-    Transferring = 3
-    Success = 4
-
-
 #: What ``poll()`` reports in each lifecycle state.
 POLL_OF_STATE: Mapping[str, KVPoll] = MappingProxyType(
     {
@@ -265,21 +252,3 @@ def table_markdown() -> str:
         for source, dest in TABLE[event].items():
             rows.append(f"| `{event}` | `{source}` | `{dest}` |")
     return "\n".join(rows) + "\n"
-
-
-def main(argv: list[str]) -> int:
-    """``python -m statemachine table [--mermaid]``."""
-    parser = cli_help.parser(
-        prog("table"),
-        "Print the receiver lifecycle: the Markdown table (event, from, to) derived from the\n"
-        "transitions Machine, then its Mermaid state diagram (as in docs/lifecycle.mmd).",
-    )
-    parser.add_argument("--mermaid", action="store_true", help="print only the diagram")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
-        return int(exc.code or 0)
-    if not args.mermaid:
-        sys.stdout.write(table_markdown() + "\n")
-    sys.stdout.write(mermaid())
-    return 0

@@ -18,10 +18,8 @@ from hypothesis import strategies as st
 from zmq_support import LOOPBACK, pull_peer
 
 from statemachine.completion import (
-    STATUS_FAILED,
-    STATUS_SUCCESS,
-    STATUS_WAITING_FOR_INPUT,
     AbortAck,
+    KVPoll,
     PrefillStatus,
 )
 from statemachine.decode.manager import DecodeManager
@@ -219,15 +217,15 @@ def test_zmq22_bootstrap_frames() -> None:
 
 def test_zmq22_decode_message_of_every_reply_kind() -> None:
     sender = prefill_rank_id(2, 1)
-    assert BACKEND.decode_message(ack_frames(9, 2, 1)) == PrefillStatus(9, STATUS_SUCCESS, sender)
+    assert BACKEND.decode_message(ack_frames(9, 2, 1)) == PrefillStatus(9, KVPoll.Success, sender)
     assert BACKEND.decode_message(ready_frames(9, 2, 1)) == PrefillStatus(
-        9, STATUS_WAITING_FOR_INPUT, sender
+        9, KVPoll.WaitingForInput, sender
     )
     assert BACKEND.decode_message(failed_frames(9, 2, 1, "boom")) == PrefillStatus(
-        9, STATUS_FAILED, sender, "boom"
+        9, KVPoll.Failed, sender, "boom"
     )
     assert BACKEND.decode_message(failed_frames(9, 2, 1, "")) == PrefillStatus(
-        9, STATUS_FAILED, sender, None
+        9, KVPoll.Failed, sender, None
     )
     assert BACKEND.decode_message(abort_ack_frames(9, 2, 1, 4)) == AbortAck(9, sender, 4)
     # Distinct (tp, pp) pairs are distinct senders.
@@ -347,7 +345,7 @@ def test_zmq22_reference_rank_answers_bootstrap_and_an_abort_with_a_generation(
             transport.send(endpoint, backend.register_frames(target))
             transport.send(endpoint, backend.bootstrap_frames(target, 11))
             assert backend.decode_message(_receive(replies)) == PrefillStatus(
-                11, STATUS_WAITING_FOR_INPUT, sender
+                11, KVPoll.WaitingForInput, sender
             )
             # A legacy abort is not acknowledged: the next reply is the generation's ack.
             transport.send(endpoint, backend.abort_frames(target, 11))
@@ -360,7 +358,7 @@ def test_zmq22_reference_rank_answers_bootstrap_and_an_abort_with_a_generation(
             transport.send(endpoint, backend.bootstrap_frames(RankInfo(LOOPBACK, 1, 1), 13))
             transport.send(endpoint, backend.bootstrap_frames(target, 14))
             assert backend.decode_message(_receive(replies)) == PrefillStatus(
-                14, STATUS_WAITING_FOR_INPUT, sender
+                14, KVPoll.WaitingForInput, sender
             )
             stats = rank.terminate()
     finally:

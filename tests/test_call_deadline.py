@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.errors import TransportFailure
-from statemachine.lifecycle import KVPoll
 
 RANKS = 4
 PLAN = RankPlan(tp_ranks=tuple(range(RANKS)))

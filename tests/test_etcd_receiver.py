@@ -21,13 +21,13 @@ from collections.abc import Iterator
 import pytest
 
 from statemachine import lifecycle as life
+from statemachine.completion import KVPoll
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.errors import NotReady, PeerLost, RankRetired
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import PoolKey
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.validation import RouteReply

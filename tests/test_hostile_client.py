@@ -21,6 +21,7 @@ from http_support import ScriptedServer, TrickleServer, free_port, running_serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
@@ -32,7 +33,6 @@ from statemachine.errors import (
     TransportFailure,
     UnknownRoom,
 )
-from statemachine.lifecycle import KVPoll
 from statemachine.prefill.registration import register_rank
 from statemachine.validation import InvalidArgument, is_rank_ip, parse_addr, rank_ip_problem
 from statemachine.wire.reference import SimpleBackend

@@ -20,8 +20,8 @@ from sglang_support import import_sglang, requires_sglang, sglang_bootstrap_serv
 from sglang_support import sglang_prefill_rank as prefill_rank
 from sglang_wire_support import mooncake_module
 
+from statemachine.completion import KVPoll
 from statemachine.errors import TransferFailed
-from statemachine.lifecycle import KVPoll
 
 pytestmark = requires_sglang
 

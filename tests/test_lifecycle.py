@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from transitions import Machine, MachineError
 
 from statemachine import lifecycle
+from statemachine.completion import KVPoll
 from statemachine.errors import InvalidTransition
 from statemachine.lifecycle import (
     EVENTS,
@@ -22,7 +23,6 @@ from statemachine.lifecycle import (
     POLL_OF_STATE,
     STATES,
     TABLE,
-    KVPoll,
     Lifecycle,
     build_machine,
     derive_table,

@@ -31,6 +31,7 @@ from test_receiver import (
 from zmq_support import VerdictRecorder
 
 from statemachine import lifecycle as life
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
@@ -54,7 +55,6 @@ from statemachine.errors import (
     TopologyMismatch,
     WaitingTimeout,
 )
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, PoolKey, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.registration import register_rank

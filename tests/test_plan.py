@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import (
@@ -25,7 +26,6 @@ from statemachine.decode.plan import (
     plan_without_layout,
 )
 from statemachine.errors import MalformedReply, TopologyMismatch
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import EVERY_TP_RANK, PoolKey
 from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer

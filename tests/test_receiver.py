@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from statemachine import lifecycle as life
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.ranks.acks import AckListener
@@ -33,7 +34,6 @@ from statemachine.errors import (
     SendFailed,
     WaitingTimeout,
 )
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, PoolKey, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer

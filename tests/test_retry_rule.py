@@ -29,10 +29,10 @@ from test_receiver import Prefill, start_prefill, stop_prefill
 from zmq_support import VerdictRecorder
 
 from statemachine import lifecycle as life
+from statemachine.completion import KVPoll
 from statemachine.decode.manager import DecodeManager
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.errors import NotReady, RanksUnreachable
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import PoolKey
 from tests.etcd_support import EtcdServer
 

@@ -27,13 +27,13 @@ import zmq
 from zmq_support import LOOPBACK, pull_peer
 
 from statemachine import trace
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.errors import ConfigurationError, WaitingTimeout
-from statemachine.lifecycle import KVPoll
 from statemachine.model.validate import main as validate_main
 from statemachine.model.validate import read_trace, validate
 from statemachine.pool import RankInfo

@@ -34,11 +34,11 @@ from sglang_support import (
     sglang_prefill_rank,
 )
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout
 from statemachine.errors import NotFound, NotReady, UnknownRoom
-from statemachine.lifecycle import KVPoll
 from statemachine.validation import PLAN_KEYS, TOPOLOGY_KEYS
 from statemachine.wire.reference import SimpleBackend
 

@@ -20,10 +20,8 @@ import zmq
 
 from statemachine import lifecycle as life
 from statemachine.completion import (
-    STATUS_FAILED,
-    STATUS_SUCCESS,
-    STATUS_WAITING_FOR_INPUT,
     AbortAck,
+    KVPoll,
     PrefillEvent,
     PrefillStatus,
 )
@@ -41,7 +39,6 @@ from statemachine.errors import (
     TransferFailed,
     WaitingTimeout,
 )
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import RankInfo
 from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
@@ -214,14 +211,14 @@ def test_mgr_13_completion_needs_every_distinct_prefill_rank_and_a_repeat_counts
     with prefill_of() as prefill, manager_of() as manager, pusher(manager) as push:
         receiver = waiting(manager, prefill, 7)
         assert receiver.expected_acks() == PLAN2.required_prefill_response_num == 2
-        push.status(7, STATUS_SUCCESS, 0)
-        push.status(7, STATUS_SUCCESS, 0)  # the same rank again
+        push.status(7, KVPoll.Success, 0)
+        push.status(7, KVPoll.Success, 0)  # the same rank again
         push.settle(2)
         assert receiver.poll() == KVPoll.Transferring
-        push.status(7, STATUS_WAITING_FOR_INPUT, 1)  # not a status the early policy acts on
+        push.status(7, KVPoll.WaitingForInput, 1)  # not a status the early policy acts on
         push.settle(3)
         assert receiver.poll() == KVPoll.Transferring
-        push.status(7, STATUS_SUCCESS, 1)
+        push.status(7, KVPoll.Success, 1)
         push.settle(4)
         assert receiver.poll() == KVPoll.Success
         assert manager.stats().completed == 1
@@ -247,9 +244,9 @@ def test_mgr_14_a_late_success_after_a_failure_status_stays_failed_with_the_reas
     """Scenario (a): SGLang's update_status never promotes a Failed room."""
     with prefill_of() as prefill, manager_of() as manager, pusher(manager) as push:
         receiver = waiting(manager, prefill, 9)
-        push.status(9, STATUS_FAILED, 1, b"rdma write failed on rank 1")
-        push.status(9, STATUS_SUCCESS, 0)
-        push.status(9, STATUS_SUCCESS, 1)
+        push.status(9, KVPoll.Failed, 1, b"rdma write failed on rank 1")
+        push.status(9, KVPoll.Success, 0)
+        push.status(9, KVPoll.Success, 1)
         push.settle(3)
         assert receiver.poll() == KVPoll.Failed
         failure = receiver.failure
@@ -262,7 +259,7 @@ def test_mgr_14_a_late_success_after_a_failure_status_stays_failed_with_the_reas
 def test_mgr_14_failure_without_a_reason_gets_sglangs_text_and_fail_room_is_terminal() -> None:
     with prefill_of() as prefill, manager_of() as manager, pusher(manager) as push:
         receiver = waiting(manager, prefill, 10)
-        push.status(10, STATUS_FAILED, 0)
+        push.status(10, KVPoll.Failed, 0)
         push.settle(1)
         assert receiver.poll() == KVPoll.Failed
         assert isinstance(receiver.failure, TransferFailed)
@@ -278,11 +275,11 @@ def test_mgr_14_a_failure_after_success_was_polled_leaves_success() -> None:
     """SGLang's receiver keeps its first conclusion: Success, once seen, stays."""
     with prefill_of() as prefill, manager_of() as manager, pusher(manager) as push:
         receiver = waiting(manager, prefill, 12)
-        push.status(12, STATUS_SUCCESS, 0)
-        push.status(12, STATUS_SUCCESS, 1)
+        push.status(12, KVPoll.Success, 0)
+        push.status(12, KVPoll.Success, 1)
         push.settle(2)
         assert receiver.poll() == KVPoll.Success
-        push.status(12, STATUS_FAILED, 0, b"late")
+        push.status(12, KVPoll.Failed, 0, b"late")
         push.settle(3)
         assert receiver.poll() == KVPoll.Success and receiver.failure is None
 
@@ -292,8 +289,8 @@ def test_mgr_14_failure_exception_on_a_succeeded_receiver_fails_it_from_another_
     force-armed ABORT (with a generation) of a failed room whose metadata went out."""
     with prefill_of() as prefill, manager_of() as manager, pusher(manager) as push:
         receiver = waiting(manager, prefill, 13)
-        push.status(13, STATUS_SUCCESS, 0)
-        push.status(13, STATUS_SUCCESS, 1)
+        push.status(13, KVPoll.Success, 0)
+        push.status(13, KVPoll.Success, 1)
         push.settle(2)
         assert receiver.poll() == KVPoll.Success
         with pytest.raises(FailedOnAnotherRank, match="from another rank") as caught:
@@ -332,8 +329,8 @@ def test_mgr_14_duplicate_room_is_refused_and_the_first_goes_on() -> None:
         first = waiting(manager, prefill, 16)
         with pytest.raises(InvalidRoom, match="already in flight"):
             manager.receiver(prefill.addr, 16, PLAN2, prefill_dp_rank=0)
-        push.status(16, STATUS_SUCCESS, 0)
-        push.status(16, STATUS_SUCCESS, 1)
+        push.status(16, KVPoll.Success, 0)
+        push.status(16, KVPoll.Success, 1)
         push.settle(2)
         assert first.poll() == KVPoll.Success
 
@@ -408,7 +405,7 @@ def test_mgr_15_a_held_room_is_released_after_the_release_timeout() -> None:
 def test_mgr_15_a_prefill_reported_failure_sends_a_force_armed_abort_once() -> None:
     with prefill_of() as prefill, manager_of() as manager, pusher(manager) as push:
         receiver = waiting(manager, prefill, 24)
-        push.status(24, STATUS_FAILED, 0, b"boom")
+        push.status(24, KVPoll.Failed, 0, b"boom")
         push.settle(1)
         assert receiver.poll() == KVPoll.Failed
         receiver.abort()  # already ended: nothing more
@@ -471,11 +468,11 @@ def test_mgr_16_handshake_bootstrap_then_waiting_for_input_then_transfer() -> No
             with pytest.raises(InvalidTransition, match="prefill_complete"):
                 receiver.send_metadata((1,))  # not before the prefill answered
             assert receiver.poll() == KVPoll.Bootstrapping
-            push.status(32, STATUS_WAITING_FOR_INPUT, 0)
+            push.status(32, KVPoll.WaitingForInput, 0)
             push.settle(1)
             assert receiver.poll() == KVPoll.WaitingForInput and receiver.state == life.READY
             assert receiver.send_metadata((1,)) == KVPoll.Transferring
-            push.status(32, STATUS_SUCCESS, 0)
+            push.status(32, KVPoll.Success, 0)
             push.settle(2)
             assert receiver.poll() == KVPoll.Success
 
@@ -588,13 +585,13 @@ def test_mgr_15_holds_count_only_the_current_generation_and_stay_bounded() -> No
 def test_mgr_13_messages_for_rooms_not_in_flight_are_dropped_and_counted() -> None:
     with prefill_of() as prefill, manager_of() as manager, pusher(manager) as push:
         receiver = waiting(manager, prefill, 60)
-        push.status(61, STATUS_SUCCESS, 0)  # nobody's room
+        push.status(61, KVPoll.Success, 0)  # nobody's room
         push.abort_ack(60, 0, 1)  # room 60 is not held
-        push.status(60, STATUS_SUCCESS, 0)
-        push.status(60, STATUS_SUCCESS, 1)
+        push.status(60, KVPoll.Success, 0)
+        push.status(60, KVPoll.Success, 1)
         push.settle(4)
         assert receiver.poll() == KVPoll.Success
-        push.status(60, STATUS_FAILED, 0)  # after the room ended
+        push.status(60, KVPoll.Failed, 0)  # after the room ended
         push.settle(5)
         assert manager.stats().dropped_events == 3
         assert manager.acks is not None and manager.acks.stats().unknown == 3

@@ -31,10 +31,9 @@ from sglang_support import import_sglang, make_kv_args, requires_sglang, set_sgl
 from sglang_support import sglang_server_args as server_args_of
 from test_sglang_receiver import PLAN2, Prefill, manager_of, prefill_of, pusher
 
-from statemachine.completion import STATUS_FAILED, STATUS_SUCCESS, STATUS_WAITING_FOR_INPUT
+from statemachine.completion import KVPoll
 from statemachine.decode.plan import DecodeLayout, RankPlan
 from statemachine.errors import FailedOnAnotherRank, TransferFailed
-from statemachine.lifecycle import KVPoll
 
 pytestmark = requires_sglang
 
@@ -147,11 +146,11 @@ def test_a_late_success_after_a_failure_stays_failed() -> None:
         _metadata(receiver)
         polls = [_poll(receiver.poll())]
         manager.apply_prefill_status(
-            bootstrap_room=room, status=STATUS_FAILED, prefill_rank=1, failure_reason="boom"
+            bootstrap_room=room, status=KVPoll.Failed, prefill_rank=1, failure_reason="boom"
         )
         for rank in (0, 1):
             manager.apply_prefill_status(
-                bootstrap_room=room, status=STATUS_SUCCESS, prefill_rank=rank
+                bootstrap_room=room, status=KVPoll.Success, prefill_rank=rank
             )
         polls.append(_poll(receiver.poll()))
         failure = _sglang_scheduler_failed(receiver)
@@ -162,9 +161,9 @@ def test_a_late_success_after_a_failure_stays_failed() -> None:
         receiver.init()
         receiver.send_metadata((1, 2))
         polls = [_poll(receiver.poll())]
-        push.status(room, STATUS_FAILED, 1, b"boom")
-        push.status(room, STATUS_SUCCESS, 0)
-        push.status(room, STATUS_SUCCESS, 1)
+        push.status(room, KVPoll.Failed, 1, b"boom")
+        push.status(room, KVPoll.Success, 0)
+        push.status(room, KVPoll.Success, 1)
         push.settle(3)
         polls.append(_poll(receiver.poll()))
         mine = Outcome(tuple(polls), _our_label(receiver.failure), _received(prefill, room))
@@ -182,7 +181,7 @@ def test_b_failure_exception_on_a_succeeded_receiver_fails_it_from_another_rank(
         _metadata(receiver)
         for rank in (0, 1):
             manager.apply_prefill_status(
-                bootstrap_room=room, status=STATUS_SUCCESS, prefill_rank=rank
+                bootstrap_room=room, status=KVPoll.Success, prefill_rank=rank
             )
         polls = [_poll(receiver.poll())]
         failure = _sglang_scheduler_failed(receiver)  # a sibling rank's poll said Failed
@@ -193,8 +192,8 @@ def test_b_failure_exception_on_a_succeeded_receiver_fails_it_from_another_rank(
         receiver = ours.receiver(prefill.addr, room, PLAN2, prefill_dp_rank=0)
         receiver.init()
         receiver.send_metadata((1, 2))
-        push.status(room, STATUS_SUCCESS, 0)
-        push.status(room, STATUS_SUCCESS, 1)
+        push.status(room, KVPoll.Success, 0)
+        push.status(room, KVPoll.Success, 1)
         push.settle(2)
         polls = [_poll(receiver.poll())]
         with pytest.raises(FailedOnAnotherRank):
@@ -266,7 +265,7 @@ def test_completion_needs_every_distinct_response_and_a_repeat_counts_once() -> 
         polls = []
         for rank in (0, 0, 1):
             manager.apply_prefill_status(
-                bootstrap_room=room, status=STATUS_SUCCESS, prefill_rank=rank
+                bootstrap_room=room, status=KVPoll.Success, prefill_rank=rank
             )
             polls.append(_poll(receiver.poll()))
         theirs = Outcome(tuple(polls), None, _received(prefill, room))
@@ -277,7 +276,7 @@ def test_completion_needs_every_distinct_response_and_a_repeat_counts_once() -> 
         receiver.send_metadata((1, 2))
         polls = []
         for count, rank in enumerate((0, 0, 1), start=1):
-            push.status(room, STATUS_SUCCESS, rank)
+            push.status(room, KVPoll.Success, rank)
             push.settle(count)
             polls.append(_poll(receiver.poll()))
         mine = Outcome(tuple(polls), None, _received(prefill, room))
@@ -335,11 +334,11 @@ def test_the_prefill_complete_handshake_bootstrap_ready_metadata_success() -> No
         receiver.init(0)
         polls = [_poll(receiver.poll())]
         manager.apply_prefill_status(
-            bootstrap_room=room, status=STATUS_WAITING_FOR_INPUT, prefill_rank=0
+            bootstrap_room=room, status=KVPoll.WaitingForInput, prefill_rank=0
         )
         polls.append(_poll(receiver.poll()))
         _metadata(receiver)
-        manager.apply_prefill_status(bootstrap_room=room, status=STATUS_SUCCESS, prefill_rank=0)
+        manager.apply_prefill_status(bootstrap_room=room, status=KVPoll.Success, prefill_rank=0)
         polls.append(_poll(receiver.poll()))
         theirs = Outcome(tuple(polls), None, _received(prefill, room))
 
@@ -352,11 +351,11 @@ def test_the_prefill_complete_handshake_bootstrap_ready_metadata_success() -> No
         receiver = ours.receiver(prefill.addr, room, plan, prefill_dp_rank=0)
         receiver.init()
         polls = [_poll(receiver.poll())]
-        push.status(room, STATUS_WAITING_FOR_INPUT, 0)
+        push.status(room, KVPoll.WaitingForInput, 0)
         push.settle(1)
         polls.append(_poll(receiver.poll()))
         receiver.send_metadata((1, 2))
-        push.status(room, STATUS_SUCCESS, 0)
+        push.status(room, KVPoll.Success, 0)
         push.settle(2)
         polls.append(_poll(receiver.poll()))
         mine = Outcome(tuple(polls), None, _received(prefill, room))

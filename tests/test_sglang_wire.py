@@ -29,10 +29,8 @@ from sglang_wire_support import (
 )
 
 from statemachine.completion import (
-    STATUS_FAILED,
-    STATUS_SUCCESS,
-    STATUS_WAITING_FOR_INPUT,
     AbortAck,
+    KVPoll,
     PrefillStatus,
 )
 from statemachine.errors import ConfigurationError
@@ -374,7 +372,7 @@ def test_sgw6_bootstrap_under_prefill_complete_gets_sglangs_ready_status(
             sender.send(backend_.bootstrap_frames(REAL, 31))
             event = backend_.decode_message(_receive(pull))
             rank = prefill.manager._prefill_unique_rank()
-            assert event == PrefillStatus(31, STATUS_WAITING_FOR_INPUT, rank)
+            assert event == PrefillStatus(31, KVPoll.WaitingForInput, rank)
             sender.send(backend_.register_frames(REAL))
             assert prefill.wait(lambda: SESSION_ID in prefill.manager.decode_kv_args_table)
             assert prefill.thread.is_alive()
@@ -434,9 +432,9 @@ def test_sgw8_sglang_status_sender_completes_and_fails_rooms(
         manager = prefill.manager
         rank = manager._prefill_unique_rank()
         cases = [
-            (STATUS_SUCCESS, None, PrefillStatus(41, STATUS_SUCCESS, rank)),
-            (STATUS_FAILED, "boom é", PrefillStatus(41, STATUS_FAILED, rank, "boom é")),
-            (STATUS_FAILED, None, PrefillStatus(41, STATUS_FAILED, rank)),
+            (KVPoll.Success, None, PrefillStatus(41, KVPoll.Success, rank)),
+            (KVPoll.Failed, "boom é", PrefillStatus(41, KVPoll.Failed, rank, "boom é")),
+            (KVPoll.Failed, None, PrefillStatus(41, KVPoll.Failed, rank)),
         ]
         for status, reason, expected in cases:
             manager.send_kv_status_message(
@@ -498,7 +496,7 @@ def _sglang_expected(backend: str, frames: list[bytes]) -> Any:
     if parsed is None:
         return None
     room, status, rank, reason = parsed
-    if status not in (STATUS_FAILED, STATUS_WAITING_FOR_INPUT, STATUS_SUCCESS):
+    if status not in (KVPoll.Failed, KVPoll.WaitingForInput, KVPoll.Success):
         return None
     return PrefillStatus(room, status, rank, reason)
 

@@ -15,7 +15,13 @@ Every module under ``statemachine/`` is parsed with ``ast`` (nothing is imported
 * one READY-line reader (``prefill/readiness.py``) and one rank-index check
   (``validation.require_rank``) for every caller;
 * every ``from statemachine... import name`` in the package, the tests and the benchmarks
-  names something that module has (a name moved to its one owner is imported from there).
+  names something that module has (a name moved to its one owner is imported from there);
+* layers only point down (issue 25), checked on the *transitive* imports, string imports
+  (``importlib.import_module("...")``, ``__import__("...")``) included: every module belongs to
+  one group of :data:`LAYERS`, and an import goes to a lower layer or stays in its own group;
+  on top of that, :data:`NEVER_REACHES` names what a group must not reach by any path (the
+  decode runtime never the reference prefill, the demo, the model or etcd; the reference prefill
+  never decode internals; the lifecycle never the command line).
 """
 
 from __future__ import annotations
@@ -85,13 +91,21 @@ def imports_of(module: str, tree: ast.Module) -> Iterator[tuple[int, str]]:
                     yield node.lineno, f"{source}.{alias.name}"
         elif (
             isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "import_module"
+            and _called_name(node.func) in ("import_module", "__import__")
             and node.args
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)
         ):
             yield node.lineno, node.args[0].value
+
+
+def _called_name(func: ast.expr) -> str | None:
+    """``import_module`` for ``importlib.import_module(...)`` and ``import_module(...)``."""
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    if isinstance(func, ast.Name):
+        return func.id
+    return None
 
 
 def _within(module: str, folder: str) -> bool:
@@ -379,3 +393,278 @@ def test_every_import_of_the_package_names_what_is_there() -> None:
     paths = sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "tests").rglob("*.py"))
     paths += sorted((REPO / "benchmarks").glob("*.py"))
     assert stale_imports(paths) == []
+
+
+# --- layers (issue 25): dependencies point down, checked transitively ---------------------------
+
+#: Bottom to top. A module is in the group of the longest prefix that names it; an import must
+#: go to a lower layer or stay within the importing module's own group (``decode`` may import
+#: ``decode``, never ``discovery``, which sits in the same layer).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "base",
+        (
+            "statemachine.errors",
+            "statemachine.completion",
+            "statemachine.trace",
+            "statemachine.progname",
+            "statemachine.cli_help",
+            "statemachine.call_deadline",
+        ),
+    ),
+    (
+        "core",
+        (
+            "statemachine.validation",
+            "statemachine.lifecycle",
+            "statemachine.pool",
+            "statemachine.extras",
+        ),
+    ),
+    ("wire formats", ("statemachine.wire",)),
+    (
+        "seams",
+        ("statemachine.backend", "statemachine.sglang", "statemachine.http_exchange"),
+    ),
+    ("sides", ("statemachine.decode", "statemachine.discovery", "statemachine.model")),
+    ("reference prefill", ("statemachine.prefill",)),
+    (
+        "composition",
+        (
+            "statemachine.decode_on_etcd",
+            "statemachine.demo",
+            "statemachine.lifecycle_cli",
+            "statemachine.__main__",
+            "statemachine",
+        ),
+    ),
+)
+
+#: What a group must never reach, by any chain of imports.
+NEVER_REACHES: dict[str, tuple[str, ...]] = {
+    "statemachine.decode": (
+        "statemachine.prefill",
+        "statemachine.demo",
+        "statemachine.model",
+        "statemachine.discovery",
+        "statemachine.decode_on_etcd",
+    ),
+    "statemachine.prefill": ("statemachine.decode",),
+    "statemachine.lifecycle": (
+        "statemachine.cli_help",
+        "statemachine.progname",
+        "statemachine.lifecycle_cli",
+        "statemachine.__main__",
+    ),
+}
+
+#: Edges that break the layers today, each with the change that removes it. The lead deletes an
+#: entry when that change is merged (the test then fails if the edge is still there... or if an
+#: entry names an edge that no longer exists).
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
+    # DecodeManager.with_etcd imports decode_on_etcd by string, which imports the manager: a
+    # cycle through the composition layer. Removed on branch `core` (issue 25 item 1: the
+    # manager loses with_etcd); delete this entry when `core` is merged.
+    ("statemachine.decode.manager", "statemachine.decode_on_etcd"): "branch core",
+}
+
+
+def group_of(module: str) -> tuple[int, str]:
+    """(layer index, group prefix) of ``module``: its longest matching prefix in LAYERS."""
+    best: tuple[int, str] | None = None
+    for index, (_, groups) in enumerate(LAYERS):
+        for group in groups:
+            if _within(module, group) and (best is None or len(group) > len(best[1])):
+                best = (index, group)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return best
+
+
+def import_graph(modules: dict[str, tuple[Path, ast.Module]]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (any kind of import, anywhere in the file).
+
+    ``from statemachine import x`` counts as importing ``statemachine.x``, not the package
+    façade: the façade's own module-level imports are at or below the seams
+    (:func:`test_the_facade_loads_only_the_lower_layers`), and the rest of it is imported on
+    first use."""
+    graph: dict[str, set[str]] = {}
+    for module, (_, tree) in modules.items():
+        targets = {
+            target
+            for _, target in imports_of(module, tree)
+            if target in modules and target not in (module, "statemachine")
+        }
+        graph[module] = targets
+    return graph
+
+
+def layer_violations(modules: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """Imports that go up a layer or sideways into another group of the same layer."""
+    found = []
+    for module, targets in import_graph(modules).items():
+        layer, group = group_of(module)
+        for target in sorted(targets):
+            target_layer, target_group = group_of(target)
+            if target_layer < layer or target_group == group:
+                continue
+            if (module, target) in KNOWN_EXCEPTIONS:
+                continue
+            found.append(
+                f"{module} ({LAYERS[layer][0]}) imports {target} ({LAYERS[target_layer][0]})"
+            )
+    return found
+
+
+def reaches(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every module ``start`` reaches, with one import chain to it."""
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        current = todo.pop()
+        for target in sorted(graph.get(current, ())):
+            if target not in paths and (current, target) not in KNOWN_EXCEPTIONS:
+                paths[target] = [*paths[current], target]
+                todo.append(target)
+    return paths
+
+
+def forbidden_reaches(modules: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """Chains by which a group of NEVER_REACHES reaches what it must not."""
+    graph = import_graph(modules)
+    found = []
+    for module in sorted(graph):
+        for group, banned in NEVER_REACHES.items():
+            if not _within(module, group):
+                continue
+            for target, chain in reaches(graph, module).items():
+                if any(_within(target, b) for b in banned):
+                    found.append(" -> ".join(chain))
+    return found
+
+
+def layer_table(modules: dict[str, tuple[Path, ast.Module]]) -> str:
+    """The layers, top first, each group with the groups below it that it imports."""
+    graph = import_graph(modules)
+    uses: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        group = group_of(module)[1]
+        for target in targets:
+            if (module, target) not in KNOWN_EXCEPTIONS and group_of(target)[1] != group:
+                uses.setdefault(group, set()).add(group_of(target)[1])
+    rows = ["| layer | group | imports |", "|---|---|---|"]
+    for index in reversed(range(len(LAYERS))):
+        name, groups = LAYERS[index]
+        for group in groups:
+            used = ", ".join(sorted(g.removeprefix("statemachine.") for g in uses.get(group, ())))
+            rows.append(f"| {index} {name} | {group.removeprefix('statemachine.')} | {used} |")
+    return "\n".join(rows)
+
+
+def test_every_module_is_in_a_layer() -> None:
+    for module in MODULES:
+        group_of(module)
+
+
+def test_layers_only_point_down() -> None:
+    print("\n" + layer_table(MODULES))
+    assert layer_violations(MODULES) == []
+
+
+def test_nothing_reaches_what_its_layer_must_not() -> None:
+    assert forbidden_reaches(MODULES) == []
+
+
+def test_every_known_exception_is_still_an_edge() -> None:
+    """An exception whose edge is gone must be deleted (the change that removes it landed)."""
+    graph = import_graph(MODULES)
+    for (module, target), where in KNOWN_EXCEPTIONS.items():
+        assert target in graph[module], f"{module} -> {target} is gone ({where}): delete it"
+
+
+def test_the_facade_loads_only_the_lower_layers() -> None:
+    """``import statemachine`` runs the façade: its module-level imports (not the ones for type
+    checking, not the lazy ones) stay at or below the seams."""
+    tree = MODULES["statemachine"][1]
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("statemachine"):
+            assert group_of(node.module)[0] <= 3, node.module
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        # the with_etcd shape: a string import up to the composition layer, and its way back
+        (
+            "statemachine.decode.seeded",
+            "import importlib\nimportlib.import_module('statemachine.decode_on_etcd')\n",
+            [
+                "statemachine.decode.seeded (sides) imports statemachine.decode_on_etcd (composition)"
+            ],
+        ),
+        (
+            "statemachine.decode.seeded",
+            "__import__('statemachine.prefill.rank')\n",
+            [
+                "statemachine.decode.seeded (sides) imports statemachine.prefill.rank "
+                "(reference prefill)"
+            ],
+        ),
+        (
+            "statemachine.prefill.seeded",
+            "from importlib import import_module\nimport_module('statemachine.decode.client')\n",
+            [],  # down a layer: the layer check allows it, NEVER_REACHES does not (below)
+        ),
+        (
+            "statemachine.wire.seeded",
+            "from statemachine.decode import plan\n",
+            [
+                "statemachine.wire.seeded (wire formats) imports statemachine.decode (sides)",
+                "statemachine.wire.seeded (wire formats) imports statemachine.decode.plan (sides)",
+            ],
+        ),
+        ("statemachine.decode.seeded", "from statemachine.wire import reference\n", []),
+    ],
+)
+def test_the_layer_check_sees_each_kind(module: str, source: str, expected: list[str]) -> None:
+    seeded = dict(MODULES)
+    seeded[module] = (PACKAGE / "seeded.py", ast.parse(source))
+    assert layer_violations(seeded) == expected
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "chain_end"),
+    [
+        # the reference prefill reaching decode internals through a module in between
+        (
+            "statemachine.prefill.seeded",
+            "import statemachine.discovery.seeded_hop\n",
+            "statemachine.decode.client",
+        ),
+        # the decode runtime reaching etcd through a string import two hops away
+        (
+            "statemachine.decode.seeded",
+            "import importlib\nimportlib.import_module('statemachine.decode.seeded_hop')\n",
+            "statemachine.discovery.gateway",
+        ),
+        # the lifecycle reaching the command line
+        ("statemachine.lifecycle", "from statemachine import cli_help\n", "statemachine.cli_help"),
+    ],
+)
+def test_the_reach_check_is_transitive(module: str, source: str, chain_end: str) -> None:
+    seeded = dict(MODULES)
+    seeded[module] = (PACKAGE / "seeded.py", ast.parse(source))
+    hop = {
+        "statemachine.prefill.seeded": (
+            "statemachine.discovery.seeded_hop",
+            "import statemachine.decode.client\n",
+        ),
+        "statemachine.decode.seeded": (
+            "statemachine.decode.seeded_hop",
+            "from statemachine.discovery import gateway\n",
+        ),
+    }.get(module)
+    if hop is not None:
+        seeded[hop[0]] = (PACKAGE / "seeded_hop.py", ast.parse(hop[1]))
+    found = forbidden_reaches(seeded)
+    assert any(chain.startswith(module) and chain.endswith(chain_end) for chain in found), found

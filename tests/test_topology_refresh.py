@@ -21,9 +21,9 @@ from test_manager import FAIL_BOUND_S, wait_until
 from test_manager import manager_for as http_manager_for
 from test_receiver import TOKEN, Prefill, finish, stop_prefill
 
+from statemachine.completion import KVPoll
 from statemachine.decode.plan import DecodeLayout
 from statemachine.errors import TopologyMismatch
-from statemachine.lifecycle import KVPoll
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from tests.etcd_support import EtcdServer, free_port

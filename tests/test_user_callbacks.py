@@ -16,9 +16,9 @@ from test_receiver import PLAN, Prefill
 from zmq_support import VerdictRecorder
 
 from statemachine import lifecycle as life
+from statemachine.completion import KVPoll
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import RankDead, SendFailed
-from statemachine.lifecycle import KVPoll
 
 __all__ = ["slow_prefill"]  # the fixture, imported for pytest
 

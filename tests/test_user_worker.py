@@ -16,6 +16,7 @@ import pytest
 from test_manager import wait_until
 from test_receiver import PLAN, Prefill, start_prefill, stop_prefill
 
+from statemachine.completion import KVPoll
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout
 from statemachine.decode.ranks.transport import ZmqTransport
@@ -25,7 +26,6 @@ from statemachine.errors import (
     InvalidTransition,
     MissingExtra,
 )
-from statemachine.lifecycle import KVPoll
 
 THREADS = 4
 

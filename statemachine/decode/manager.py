@@ -61,10 +61,8 @@ from typing import Literal, cast
 
 from statemachine.backend import KVBackend
 from statemachine.completion import (
-    STATUS_FAILED,
-    STATUS_SUCCESS,
-    STATUS_WAITING_FOR_INPUT,
     AbortAck,
+    KVPoll,
     PrefillEvent,
 )
 from statemachine.decode import holds
@@ -688,11 +686,11 @@ class DecodeManager:
             self._unknown_events += 1
             return False
         status = event.status
-        if status == STATUS_SUCCESS:
+        if status == KVPoll.Success:
             receiver.responded(event.prefill_rank)
-        elif status == STATUS_FAILED:
+        elif status == KVPoll.Failed:
             self.fail_room(event.room, event.reason, prefill_rank=event.prefill_rank)
-        elif status == STATUS_WAITING_FOR_INPUT and self.prefill_complete:
+        elif status == KVPoll.WaitingForInput and self.prefill_complete:
             receiver.prefill_ready()
         # anything else: not a status the decode acts on (SGLang logs and ignores it)
         return True

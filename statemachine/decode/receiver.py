@@ -34,6 +34,7 @@ from typing import Any
 from statemachine import call_deadline, trace
 from statemachine import lifecycle as life
 from statemachine.backend import KVBackend
+from statemachine.completion import KVPoll
 from statemachine.decode.flight import Flight
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
@@ -54,7 +55,6 @@ from statemachine.errors import (
     TransferFailed,
     WaitingTimeout,
 )
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.wire.metadata import MetadataRequest
 

@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.receiver import BootstrapReceiver, RankPlan
 from statemachine.errors import NotReady, TransportFailure
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import PoolStats
 
 #: Pause before retrying a bootstrap against a server that is down or not ready.

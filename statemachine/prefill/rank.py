@@ -75,13 +75,13 @@ from typing import IO, Any
 import zmq
 
 from statemachine import cli_help, trace
-from statemachine.decode.ranks.transport import Endpoint, endpoint_url
 from statemachine.discovery.layout import DEFAULT_PREFIX
 from statemachine.discovery.registrar import DEFAULT_TTL, EtcdRegistrar, registrar_for
 from statemachine.errors import BootstrapError, NotReady, TransportFailure
 from statemachine.prefill.readiness import read_ready
 from statemachine.prefill.registration import register_rank
 from statemachine.validation import rank_ip_problem
+from statemachine.wire.endpoint import Endpoint, endpoint_url
 from statemachine.wire.http import route_payload
 from statemachine.wire.reference import (
     ABORT_KIND,

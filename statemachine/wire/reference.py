@@ -49,10 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from statemachine.completion import (
-    STATUS_FAILED,
-    STATUS_SUCCESS,
-    STATUS_WAITING_FOR_INPUT,
     AbortAck,
+    KVPoll,
     PrefillEvent,
     PrefillStatus,
 )
@@ -398,15 +396,15 @@ def decode_reply(frames: Sequence[bytes]) -> PrefillEvent | None:
         return None
     sender = prefill_rank_id(tp_rank, pp_rank)
     if kind == ACK_KIND:
-        return PrefillStatus(room, STATUS_SUCCESS, sender)
+        return PrefillStatus(room, KVPoll.Success, sender)
     if kind == READY_KIND:
-        return PrefillStatus(room, STATUS_WAITING_FOR_INPUT, sender)
+        return PrefillStatus(room, KVPoll.WaitingForInput, sender)
     if kind == FAILED_KIND:
         raw = bytes(frames[4])
         if len(raw) > MAX_REASON_BYTES:
             return None
         reason = raw.decode("utf-8", errors="replace") or None
-        return PrefillStatus(room, STATUS_FAILED, sender, reason)
+        return PrefillStatus(room, KVPoll.Failed, sender, reason)
     if kind == ABORT_ACK_KIND:
         generation = _reply_int(frames[4], INT64_MAX)
         return None if generation is None else AbortAck(room, sender, generation)

@@ -60,7 +60,7 @@ from typing import Any
 
 import zmq
 
-from statemachine.completion import STATUS_SUCCESS, PrefillEvent, PrefillStatus
+from statemachine.completion import KVPoll, PrefillEvent, PrefillStatus
 from statemachine.validation import require_rank_ip
 from statemachine.wire.reference import decode_reply
 
@@ -344,7 +344,7 @@ class AckListener:
                     self._unknown += 1
                 return DROPPED
             return TAKEN
-        if not isinstance(event, PrefillStatus) or event.status != STATUS_SUCCESS:
+        if not isinstance(event, PrefillStatus) or event.status != KVPoll.Success:
             with self._lock:
                 self._unknown += 1  # standalone, only successes complete a room
             return DROPPED

@@ -14,10 +14,10 @@ from __future__ import annotations
 import ipaddress
 from typing import TYPE_CHECKING, NamedTuple
 
+from statemachine.wire.endpoint import Endpoint, endpoint_url
+
 if TYPE_CHECKING:
     from statemachine.pool import Generation
-
-Endpoint = tuple[str, int]
 
 _BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 
@@ -33,12 +33,6 @@ def generation_endpoints(generation: Generation) -> tuple[Endpoint, ...]:
     """The endpoints of every rank of ``generation`` (dummy ranks included), in rank order:
     what ``ZmqTransport.retain`` / ``release`` take for one generation."""
     return tuple((rank.ip, rank.port) for rank in generation.ranks)
-
-
-def endpoint_url(endpoint: Endpoint) -> str:
-    """``tcp://ip:port``; an IPv6 literal is bracketed (``tcp://[::1]:80``)."""
-    ip, port = endpoint
-    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
 
 def check_endpoint_shape(endpoint: object) -> None:

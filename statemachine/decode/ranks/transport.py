@@ -46,10 +46,8 @@ import zmq
 
 from statemachine.backend import KVBackend
 from statemachine.decode.ranks.endpoints import (
-    Endpoint,
     check_endpoint_shape,
     endpoint_address,
-    endpoint_url,
     generation_endpoints,
 )
 from statemachine.decode.ranks.liveness import EVENTS, Liveness
@@ -57,6 +55,7 @@ from statemachine.decode.ranks.monitor import SocketMonitor
 from statemachine.errors import SendFailed
 from statemachine.pool import Generation
 from statemachine.validation import InvalidArgument
+from statemachine.wire.endpoint import Endpoint, endpoint_url
 from statemachine.wire.metadata import MetadataRequest
 
 __all__ = [

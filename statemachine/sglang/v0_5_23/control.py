@@ -15,10 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from statemachine.completion import (
-    STATUS_FAILED,
-    STATUS_SUCCESS,
-    STATUS_WAITING_FOR_INPUT,
     AbortAck,
+    KVPoll,
     PrefillEvent,
     PrefillStatus,
 )
@@ -32,7 +30,7 @@ ABORT_ACK_TAG = b"ABORT_ACK"
 UNSUPPORTED_TAGS = frozenset({b"AUX_DATA", b"CHUNK_READY", b"STAGING_REQ"})
 #: The statuses a decode acts on (``apply_prefill_status``, ``common/conn.py:921-977``); any
 #: other value is ignored there, so it is not an event here.
-KNOWN_STATUSES = frozenset({STATUS_FAILED, STATUS_WAITING_FOR_INPUT, STATUS_SUCCESS})
+KNOWN_STATUSES = frozenset({KVPoll.Failed, KVPoll.WaitingForInput, KVPoll.Success})
 #: Longest failure reason kept (characters); a longer one is cut, never dropped.
 MAX_REASON_CHARS = 2048
 _ROOM_MAX = 2**64 - 1
