@@ -1,18 +1,25 @@
-"""One HTTP exchange with a bootstrap server, bounded by a wall-clock deadline (HTTP-35).
+"""One HTTP exchange, bounded by a wall-clock deadline, and the words for how it failed.
 
-Shared by the decode's client (:mod:`statemachine.decode.client`) and the prefill rank's
-registrar (:mod:`statemachine.prefill.registration`): the sessions, the deadline, the reading of
-a reply and the wording of every failure, so that both sides fail alike.
+Shared by every HTTP caller of the package: the decode's bootstrap client
+(:mod:`statemachine.decode.client`, HTTP-35), the prefill rank's registrar
+(:mod:`statemachine.prefill.registration`) and the etcd gateway
+(:mod:`statemachine.discovery.gateway`). The deadline is the one mechanism of
+:mod:`statemachine.call_deadline`: urllib3's ``Timeout`` (public) bounds the connect and each
+read, and an :class:`~statemachine.call_deadline.Exchange` whose socket the watchdog shuts down
+bounds the whole exchange, whatever the peer trickles. What this module adds is the plumbing
+that hands each exchange its socket, and the wording of every failure (:func:`transport_reason`,
+:func:`cause_chain`), so that all callers fail alike.
 
-requests' timeouts bound one connect and one socket read each, so a server trickling one byte
-per second would hold an exchange forever. The sessions' connections therefore use
-:class:`_DeadlineSocket`, whose every receive and send first sets the socket timeout to
-``min(read_timeout, time left)`` and fails once no time is left. The deadline is per thread (a
-``threading.local``), like the sessions it applies to.
+urllib3's public API gives the socket only after a request went out (``HTTPConnection.sock``,
+read in the public ``request()``); the one private hook kept is ``_new_conn``, the only point
+between the TCP connect and a TLS wrap (so a trickled TLS handshake is bounded too) and where a
+host name is resolved (bounded by the exchange's deadline on a worker thread: ``getaddrinfo``
+cannot be interrupted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import ipaddress
 import json
@@ -25,9 +32,11 @@ from typing import Any
 import requests
 import urllib3.exceptions
 from requests.adapters import HTTPAdapter
-from urllib3.connection import HTTPConnection
-from urllib3.connectionpool import HTTPConnectionPool
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
+from statemachine import call_deadline
+from statemachine.call_deadline import WATCHDOG, Exchange
 from statemachine.errors import (
     BootstrapHTTPError,
     MalformedReply,
@@ -38,59 +47,20 @@ from statemachine.errors import (
 )
 from statemachine.validation import MAX_REPLY_BYTES
 
+#: Default wall-clock bound on one exchange: connect + send + read of the whole reply (HTTP-35).
 DEFAULT_DEADLINE = 5.0
 #: Longest piece of a server's error text quoted in an exception message.
 MAX_QUOTED_ERROR = 200
 
-# --- the per-request deadline -----------------------------------------------------------------
-
-_LIMITS = threading.local()  # .value: (deadline on time.monotonic(), read timeout) or None
-
-
-class DeadlinePassed(TimeoutError):
-    """Raised by a :class:`_DeadlineSocket` once the exchange's deadline has passed."""
-
-
-class _DeadlineSocket(socket.socket):
-    """A socket whose receives and sends never outlive the calling thread's deadline.
-
-    ``http.client`` reads the status line and headers with ``readline`` on a buffered file
-    over ``recv_into``, and the body with further ``recv_into`` calls; the request goes out
-    with ``sendall``. Re-arming the timeout before each of them bounds the whole exchange
-    however slowly the peer trickles (one settimeout per receive: ~1 us).
-    """
-
-    __slots__ = ()
-
-    def _arm(self) -> None:
-        limits: tuple[float, float] | None = getattr(_LIMITS, "value", None)
-        if limits is None:
-            return
-        deadline, read_timeout = limits
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlinePassed("request deadline passed")
-        self.settimeout(min(left, read_timeout))
-
-    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
-        self._arm()
-        return super().recv_into(buffer, nbytes, flags)
-
-    def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        self._arm()
-        return super().recv(bufsize, flags)
-
-    def sendall(self, data: Any, flags: int = 0) -> None:
-        self._arm()
-        super().sendall(data, flags)
+# --- the deadline of one exchange ----------------------------------------------------------------
 
 
 class NameLookupTimeout(TimeoutError):
-    """A bootstrap host name did not resolve within the time left to the request."""
+    """A host name did not resolve within the time left to the exchange."""
 
 
 class _Resolver:
-    """Host-name lookups for bootstrap addresses, bounded by the request's deadline.
+    """Host-name lookups, bounded by the running exchange's deadline.
 
     ``getaddrinfo`` cannot be interrupted, so each lookup runs on a daemon thread (it never
     holds up interpreter exit) and the caller waits at most the time left; at most
@@ -117,8 +87,8 @@ class _Resolver:
             if self._in_flight >= self.WORKERS:
                 raise NameLookupTimeout(f"name {host!r}: {self.WORKERS} lookups already stuck")
             self._in_flight += 1
-        limits: tuple[float, float] | None = getattr(_LIMITS, "value", None)
-        left = None if limits is None else max(0.0, limits[0] - now)
+        exchange = call_deadline.running_exchange()
+        left = None if exchange is None or exchange.at is None else max(0.0, exchange.at - now)
         done = threading.Event()
         answer: list[str | BaseException] = []
 
@@ -132,7 +102,7 @@ class _Resolver:
                     self._in_flight -= 1
                 done.set()
 
-        threading.Thread(target=lookup, name="bootstrap-resolver", daemon=True).start()
+        threading.Thread(target=lookup, name="http-resolver", daemon=True).start()
         if not done.wait(left):
             raise NameLookupTimeout(f"name {host!r} did not resolve in time")
         result = answer[0]
@@ -156,25 +126,6 @@ def _first_address(host: str, port: int) -> str:
 _RESOLVER = _Resolver()
 
 
-class _DeadlineConnection(HTTPConnection):
-    """urllib3's connection: a host name is resolved within the deadline (:class:`_Resolver`),
-    and the freshly connected socket is re-wrapped as a deadline one."""
-
-    def _new_conn(self) -> socket.socket:
-        host = self._dns_host
-        if not _is_ip_literal(host):
-            # Connect to the address; the Host header keeps the name.
-            self._dns_host = _RESOLVER.resolve(host, self.port)
-        try:
-            sock = super()._new_conn()
-        finally:
-            self._dns_host = host
-        timeout = sock.gettimeout()
-        wrapped = _DeadlineSocket(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        wrapped.settimeout(timeout)
-        return wrapped
-
-
 def _is_ip_literal(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -183,34 +134,74 @@ def _is_ip_literal(host: str) -> bool:
     return True
 
 
-class _DeadlinePool(HTTPConnectionPool):
-    ConnectionCls = _DeadlineConnection
+def _attach(sock: socket.socket | None) -> None:
+    """Hand ``sock`` to the exchange the calling thread runs (if it runs one)."""
+    exchange = call_deadline.running_exchange()
+    if exchange is not None and sock is not None:
+        exchange.attach(sock)
 
 
-class _DeadlineAdapter(HTTPAdapter):
+class _ExchangeConnection(HTTPConnection):
+    """urllib3's connection, its socket handed to the running exchange: when connected (a
+    name resolved within the deadline first), and again on each request of a kept-alive
+    connection."""
+
+    def _new_conn(self) -> socket.socket:
+        host = self._dns_host
+        if not _is_ip_literal(host):
+            # Connect to the address; the Host header (and TLS's server name) keep the name.
+            self._dns_host = _RESOLVER.resolve(host, self.port)
+        try:
+            sock = super()._new_conn()
+        finally:
+            self._dns_host = host
+        _attach(sock)
+        return sock
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        _attach(self.sock)  # a kept-alive connection: connect() is not called again
+        super().request(*args, **kwargs)
+
+
+class _ExchangeHTTPSConnection(HTTPSConnection, _ExchangeConnection):
+    """The same for https: the raw socket is handed over before the TLS handshake, whose
+    reads the deadline then bounds too, and the TLS socket on each request."""
+
+
+class _ExchangePool(HTTPConnectionPool):
+    ConnectionCls = _ExchangeConnection
+
+
+class _ExchangeHTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _ExchangeHTTPSConnection
+
+
+class ExchangeAdapter(HTTPAdapter):
+    """A requests adapter whose connections hand their socket to the running exchange."""
+
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
         super().init_poolmanager(*args, **kwargs)
-        self.poolmanager.pool_classes_by_scheme = {"http": _DeadlinePool}
+        # A new dict: the class-level default is shared by every PoolManager.
+        self.poolmanager.pool_classes_by_scheme = {
+            "http": _ExchangePool,
+            "https": _ExchangeHTTPSPool,
+        }
 
 
-class Deadline:
-    """Context manager: arm the calling thread's deadline for one exchange."""
-
-    __slots__ = ("at", "read_timeout")
-
-    def __init__(self, seconds: float, read_timeout: float) -> None:
-        self.at = time.monotonic() + seconds
-        self.read_timeout = read_timeout
-
-    def __enter__(self) -> Deadline:
-        _LIMITS.value = (self.at, self.read_timeout)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _LIMITS.value = None
-
-    def passed(self) -> bool:
-        return time.monotonic() >= self.at
+@contextlib.contextmanager
+def bounded(seconds: float, exchange: Exchange | None = None) -> Iterator[Exchange]:
+    """Run one exchange on the calling thread, ended ``seconds`` from now by the watchdog.
+    ``exchange.ended`` then says why it was cut short ("deadline"; "closed" when its owner
+    ended it from another thread), or "finished" once it is over."""
+    exchange = Exchange() if exchange is None else exchange
+    exchange.at = time.monotonic() + seconds
+    timer = WATCHDOG.arm(exchange, seconds, "deadline")
+    try:
+        with call_deadline.running(exchange):
+            yield exchange
+    finally:
+        timer.cancel()
+        exchange.finish()
 
 
 def new_session() -> requests.Session:
@@ -218,12 +209,12 @@ def new_session() -> requests.Session:
 
     ``trust_env`` is off: bootstrap traffic is cluster-internal and must not go through an
     ``HTTP_PROXY`` from the environment (and the per-request proxy lookup is costly). Its
-    connections honour the calling thread's deadline (HTTP-35).
+    connections hand their sockets to the running exchange (HTTP-35).
     """
     session = requests.Session()
     session.trust_env = False
     session.adapters.clear()  # no https:// adapter: an https URL fails instead of pooling
-    session.mount("http://", _DeadlineAdapter(pool_connections=1, pool_maxsize=1))
+    session.mount("http://", ExchangeAdapter(pool_connections=1, pool_maxsize=1))
     return session
 
 
@@ -245,26 +236,48 @@ def cause_chain(exc: BaseException) -> Iterator[BaseException]:
         todo.extend(e for e in wrapped if isinstance(e, BaseException))
 
 
+def deadline_cut(exc: BaseException, exchange: Exchange | None) -> bool:
+    """Whether ``exc`` ended ``exchange`` because its deadline passed: the watchdog shut it
+    down, or a read timeout ran out with the deadline (a read timeout >= the time left)."""
+    if exchange is None:
+        return False
+    if exchange.ended == "deadline":
+        return True
+    return (
+        exchange.at is not None
+        and time.monotonic() >= exchange.at
+        and any(isinstance(c, TimeoutError) for c in cause_chain(exc))
+    )
+
+
 def transport_reason(
-    exc: BaseException, deadline: Deadline | None, timeouts: tuple[float, float, float]
+    exc: BaseException,
+    exchange: Exchange | None,
+    timeouts: tuple[float, float, float] | None,
+    *,
+    server: str = "a bootstrap server",
 ) -> str:
-    """What went wrong, in words a caller can act on (no urllib3 "Max retries" noise)."""
-    connect_timeout, read_timeout, total = timeouts
+    """What went wrong, in words a caller can act on (no urllib3 "Max retries" noise): the one
+    wording of a failed exchange for every HTTP caller. ``exchange`` says whether the deadline
+    cut it; ``timeouts`` are (connect, read, deadline) seconds; ``server`` names what should
+    have answered. Without ``timeouts`` the seconds are left out."""
+    connect_after, read_after = (
+        ("", "") if timeouts is None else (f" after {t:g} s" for t in timeouts[:2])
+    )
+    within = "" if timeouts is None else f" within the {timeouts[2]:g} s request deadline"
     causes = list(cause_chain(exc))
     kinds = tuple(type(c) for c in causes)
     if any(issubclass(k, NameLookupTimeout) for k in kinds):
-        return f"host name did not resolve within the {total:g} s request deadline"
-    if any(issubclass(k, DeadlinePassed) for k in kinds) or (
-        deadline is not None
-        and deadline.passed()
-        and any(issubclass(k, TimeoutError) for k in kinds)
-    ):
-        return f"no complete reply within the {total:g} s request deadline"
+        return f"host name did not resolve{within}"
+    if deadline_cut(exc, exchange):
+        return f"no complete reply{within}"
     if any(issubclass(k, socket.gaierror) for k in kinds):
         gai = next(c for c in causes if isinstance(c, socket.gaierror))
         return f"host name did not resolve ({gai.strerror})"
     if any(issubclass(k, ConnectionRefusedError) for k in kinds):
-        return "connection refused (is a bootstrap server listening there?)"
+        return f"connection refused (is {server} listening there?)"
+    if any(issubclass(k, requests.exceptions.SSLError) for k in kinds):
+        return "TLS handshake failed (check the CA file and the URL's scheme)"
     timed_out = any(issubclass(k, TimeoutError) for k in kinds)
     # urllib3's NewConnectionError subclasses ConnectTimeoutError: a connect that failed for
     # another reason (no route, unreachable network) must not read "timed out".
@@ -275,14 +288,14 @@ def transport_reason(
         if timed_out or not any(
             issubclass(k, urllib3.exceptions.NewConnectionError) for k in kinds
         ):
-            return f"connect timed out after {connect_timeout:g} s"
+            return f"connect timed out{connect_after}"
         root = next((c for c in causes if isinstance(c, OSError) and c.errno), causes[-1])
         return f"could not connect ({root})"
     if timed_out or any(
         issubclass(k, (requests.exceptions.ReadTimeout, urllib3.exceptions.ReadTimeoutError))
         for k in kinds
     ):
-        return f"read timed out after {read_timeout:g} s"
+        return f"read timed out{read_after}"
     if any(issubclass(k, ConnectionResetError) for k in kinds):
         return "connection reset by the server"
     if any(issubclass(k, http.client.RemoteDisconnected) for k in kinds):

@@ -599,7 +599,8 @@ def test_the_facade_loads_only_the_lower_layers() -> None:
             "statemachine.decode.seeded",
             "import importlib\nimportlib.import_module('statemachine.decode_on_etcd')\n",
             [
-                "statemachine.decode.seeded (sides) imports statemachine.decode_on_etcd (composition)"
+                "statemachine.decode.seeded (sides) imports "
+                "statemachine.decode_on_etcd (composition)"
             ],
         ),
         (

@@ -41,7 +41,8 @@ from statemachine.http_exchange import (
     DEFAULT_DEADLINE,
     JSON_HEADERS,
     TRANSPORT_ERRORS,
-    Deadline,
+    bounded,
+    deadline_cut,
     new_session,
     read_body,
     status_error,
@@ -142,7 +143,6 @@ class BootstrapClient(AnswersOnly):
         if type(max_sessions_per_thread) is not int or max_sessions_per_thread < 1:
             raise InvalidArgument("max_sessions_per_thread must be an int >= 1")
         self._deadline = float(deadline)
-        self._read_timeout = float(read_timeout)
         # The connect timeout never exceeds the deadline: the deadline is armed before connect.
         self._timeout = (min(float(connect_timeout), self._deadline), float(read_timeout))
         self._timeouts = (float(connect_timeout), float(read_timeout), self._deadline)
@@ -271,10 +271,9 @@ class BootstrapClient(AnswersOnly):
                 timeouts = (timeouts[0], timeouts[1], left)
         with self._stats_lock:
             self._requests += 1
-        deadline = Deadline(seconds, self._read_timeout)
         try:
             try:
-                with deadline:
+                with bounded(seconds) as exchange:
                     response = session.request(
                         method,
                         url,
@@ -287,13 +286,16 @@ class BootstrapClient(AnswersOnly):
                     # Drain the body even on an error status: a fully read reply leaves the
                     # connection reusable, so polling a 503 does not open a connection per poll.
                     payload = read_body(response, addr)
+                    if exchange.ended is not None:
+                        # Shut down mid-reply: the EOF it caused can read as a short reply.
+                        raise OSError(f"exchange ended ({exchange.ended})")
                 if response.status_code != 200:
                     raise status_error(addr, response.status_code, what, payload)
             except requests.exceptions.ContentDecodingError as exc:
                 raise MalformedReply(f"{addr}: {what}: {exc}", addr=addr, status=None) from exc
             except TRANSPORT_ERRORS as exc:
-                reason = transport_reason(exc, deadline, timeouts)
-                if cut and deadline.passed():
+                reason = transport_reason(exc, exchange, timeouts)
+                if cut and deadline_cut(exc, exchange):
                     reason = (
                         "no complete reply before the request's bootstrap deadline (one for the "
                         "whole init(): DecodeManager's fetch_deadline_s); the prefill answers "

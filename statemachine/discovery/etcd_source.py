@@ -48,6 +48,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from statemachine.call_deadline import Exchange
 from statemachine.discovery.changes import (
     ChangeListener,
     HeldGenerations,
@@ -59,7 +60,6 @@ from statemachine.discovery.changes import (
     retiring_listener,
     stale_start,
 )
-from statemachine.discovery.deadline import Exchange
 from statemachine.discovery.gateway import (
     EtcdBadReply,
     EtcdGateway,

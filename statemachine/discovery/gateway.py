@@ -8,7 +8,8 @@ without a timeout. The gateway API is small; owning these ~300 lines makes every
 and every failure typed. ``etcd3`` (gRPC) does not import with protobuf >= 4.
 
 Every call has a timeout (connect, read per ``recv``) and a total deadline (``call_deadline``,
-enforced by :mod:`~statemachine.discovery.deadline`: a reply trickled a byte at a time ends
+enforced by :mod:`~statemachine.call_deadline`, as for every HTTP call of the package: a reply
+trickled a byte at a time ends
 there too). A transport failure, a missed deadline or a 5xx is :class:`EtcdUnavailable` and
 moves on to the next endpoint; another non-200 status is :class:`EtcdRequestFailed`; a reply
 etcd never sends (not JSON, no header, larger than ``max_reply_bytes``) is
@@ -32,14 +33,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import requests
-from requests.adapters import HTTPAdapter
-from urllib3.connection import HTTPConnection, HTTPSConnection
-from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import ReadTimeoutError
-from urllib3.response import HTTPResponse
 
-from statemachine.discovery.deadline import WATCHDOG, Exchange
+from statemachine.call_deadline import WATCHDOG, Exchange, running
 from statemachine.errors import EtcdRequestFailed, EtcdUnavailable, WatchCompacted
+from statemachine.http_exchange import ExchangeAdapter, transport_reason
 from statemachine.validation import InvalidArgument
 
 __all__ = [
@@ -68,38 +66,12 @@ NO_ETCD_HINT = (
 )
 
 
-def _cause_chain(exc: BaseException) -> Iterator[BaseException]:
-    """``exc`` and what it wraps (requests and urllib3 nest the OS error a few levels deep)."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo and len(seen) < 32:
-        current = todo.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        wrapped = [current.__cause__, current.__context__, getattr(current, "reason", None)]
-        todo.extend(e for e in [*wrapped, *current.args] if isinstance(e, BaseException))
-
-
-def why_unreachable(exc: BaseException) -> str:
-    """One endpoint's failure in a few words: refused, timed out, not resolved, reset."""
-    causes = list(_cause_chain(exc))
-    if any(isinstance(c, ConnectionRefusedError) for c in causes):
-        return "connection refused (nothing listens there)"
-    gai = next((c for c in causes if isinstance(c, socket.gaierror)), None)
-    if gai is not None:
-        return f"host name did not resolve ({gai.strerror})"
-    if any(isinstance(c, (requests.exceptions.ConnectTimeout)) for c in causes):
-        return "connect timed out"
-    if any(isinstance(c, (requests.exceptions.ReadTimeout, TimeoutError)) for c in causes):
-        return "no reply within the call's timeout"
-    if any(isinstance(c, ConnectionResetError) for c in causes):
-        return "connection reset"
-    if any(isinstance(c, requests.exceptions.SSLError) for c in causes):
-        return "TLS handshake failed (check the CA file and the URL's scheme)"
-    root = causes[-1]
-    return f"{type(root).__name__}: {str(root)[:120]}"
+def why_unreachable(exc: BaseException, timeouts: tuple[float, float, float] | None = None) -> str:
+    """One endpoint's failure in a few words (refused, timed out, not resolved, reset): the
+    package's one wording of a failed exchange
+    (:func:`~statemachine.http_exchange.transport_reason`), naming etcd as what should have
+    answered."""
+    return transport_reason(exc, None, timeouts, server="etcd")
 
 
 #: Largest reply body read (a list of the prefix, mostly): about 20,000 rank keys of ~800
@@ -126,69 +98,6 @@ class EtcdBadReply(EtcdUnavailable):
 class EtcdReplyTooLarge(EtcdBadReply):
     """A reply or watch message longer than its cap (``max_reply_bytes``,
     ``max_watch_message_bytes``): refused before it was read to its end."""
-
-
-# --- ending a blocked exchange from another thread (deadline.py) ------------------------------
-
-_CURRENT = threading.local()
-
-
-def _attach_current(sock: socket.socket | None) -> None:
-    """Hand the socket of the exchange this thread runs to its :class:`Exchange`."""
-    exchange: Exchange | None = getattr(_CURRENT, "exchange", None)
-    if exchange is not None and sock is not None:
-        exchange.attach(sock)
-
-
-class _HookedHTTPConnection(HTTPConnection):
-    def _new_conn(self) -> socket.socket:
-        sock = super()._new_conn()
-        _attach_current(sock)
-        return sock
-
-    def getresponse(self) -> HTTPResponse:  # type: ignore[override]
-        _attach_current(self.sock)  # a kept-alive connection never calls _new_conn again
-        return super().getresponse()
-
-
-class _HookedHTTPSConnection(HTTPSConnection):
-    def _new_conn(self) -> socket.socket:
-        sock = super()._new_conn()
-        _attach_current(sock)
-        return sock
-
-    def getresponse(self) -> HTTPResponse:  # type: ignore[override]
-        _attach_current(self.sock)  # the TLS socket, once wrapped
-        return super().getresponse()
-
-
-class _HookedHTTPPool(HTTPConnectionPool):
-    ConnectionCls = _HookedHTTPConnection
-
-
-class _HookedHTTPSPool(HTTPSConnectionPool):
-    ConnectionCls = _HookedHTTPSConnection
-
-
-class _HookedAdapter(HTTPAdapter):
-    """An adapter whose connections report their socket to the calling thread's exchange."""
-
-    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
-        super().init_poolmanager(*args, **kwargs)
-        # A new dict: the class-level default is shared by every PoolManager.
-        self.poolmanager.pool_classes_by_scheme = {
-            "http": _HookedHTTPPool,
-            "https": _HookedHTTPSPool,
-        }
-
-
-@contextlib.contextmanager
-def _exchange_on_this_thread(exchange: Exchange) -> Iterator[None]:
-    _CURRENT.exchange = exchange
-    try:
-        yield
-    finally:
-        _CURRENT.exchange = None
 
 
 def _read_capped(response: requests.Response, limit: int, what: str) -> bytes:
@@ -549,6 +458,8 @@ class EtcdGateway:
         self.timeout = (float(connect_timeout), float(timeout))
         #: total time one exchange with one endpoint may take (reply included)
         self.call_deadline = float(call_deadline)
+        # (connect, read, whole exchange) seconds, as a failure's wording quotes them
+        self._timeouts = (*self.timeout, self.call_deadline)
         self.max_reply_bytes = max_reply_bytes
         self.max_watch_message_bytes = max_watch_message_bytes
         self._tls = tls
@@ -571,7 +482,7 @@ class EtcdGateway:
         session.trust_env = False  # never through an HTTP(S)_PROXY from the environment
         # etcd never compresses; asking for identity keeps a proxy from sending a bomb.
         session.headers["Accept-Encoding"] = "identity"
-        adapter = _HookedAdapter(pool_connections=len(self.endpoints), pool_maxsize=1)
+        adapter = ExchangeAdapter(pool_connections=len(self.endpoints), pool_maxsize=1)
         session.mount("http://", adapter)
         session.mount("https://", adapter)
         if self._tls is not None:
@@ -667,7 +578,7 @@ class EtcdGateway:
                 on_exchange(exchange)
             deadline = WATCHDOG.arm(exchange, self.call_deadline, "deadline")
             try:
-                with _exchange_on_this_thread(exchange):
+                with running(exchange):
                     response = session.post(
                         url,
                         json=body,
@@ -696,7 +607,9 @@ class EtcdGateway:
                         f"{self.call_deadline:g} s (call_deadline)"
                     )
                 else:
-                    errors.append(f"{self.endpoints[index]}: {why_unreachable(exc)}")
+                    errors.append(
+                        f"{self.endpoints[index]}: {why_unreachable(exc, self._timeouts)}"
+                    )
                 continue
             finally:
                 deadline.cancel()
@@ -848,7 +761,7 @@ class EtcdGateway:
                 on_exchange(exchange)
             deadline = WATCHDOG.arm(exchange, self.call_deadline, "deadline")
             try:
-                with _exchange_on_this_thread(exchange):
+                with running(exchange):
                     response = session.post(
                         f"{endpoint}/v3/watch",
                         json=body,
@@ -864,7 +777,7 @@ class EtcdGateway:
                 session.close()
                 if exchange.ended == "closed":
                     raise EtcdUnavailable(f"{endpoint}: watch open ended: owner closed") from None
-                why = why_unreachable(exc)
+                why = why_unreachable(exc, self._timeouts)
                 if exchange.ended == "deadline":
                     why = f"not accepted within {self.call_deadline:g} s (call_deadline)"
                 errors.append(f"{endpoint}: {why}")

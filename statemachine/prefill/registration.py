@@ -16,7 +16,7 @@ from statemachine.http_exchange import (
     DEFAULT_DEADLINE,
     JSON_HEADERS,
     TRANSPORT_ERRORS,
-    Deadline,
+    bounded,
     new_session,
     read_body,
     status_error,
@@ -64,9 +64,9 @@ def register_rank(
     timeouts = (connect_timeout, read_timeout, deadline)
     with new_session() as session:
         for attempt in range(attempts):
-            limit = Deadline(deadline, read_timeout)
+            exchange = None
             try:
-                with limit:
+                with bounded(deadline) as exchange:
                     response = session.put(
                         url,
                         data=body,
@@ -76,6 +76,9 @@ def register_rank(
                         stream=True,
                     )
                     reply = read_body(response, addr)
+                    if exchange.ended is not None:
+                        # Shut down mid-reply: the EOF it caused can read as a short reply.
+                        raise OSError(f"exchange ended ({exchange.ended})")
                 if response.status_code == 200:
                     instance_id: str | None = response.headers.get(INSTANCE_HEADER)
                     return instance_id
@@ -85,7 +88,7 @@ def register_rank(
             except MalformedReply as exc:
                 error = exc
             except TRANSPORT_ERRORS as exc:
-                reason = transport_reason(exc, limit, timeouts)
+                reason = transport_reason(exc, exchange, timeouts)
                 error = TransportFailure(f"{addr}: PUT /route: {reason}", addr=addr)
                 error.__cause__ = exc
             if not isinstance(error, (TransportFailure, NotReady)) or attempt + 1 == attempts:
