@@ -58,6 +58,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from statemachine.decode.client import BootstrapClient
+    from statemachine.decode.config import DecodeConfig
     from statemachine.decode.health import HealthMonitor
     from statemachine.decode.manager import DecodeManager
     from statemachine.decode.plan import DecodeLayout, RankPlan
@@ -77,6 +78,7 @@ _LAZY = {
     "BootstrapReceiver": "statemachine.decode.receiver",
     "BootstrapServer": "statemachine.prefill.server",
     "Decode": "statemachine.decode.receiver",
+    "DecodeConfig": "statemachine.decode.config",
     "DecodeLayout": "statemachine.decode.plan",
     "DecodeManager": "statemachine.decode.manager",
     "HealthMonitor": "statemachine.decode.health",
@@ -107,6 +109,7 @@ __all__ = [
     "BootstrapTimeout",
     "ConfigurationError",
     "Decode",
+    "DecodeConfig",
     "DecodeLayout",
     "DecodeManager",
     "FetchWaitTimeout",

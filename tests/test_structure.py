@@ -8,8 +8,8 @@ Every module under ``statemachine/`` is parsed with ``ast`` (nothing is imported
   both (``statemachine/decode_on_etcd.py``);
 * no private name (one ``_``, not a dunder) crosses modules: never imported from another
   module, never read as ``module._name``; and in ``decode/receiver.py`` and
-  ``decode/manager.py`` no ``obj._name`` on anything but ``self``: the receiver and its manager
-  talk through ``decode/receiver_host.py`` only;
+  ``decode/manager.py`` no ``obj._name`` on anything but ``self``; the receiver never imports
+  the manager (it is handed its parts, ``decode/receiver.py``'s ``Parts``);
 * the topology's field list (``validation.TopologyClaim``) is written once: no other class
   declares those fields, no literal collection of strings spells them all out;
 * one READY-line reader (``prefill/readiness.py``) and one rank-index check
@@ -244,7 +244,8 @@ def test_every_module_was_parsed() -> None:
     for name in (
         "statemachine.decode.manager",
         "statemachine.decode.receiver",
-        "statemachine.decode.receiver_host",
+        "statemachine.decode.rooms",
+        "statemachine.decode.fetcher",
         "statemachine.decode.source",
         "statemachine.discovery.etcd_source",
         "statemachine.discovery.registrar",
@@ -287,11 +288,16 @@ def test_the_composing_module_is_above_both_sides() -> None:
 
 
 def test_the_receiver_does_not_import_the_manager() -> None:
-    """The receiver knows its manager as a ReceiverHost only (not even for type checking)."""
+    """The receiver is handed its parts and never imports the manager (not even for type
+    checking); nor does any part it is handed."""
     tree = MODULES["statemachine.decode.receiver"][1]
     targets = {target for _, target in imports_of("statemachine.decode.receiver", tree)}
     assert "statemachine.decode.manager" not in targets
-    assert "statemachine.decode.receiver_host" in targets
+    assert "statemachine.decode.fetcher" in targets
+    for part in ("rooms", "routes", "fanout", "fetcher", "completions", "dp_ranks", "config"):
+        name = f"statemachine.decode.{part}"
+        imported = {target for _, target in imports_of(name, MODULES[name][1])}
+        assert not imported & {"statemachine.decode.manager", "statemachine.decode.receiver"}
 
 
 def test_no_private_name_crosses_modules() -> None:
