@@ -258,7 +258,8 @@ class BootstrapReceiver:
         plan: RankPlan | None = None,
         prefill_dp_rank: int | None = None,
     ) -> None:
-        check_room(room)
+        if type(room) is not int or not 0 <= room <= _MAX_ROOM:
+            check_room(room)  # raises, naming what a room must be
         if prefill_dp_rank is not None and (
             type(prefill_dp_rank) is not int or prefill_dp_rank < 0
         ):
@@ -304,7 +305,10 @@ class BootstrapReceiver:
         #: Called (from any thread) when this receiver has news for its owner: acks arrived or
         #: the fan-out failed it. A scheduler can set it to wake its wait.
         self.on_change: Callable[[], None] | None = None
-        parts.rooms.admit(self)  # known by room from now on: what the fan-out scans
+        # Known by room from now on (what the fan-out scans): one dict store, no call around it.
+        rooms = parts.rooms
+        if rooms.closed or rooms.by_room.setdefault(room, self) is not self:
+            rooms.refuse(self)
 
     # --- lifecycle steps (the fetcher takes them too) ------------------------------------
 
@@ -421,12 +425,13 @@ class BootstrapReceiver:
         if missing:
             assert self.plan is not None  # resolved above
             result = parts.fetcher.miss(self, self.plan, missing)
+            if result != KVPoll.WaitingForInput:
+                return result
         else:
             self.fire(life.HIT)
-            result = KVPoll.WaitingForInput
-        if result == KVPoll.WaitingForInput and parts.prefill_complete:
+        if parts.prefill_complete:
             return self._handshake()
-        return result
+        return KVPoll.WaitingForInput
 
     def _resolve_keys(self) -> tuple[PoolKey, ...] | KVPoll:
         """The keys of this request when the address's plan is not resolved yet, the plan was

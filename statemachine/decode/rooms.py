@@ -76,31 +76,33 @@ class Rooms:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._lock = threading.Lock()  # guards the counters below (never on the hit path)
-        self._by_room: dict[int, InFlight] = {}
+        #: the receivers in flight by room (a receiver stores itself here at creation)
+        self.by_room: dict[int, InFlight] = {}
         self._completed = itertools.count()
         self._failures: dict[str, itertools.count[int]] = {}
         self.detections = 0
         self.detection_total_s = 0.0
         self.detection_max_s = 0.0
         self.callback_errors = 0
-        self._closed = False
+        #: no receiver is admitted any more
+        self.closed = False
 
-    def admit(self, receiver: InFlight) -> None:
-        """Known by room from its creation on (one dict store); InvalidRoom if the room is
-        taken, ManagerClosed once closed."""
-        if self._closed:
+    def refuse(self, receiver: InFlight) -> None:
+        """Raise why ``receiver`` was not admitted: the table is closed (ManagerClosed), or its
+        room is taken (InvalidRoom). A receiver admits itself with one store into
+        :attr:`by_room` (``setdefault``) unless :attr:`closed`, and calls this otherwise."""
+        if self.closed:
             raise ManagerClosed("the decode manager is closed: create a new one")
-        if self._by_room.setdefault(receiver.room, receiver) is not receiver:
-            raise InvalidRoom(
-                f"room {receiver.room} is already in flight: finish, abort or clear its "
-                "receiver before reusing the room"
-            )
+        raise InvalidRoom(
+            f"room {receiver.room} is already in flight: finish, abort or clear its "
+            "receiver before reusing the room"
+        )
 
     def ended(self, receiver: InFlight, error: BootstrapError | None) -> None:
         """``receiver`` reached a final state (``error`` None: it completed): forget it, count
         how it ended, and for a loss with evidence, how long detection took."""
-        if self._by_room.get(receiver.room) is receiver:
-            del self._by_room[receiver.room]
+        if self.by_room.get(receiver.room) is receiver:
+            del self.by_room[receiver.room]
         if error is None:
             next(self._completed)  # lock-free: one C call
             return
@@ -118,11 +120,11 @@ class Rooms:
                 self.detection_max_s = max(self.detection_max_s, latency)
 
     def get(self, room: int) -> InFlight | None:
-        return self._by_room.get(room)
+        return self.by_room.get(room)
 
     def snapshot(self) -> list[InFlight]:
         """The receivers in flight now (a copy: safe to scan while others come and go)."""
-        return list(self._by_room.copy().values())
+        return list(self.by_room.copy().values())
 
     def held_by(self, addr: str) -> list[tuple[PoolKey, Generation]]:
         """(key, generation) of every receiver in flight for ``addr`` (a source's question,
@@ -154,16 +156,16 @@ class Rooms:
         """(completed, failures by error type, in flight)."""
         with self._lock:
             failures = {k: count_value(c) for k, c in self._failures.items()}
-        return count_value(self._completed), failures, len(self._by_room)
+        return count_value(self._completed), failures, len(self.by_room)
 
     def close(self, error: BootstrapError) -> None:
         """Admit no more; fail every receiver still in flight with ``error``."""
-        self._closed = True
+        self.closed = True
         for receiver in self.snapshot():
             receiver.lose(error)
 
     def __len__(self) -> int:
-        return len(self._by_room)
+        return len(self.by_room)
 
 
 def entries_of(receiver: InFlight) -> tuple[Generation, ...]:
