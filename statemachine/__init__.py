@@ -61,10 +61,11 @@ if TYPE_CHECKING:
     from statemachine.decode.config import DecodeConfig
     from statemachine.decode.health import HealthMonitor
     from statemachine.decode.manager import DecodeManager
+    from statemachine.decode.parts import Decode
     from statemachine.decode.plan import DecodeLayout, RankPlan
     from statemachine.decode.ranks.acks import AckListener
     from statemachine.decode.ranks.transport import ZmqTransport
-    from statemachine.decode.receiver import BootstrapReceiver, Decode
+    from statemachine.decode.receiver import BootstrapReceiver
     from statemachine.prefill.server import BootstrapServer
     from statemachine.registration import route_payload
 
@@ -77,7 +78,7 @@ _LAZY = {
     "BootstrapClient": "statemachine.decode.client",
     "BootstrapReceiver": "statemachine.decode.receiver",
     "BootstrapServer": "statemachine.prefill.server",
-    "Decode": "statemachine.decode.receiver",
+    "Decode": "statemachine.decode.parts",
     "DecodeConfig": "statemachine.decode.config",
     "DecodeLayout": "statemachine.decode.plan",
     "DecodeManager": "statemachine.decode.manager",

@@ -41,24 +41,18 @@ from statemachine.decode import holds
 from statemachine.decode.background import Background
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.completions import Completions
-from statemachine.decode.config import (
-    DEFAULT_BOOTSTRAP_TIMEOUT_S,
-    DEFAULT_FETCH_DEADLINE_S,
-    DEFAULT_FLIGHT_TIMEOUT_S,
-    DEFAULT_KV_RELEASE_TIMEOUT_S,
-    Completion,
-    DecodeConfig,
-)
+from statemachine.decode.config import DecodeConfig
 from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.dp_ranks import DpRankQueries
 from statemachine.decode.fanout import FanOut
 from statemachine.decode.fetcher import Fetcher
 from statemachine.decode.flight import Flights
 from statemachine.decode.health import HealthMonitor
+from statemachine.decode.parts import Parts, check_parts
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.decode.receiver import BootstrapReceiver, Parts, check_parts
+from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.decode.rooms import Rooms
 from statemachine.decode.routes import AddressPlan, Routes
 from statemachine.decode.source import BootstrapQueries, BootstrapSource, as_source
@@ -67,11 +61,6 @@ from statemachine.pool import BootstrapPool, Generation
 from statemachine.validation import Topology
 
 __all__ = [
-    "DEFAULT_BOOTSTRAP_TIMEOUT_S",
-    "DEFAULT_FETCH_DEADLINE_S",
-    "DEFAULT_FLIGHT_TIMEOUT_S",
-    "DEFAULT_KV_RELEASE_TIMEOUT_S",
-    "Completion",
     "DecodeConfig",
     "DecodeManager",
     "DetectionStats",

@@ -2,10 +2,11 @@
 
 The lifecycle (``statemachine.lifecycle``) says *which* steps exist; this class takes them, in
 SGLang's call shape (``init``, ``send_metadata``, ``poll``, ``failure_exception``, ``abort``,
-``clear``, ``invalidate_cached_bootstrap_infos``), and is handed the parts of its decode process
-as one :class:`Parts` value: the pool and the route cache for the hit path (all of it in
-:meth:`BootstrapReceiver.init`), the :class:`~statemachine.decode.fetcher.Fetcher` for the miss
-path (all of it in ``decode/fetcher.py``), the transport and backend for the metadata,
+``clear``, ``invalidate_cached_bootstrap_infos``). It is handed the parts of its decode process
+as one :class:`~statemachine.decode.parts.Parts` value: the pool and the route cache for the
+hit path (all of it in :meth:`BootstrapReceiver.init`), the
+:class:`~statemachine.decode.fetcher.Fetcher` for the miss path (all of it in
+``decode/fetcher.py``), the transport and backend for the metadata,
 :class:`~statemachine.decode.completions.Completions` for BOOTSTRAP and ABORT, the fan-out for
 the evidence a failed send is, the room table it registers in and leaves. It never calls the
 manager: ``spec/lifecycle.md`` lists the effect of every event, ``spec/manager.md`` the parts'.
@@ -20,32 +21,21 @@ failure sets ``_reported``; the handshake answer sets ``_ready``) and the fan-ou
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from statemachine import call_deadline, trace
 from statemachine import lifecycle as life
-from statemachine.backend import KVBackend, MetadataRequest
-from statemachine.decode.completions import Completions
-from statemachine.decode.config import DEFAULT_WAITING_TIMEOUT_S, DecodeConfig
-from statemachine.decode.dp_ranks import DpRankQueries
-from statemachine.decode.fanout import FanOut
-from statemachine.decode.fetcher import Fetcher
+from statemachine.backend import MetadataRequest
+from statemachine.decode.parts import Parts
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
-from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.decode.rooms import Rooms
-from statemachine.decode.routes import Routes
-from statemachine.decode.source import BootstrapQueries, BootstrapSource, as_source
 from statemachine.errors import (
     Aborted,
     BootstrapError,
     BootstrapTimeout,
-    ConfigurationError,
     FailedOnAnotherRank,
     InvalidRoom,
     InvalidTransition,
@@ -53,15 +43,12 @@ from statemachine.errors import (
     WaitingTimeout,
 )
 from statemachine.lifecycle import KVPoll
-from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.pool import Generation, PoolKey, RankInfo
 
 __all__ = [
     "DEFAULT_PLAN",
-    "DEFAULT_WAITING_TIMEOUT_S",
     "BootstrapReceiver",
-    "Decode",
     "DecodeLayout",
-    "Parts",
     "RankPlan",
 ]
 
@@ -88,120 +75,6 @@ _HANDSHAKE_NEEDS = (
 )
 
 _TERMINAL = frozenset({life.DONE, life.INVALIDATED, life.ABORTED})
-
-
-@dataclass(frozen=True, slots=True)
-class Parts:
-    """What every receiver of one decode process is handed (the manager makes one)."""
-
-    config: DecodeConfig
-    pool: BootstrapPool
-    source: BootstrapSource
-    transport: ZmqTransport
-    backend: KVBackend
-    rooms: Rooms
-    routes: Routes
-    dp_ranks: DpRankQueries
-    fanout: FanOut
-    fetcher: Fetcher
-    completions: Completions
-    #: ``config.prefill_complete``, read once: init() runs the BOOTSTRAP handshake (MGR-16)
-    prefill_complete: bool
-    #: the source marks stale generations (etcd): check them before starting a transfer
-    watermarked: bool
-
-
-@dataclass(frozen=True)
-class Decode:
-    """The parts every receiver of one decode process shares, checked as one bundle.
-
-    Checked at construction: a missing or wrong-typed part raises
-    :class:`~statemachine.errors.ConfigurationError` here, not an ``AttributeError`` on the
-    first request.
-    """
-
-    pool: BootstrapPool
-    client: BootstrapQueries
-    transport: ZmqTransport
-    backend: KVBackend
-    waiting_timeout_s: float = DEFAULT_WAITING_TIMEOUT_S
-    clock: Callable[[], float] = time.monotonic
-
-    def __post_init__(self) -> None:
-        check_parts(
-            pool=self.pool,
-            source=self.client,
-            transport=self.transport,
-            backend=self.backend,
-            waiting_timeout_s=self.waiting_timeout_s,
-            clock=self.clock,
-        )
-
-
-def _takes_keyword(function: object, keyword: str) -> bool:
-    """Whether ``function`` accepts ``keyword=`` (a signature it cannot show is trusted)."""
-    try:
-        parameters = inspect.signature(function).parameters.values()  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return True
-    return any(
-        p.kind is inspect.Parameter.VAR_KEYWORD
-        or (p.name == keyword and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
-        for p in parameters
-    )
-
-
-def check_parts(
-    *,
-    pool: object,
-    source: object,
-    transport: object,
-    backend: object,
-    waiting_timeout_s: object,
-    clock: object,
-) -> None:
-    """Raise ConfigurationError naming the first missing or wrong-typed shared part."""
-    if not isinstance(pool, BootstrapPool):
-        raise ConfigurationError(
-            f"pool must be a BootstrapPool, not {type(pool).__name__}: pass BootstrapPool()"
-        )
-    as_source(source)  # the three questions at least (the one rule, in source.py)
-    if not isinstance(transport, ZmqTransport):
-        raise ConfigurationError(
-            f"transport must be a ZmqTransport, not {type(transport).__name__}"
-        )
-    for method in (
-        "register_frames",
-        "metadata_frames",
-        "abort_frames",
-        "bootstrap_frames",
-        "decode_message",
-    ):
-        function = getattr(backend, method, None)
-        if not callable(function):
-            raise ConfigurationError(
-                f"backend must be a KVBackend with {method}() (e.g. SimpleBackend), "
-                f"not {type(backend).__name__}"
-            )
-        keywords = {"abort_frames": ("instance_id", "generation"), "decode_message": ()}
-        for keyword in keywords.get(method, ("instance_id",)):
-            if not _takes_keyword(function, keyword):
-                # Checked here, once: otherwise the first send would raise an untyped TypeError.
-                raise ConfigurationError(
-                    f"{type(backend).__name__}.{method}() must accept the keyword argument "
-                    f"{keyword} (spec/zmq.md ZMQ-21, ZMQ-22); a backend that has no use for it "
-                    "may ignore it"
-                )
-    if (
-        isinstance(waiting_timeout_s, bool)
-        or not isinstance(waiting_timeout_s, (int, float))
-        or not waiting_timeout_s > 0
-    ):
-        raise ConfigurationError(
-            f"waiting_timeout_s must be a positive number, not {waiting_timeout_s!r}"
-        )
-    if not callable(clock):
-        raise ConfigurationError("clock must be a callable returning seconds")
 
 
 def check_room(room: object) -> int:
