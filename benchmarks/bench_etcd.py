@@ -407,6 +407,7 @@ def _finish_all(receivers: list[object], timeout: float = 30.0) -> tuple[int, in
 def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, dict[str, int]]:
     """(in flight at the kill, of them failed, started-after failed, failure reasons)."""
     from statemachine.decode.manager import DecodeManager
+    from statemachine.decode_on_etcd import manager_on_etcd
     from statemachine.discovery.local_server import free_port
     from statemachine.prefill.rank import PrefillRankProcess
     from statemachine.prefill.server import BootstrapServer
@@ -441,7 +442,7 @@ def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, di
             from statemachine.decode.ranks.transport import ZmqTransport
 
             transport = ZmqTransport(monitor=False, send_timeout_ms=500)
-        manager = DecodeManager.with_etcd(
+        manager = manager_on_etcd(
             endpoint,
             prefix=prefix,
             send_timeout_ms=500,
@@ -538,13 +539,14 @@ def bench_manager_hit_path(endpoint: str, rounds: int, ops: int) -> None:
     """Cache hits through a DecodeManager: etcd source (watch running, stamped generation)
     vs the HTTP source (a BootstrapClient), interleaved rounds in one process."""
     from statemachine.decode.manager import DecodeManager
+    from statemachine.decode_on_etcd import manager_on_etcd
     from statemachine.wire.reference import SimpleBackend
 
     addr = "127.0.0.1:8998"
     key = PoolKey(addr, 0, 0, 0)
     backend = SimpleBackend("127.0.0.1", 1, "bench")
     http = DecodeManager(completion="external", backend=backend, health_interval_s=None)
-    etcd = DecodeManager.with_etcd(
+    etcd = manager_on_etcd(
         endpoint,
         prefix=f"/bench-{uuid.uuid4().hex[:8]}/ranks",
         completion="external",

@@ -39,6 +39,7 @@ from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.dead_keys import DEFAULT_RECHECK_S
 from statemachine.decode.manager import DecodeManager
+from statemachine.demo.baselines import manager_class
 from statemachine.demo.modes import OURS, PRESETS, SGLANG, ModeConfig
 from statemachine.demo.report import build_report
 from statemachine.demo.run import DemoConfig, RunResult, run_demo
@@ -90,14 +91,12 @@ def in_flight_at_kill(
     try:
         for rank in ranks:
             rank.start()
-        manager = DecodeManager(
+        manager = manager_class(mode)(
             source=client,
             transport_mode=mode.zmq_mode,
             send_timeout_ms=send_timeout_ms,
             waiting_timeout_s=waiting_timeout_s,
             health_interval_s=1.0,  # the demo's heartbeat
-            fanout=mode.manager_fanout,
-            single_flight=mode.manager_fanout,
         )
         plan = RankPlan(tp_ranks=(0, 1))
         receivers = []
@@ -137,14 +136,12 @@ def rank_outage(
     try:
         for rank in ranks:
             rank.start()
-        manager = DecodeManager(
+        manager = manager_class(mode)(
             source=client,
             transport_mode=mode.zmq_mode,
             send_timeout_ms=send_timeout_ms,
             waiting_timeout_s=waiting_timeout_s,
             health_interval_s=None,
-            fanout=mode.manager_fanout,
-            single_flight=mode.manager_fanout,
             # issue 18: hold a key known dead off (one refetch per 50 ms, the rest fail at once)
             dead_recheck_s=DEFAULT_RECHECK_S if mode.manager_fanout else None,
         )

@@ -61,12 +61,14 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from statemachine.decode.client import BootstrapClient
+    from statemachine.decode.config import DecodeConfig
     from statemachine.decode.health import HealthMonitor
     from statemachine.decode.manager import DecodeManager
+    from statemachine.decode.parts import Decode
     from statemachine.decode.plan import DecodeLayout, RankPlan
     from statemachine.decode.ranks.acks import AckListener
     from statemachine.decode.ranks.transport import ZmqTransport
-    from statemachine.decode.receiver import BootstrapReceiver, Decode
+    from statemachine.decode.receiver import BootstrapReceiver
     from statemachine.prefill.server import BootstrapServer
     from statemachine.wire.http import route_payload
 
@@ -79,7 +81,8 @@ _LAZY = {
     "BootstrapClient": "statemachine.decode.client",
     "BootstrapReceiver": "statemachine.decode.receiver",
     "BootstrapServer": "statemachine.prefill.server",
-    "Decode": "statemachine.decode.receiver",
+    "Decode": "statemachine.decode.parts",
+    "DecodeConfig": "statemachine.decode.config",
     "DecodeLayout": "statemachine.decode.plan",
     "DecodeManager": "statemachine.decode.manager",
     "HealthMonitor": "statemachine.decode.health",
@@ -110,6 +113,7 @@ __all__ = [
     "BootstrapTimeout",
     "ConfigurationError",
     "Decode",
+    "DecodeConfig",
     "DecodeLayout",
     "DecodeManager",
     "FetchWaitTimeout",

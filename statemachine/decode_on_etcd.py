@@ -3,7 +3,8 @@
 The manager knows its source only by the ``BootstrapSource`` protocol
 (:mod:`statemachine.decode.source`), and the etcd source knows no manager: this module makes
 the etcd source, gives it to a manager and hands the manager its closing.
-``DecodeManager.with_etcd(...)`` calls :func:`manager_on_etcd` (docs/etcd.md).
+A decode worker on etcd calls :func:`manager_on_etcd` (docs/etcd.md); the manager never
+imports this module, so the decode runtime does not depend on the etcd package.
 """
 
 from __future__ import annotations

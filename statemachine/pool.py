@@ -178,8 +178,6 @@ class BootstrapPool:
         "_lock",
         "_misses",
         "_publishes",
-        "count_hit",
-        "peek_hit",
     )
 
     def __init__(self) -> None:
@@ -192,13 +190,6 @@ class BootstrapPool:
         self._invalidations = 0
         self._kept_newer = 0
         self._address_invalidations = 0
-        #: :meth:`lookup` in two C calls, for a caller that counts its own hits (the
-        #: receiver's hit path, issue 18: two C calls cost less than one Python call).
-        #: ``peek_hit(key)`` is the entries' own ``dict.get`` (atomic, no lock, nothing
-        #: counted); after a generation is found, ``count_hit()`` counts the hit. When
-        #: ``peek_hit`` finds nothing, call :meth:`lookup`, which counts the miss.
-        self.peek_hit = self._entries.get
-        self.count_hit = self._hits.__next__
 
     def lookup(self, key: PoolKey) -> Generation | None:
         """The generation cached for ``key``, or ``None`` (POOL-1). Counts a hit or a miss.

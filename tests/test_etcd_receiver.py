@@ -26,6 +26,8 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
+from statemachine.decode_on_etcd import manager_on_etcd
+from statemachine.demo.baselines import FetchPerMissManager
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.errors import NotReady, PeerLost, RankRetired
 from statemachine.pool import PoolKey
@@ -118,9 +120,19 @@ def visible(source: EtcdBootstrapSource, addr: str) -> set[RouteReply] | None:
         return None
 
 
-def manager_for(etcd: EtcdServer, prefix: str, **kwargs: object) -> DecodeManager:
-    manager = DecodeManager.with_etcd(
-        etcd.endpoint, prefix=prefix, waiting_timeout_s=20.0, send_timeout_ms=500, **kwargs
+def manager_for(
+    etcd: EtcdServer,
+    prefix: str,
+    manager_class: type[DecodeManager] = DecodeManager,
+    **kwargs: object,
+) -> DecodeManager:
+    manager = manager_on_etcd(
+        etcd.endpoint,
+        prefix=prefix,
+        manager_class=manager_class,
+        waiting_timeout_s=20.0,
+        send_timeout_ms=500,
+        **kwargs,
     )
     assert isinstance(manager.source, EtcdBootstrapSource) and manager.source.wait_synced(BOUND)
     assert manager.health is None  # etcd mode: no HTTP health monitor
@@ -482,10 +494,10 @@ def test_a_watch_event_fails_a_transfer_on_a_generation_no_longer_in_the_pool(
         manager.close()
 
 
-def test_with_etcd_leaves_no_thread_behind(etcd: EtcdServer) -> None:
+def test_manager_on_etcd_leaves_no_thread_behind(etcd: EtcdServer) -> None:
     baseline = threading.active_count()
     for _ in range(3):
-        manager = DecodeManager.with_etcd(etcd.endpoint, prefix="/test-threads/ranks")
+        manager = manager_on_etcd(etcd.endpoint, prefix="/test-threads/ranks")
         assert isinstance(manager.source, EtcdBootstrapSource) and manager.source.stats().synced
         manager.close()
     assert wait_until(lambda: threading.active_count() <= baseline, BOUND)
@@ -536,7 +548,7 @@ def test_a_stale_fetch_adopts_a_current_entry_another_request_published(
     change and published first). The model's Publish adopts the pool's entry, as setdefault
     does; the source used to refuse the fetch first and fail the request with RankRetired."""
     prefix, addr, _ = cluster
-    manager = manager_for(etcd, prefix, single_flight=False)  # two leaders on one key
+    manager = manager_for(etcd, prefix, FetchPerMissManager)  # two leaders on one key
     source = manager.source
     assert isinstance(source, EtcdBootstrapSource)
     key = PoolKey(addr, 0, 0, 0)

@@ -34,9 +34,10 @@ from statemachine import lifecycle as life
 from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
+from statemachine.decode.parts import Decode
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.decode.receiver import BootstrapReceiver, Decode
+from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.errors import (
     Aborted,
     BootstrapError,

@@ -26,9 +26,9 @@ from statemachine.completion import (
     PrefillStatus,
 )
 from statemachine.decode.client import BootstrapClient
+from statemachine.decode.completions import DEFAULT_FAILED_REASON
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan
-from statemachine.decode.receiver import DEFAULT_FAILED_REASON
 from statemachine.errors import (
     Aborted,
     ConfigurationError,

@@ -8,8 +8,8 @@ Every module under ``statemachine/`` is parsed with ``ast`` (nothing is imported
   both (``statemachine/decode_on_etcd.py``);
 * no private name (one ``_``, not a dunder) crosses modules: never imported from another
   module, never read as ``module._name``; and in ``decode/receiver.py`` and
-  ``decode/manager.py`` no ``obj._name`` on anything but ``self``: the receiver and its manager
-  talk through ``decode/receiver_host.py`` only;
+  ``decode/manager.py`` no ``obj._name`` on anything but ``self``; the receiver never imports
+  the manager (it is handed its parts, ``decode/parts.py``'s ``Parts``);
 * the topology's field list (``validation.TopologyClaim``) is written once: no other class
   declares those fields, no literal collection of strings spells them all out;
 * one READY-line reader (``prefill/readiness.py``) and one rank-index check
@@ -258,7 +258,8 @@ def test_every_module_was_parsed() -> None:
     for name in (
         "statemachine.decode.manager",
         "statemachine.decode.receiver",
-        "statemachine.decode.receiver_host",
+        "statemachine.decode.rooms",
+        "statemachine.decode.fetcher",
         "statemachine.decode.source",
         "statemachine.discovery.etcd_source",
         "statemachine.discovery.registrar",
@@ -301,11 +302,25 @@ def test_the_composing_module_is_above_both_sides() -> None:
 
 
 def test_the_receiver_does_not_import_the_manager() -> None:
-    """The receiver knows its manager as a ReceiverHost only (not even for type checking)."""
+    """The receiver is handed its parts and never imports the manager (not even for type
+    checking); nor does any part it is handed."""
     tree = MODULES["statemachine.decode.receiver"][1]
     targets = {target for _, target in imports_of("statemachine.decode.receiver", tree)}
     assert "statemachine.decode.manager" not in targets
-    assert "statemachine.decode.receiver_host" in targets
+    assert "statemachine.decode.parts" in targets  # the check sees the receiver's imports
+    for part in (
+        "rooms",
+        "routes",
+        "fanout",
+        "fetcher",
+        "completions",
+        "dp_ranks",
+        "config",
+        "parts",
+    ):
+        name = f"statemachine.decode.{part}"
+        imported = {target for _, target in imports_of(name, MODULES[name][1])}
+        assert not imported & {"statemachine.decode.manager", "statemachine.decode.receiver"}
 
 
 def test_no_private_name_crosses_modules() -> None:
@@ -461,12 +476,7 @@ NEVER_REACHES: dict[str, tuple[str, ...]] = {
 #: Edges that break the layers today, each with the change that removes it. The lead deletes an
 #: entry when that change is merged (the test then fails if the edge is still there... or if an
 #: entry names an edge that no longer exists).
-KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    # DecodeManager.with_etcd imports decode_on_etcd by string, which imports the manager: a
-    # cycle through the composition layer. Removed on branch `core` (issue 25 item 1: the
-    # manager loses with_etcd); delete this entry when `core` is merged.
-    ("statemachine.decode.manager", "statemachine.decode_on_etcd"): "branch core",
-}
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def group_of(module: str) -> tuple[int, str]:

@@ -20,7 +20,6 @@ from statemachine import lifecycle as life
 from statemachine import pool as pool_module
 from statemachine import trace
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.model.validate import TraceFormatError, main, read_trace, validate
 from statemachine.pool import Generation, PoolKey
 
@@ -218,7 +217,7 @@ def _stale_receiver_outlives_a_replacement(prefill: Prefill, side: DecodeSide) -
     receiver has already replaced it with a fresh one."""
     assert side.run(prefill, room=1).state == life.DONE
     prefill.restart_ranks()  # every pooled port is dead now
-    late = BootstrapReceiver(side.decode, prefill.addr, 2, PLAN)
+    late = side.decode.receiver(prefill.addr, 2, PLAN)
     late.init(0)  # hit on the stale generation; it fails later
     early = side.run(prefill, room=3)  # hits it too, fails at once and invalidates it
     assert early.state == life.INVALIDATED

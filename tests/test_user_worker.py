@@ -20,6 +20,7 @@ from statemachine.completion import KVPoll
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout
 from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.demo.baselines import FetchPerMissManager
 from statemachine.errors import (
     BootstrapError,
     InvalidKVIndices,
@@ -38,11 +39,11 @@ def prefill() -> Iterator[Prefill]:
 
 
 def test_close_closes_every_threads_bootstrap_connection(prefill: Prefill) -> None:
-    """4 threads each bootstrap once (a miss each: single_flight=False), then one thread
+    """4 threads each bootstrap once (a miss each: no single-flight), then one thread
     closes the manager: the server sees every connection closed. Before: only the closing
     thread's own session was closed (4 threads -> 4 connections left open until gc or thread
     exit). The threads stay alive here, so nothing but close() can close them."""
-    manager = DecodeManager(health_interval_s=None, single_flight=False)
+    manager = FetchPerMissManager(health_interval_s=None)
     server = prefill.server
     before = server.stats().connections_open
     started = threading.Barrier(THREADS + 1)

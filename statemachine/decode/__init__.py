@@ -1,8 +1,13 @@
 """The decode side: what a decode worker runs to bootstrap its receivers.
 
-``manager`` (one per process: owns the parts below, makes the receivers, fans failures out),
-``receiver`` (one per request), ``client`` (HTTP to a prefill's bootstrap server) behind the
-``source`` protocol, ``ranks/`` (ZMQ to and from the prefill ranks: transport, liveness, socket
-monitor, completion listener), ``health`` (heartbeat), ``flight`` (single-flight fetches),
-``plan`` (rank plans from the topology), ``metrics`` (Prometheus export).
+``manager`` (one per process: the façade that makes and wires the parts, the worker's API;
+settings in ``config``), ``receiver`` (one per request; its ``init()`` is the hit path), and the
+parts below them, each with one job and none importing the manager or the receiver: ``rooms``
+(the receivers in flight), ``routes`` (topology → plan → address plan), ``dp_ranks`` (batched
+dp-rank queries), ``fanout`` (evidence → invalidate → fail the dependants; ``dead_keys``),
+``completions`` (prefill statuses in, BOOTSTRAP/ABORT out; ``holds``), ``fetcher`` (the miss
+path; ``flight`` for single-flight). Beneath: ``client`` (HTTP to a prefill's bootstrap server)
+behind the ``source`` protocol, ``ranks/`` (ZMQ to and from the prefill ranks: transport,
+liveness, socket monitor, completion listener), ``health`` (heartbeat), ``plan`` (rank plans
+from the topology), ``background`` (worker threads), ``metrics`` (Prometheus export).
 """

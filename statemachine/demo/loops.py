@@ -151,7 +151,7 @@ class RequestLoops:
         room = next(self._rooms)
         start = clock()
         self.busy_since[index] = start
-        deadline = start + manager.waiting_timeout_s
+        deadline = start + manager.config.waiting_timeout_s
         retries = 0
         try:
             while True:

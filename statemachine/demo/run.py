@@ -17,11 +17,12 @@ from typing import Any
 
 from statemachine import trace
 from statemachine.decode.client import BootstrapClient
-from statemachine.decode.manager import DecodeManager, ManagerStats
+from statemachine.decode.manager import ManagerStats
 from statemachine.decode.ranks.acks import AckStats
 from statemachine.decode.ranks.transport import TransportStats, ZmqTransport
 from statemachine.decode.receiver import RankPlan
 from statemachine.decode.source import BootstrapSource
+from statemachine.demo.baselines import manager_class
 from statemachine.demo.cluster import HOST, ClusterError, PrefillInstance
 from statemachine.demo.loops import Outcome, RequestLoops
 from statemachine.demo.modes import OURS, ModeConfig, make_pool
@@ -192,7 +193,7 @@ def run_demo(
             watch.start()
             _wait_ready(watch, addr, config.tp_size * config.pp_size)
             source = watch
-        manager = DecodeManager(
+        manager = manager_class(config.mode)(
             source=source,
             pool=pool,
             transport=transport,
@@ -200,8 +201,6 @@ def run_demo(
             ack_ip=HOST,
             waiting_timeout_s=config.waiting_timeout_s,
             health_interval_s=config.health_interval_s,
-            fanout=config.mode.manager_fanout,
-            single_flight=config.mode.manager_fanout,
         )
         stack.callback(manager.close)
         monitor = manager.health  # None with etcd: the watch replaces it

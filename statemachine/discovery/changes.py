@@ -17,8 +17,9 @@ pool with an etcd source and no manager (the tests, the benchmarks).
   receiver holding the object is marked at once, and fails at its next call instead of
   starting a transfer on it.
 
-``DecodeManager(source=EtcdBootstrapSource(...))`` (or ``DecodeManager.with_etcd``) uses all
-of this through the protocol (docs/etcd.md, "Running a decode on etcd").
+``DecodeManager(source=EtcdBootstrapSource(...))`` (or
+``statemachine.decode_on_etcd.manager_on_etcd``) uses all of this through the protocol
+(docs/etcd.md, "Running a decode on etcd").
 """
 
 from __future__ import annotations

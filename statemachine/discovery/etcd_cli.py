@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
             f"  {_version(binary) or 'etcd'} ({binary}); data: {where}\n"
             f"  a prefill rank: python -m statemachine.prefill.rank --discovery etcd "
             f"--etcd-endpoints {endpoint} --bootstrap 127.0.0.1:8998\n"
-            f"  a decode: DecodeManager.with_etcd({endpoint!r}, prefix={DEFAULT_PREFIX!r})\n"
+            "  a decode: statemachine.decode_on_etcd.manager_on_etcd("
+            f"{endpoint!r}, prefix={DEFAULT_PREFIX!r})\n"
             "  Ctrl-C stops it.",
             flush=True,
         )

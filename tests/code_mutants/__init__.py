@@ -63,7 +63,8 @@ def named_tests(mutant: CodeMutant) -> list[tuple[Path, str]]:
     return out
 
 
-MANAGER = "statemachine/decode/manager.py"
+FANOUT = "statemachine/decode/fanout.py"
+FETCHER = "statemachine/decode/fetcher.py"
 RECEIVER = "statemachine/decode/receiver.py"
 FLIGHT = "statemachine/decode/flight.py"
 PLAN = "statemachine/decode/plan.py"
@@ -110,7 +111,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "restart_fails_every_instance",
-        MANAGER,
+        FANOUT,
         (
             (
                 "if key.addr == addr and g.instance_id == old_id}",
@@ -122,10 +123,10 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "retire_without_fanout",
-        MANAGER,
+        FANOUT,
         (
             (
-                '                self._restarted(addr, old, new_id, cause="fetch", exclude=finder)\n',
+                '                self.restarted(addr, old, new_id, cause="fetch", exclude=finder)\n',
                 "",
             ),
         ),
@@ -134,18 +135,18 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "fanout_fails_the_finder",
-        MANAGER,
+        FANOUT,
         (("                receiver is not exclude\n                and ", "                "),),
         (T_FETCH,),
         "the request whose fetch found the restart is failed by its own evidence",
     ),
     CodeMutant(
         "verdict_ignored",
-        MANAGER,
+        FANOUT,
         (
             (
-                "        if not alive:\n            self._endpoint_dead(endpoint_url(endpoint), reason)",
-                "        if alive:\n            self._endpoint_dead(endpoint_url(endpoint), reason)",
+                "        if not alive:\n            self.endpoint_dead(endpoint_url(endpoint), reason)",
+                "        if alive:\n            self.endpoint_dead(endpoint_url(endpoint), reason)",
             ),
         ),
         (T_KILL, T_VERDICT),
@@ -153,10 +154,10 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "send_failure_not_evidence",
-        MANAGER,
+        FANOUT,
         (
             (
-                "        self._endpoint_dead(error.endpoint, str(error))\n",
+                "        self.endpoint_dead(error.endpoint, str(error))\n",
                 "        return None\n",
             ),
         ),
@@ -165,7 +166,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "endpoint_match_first_rank_only",
-        MANAGER,
+        FANOUT,
         (
             (
                 "            for rank in generation.ranks:\n                if endpoint_url(",
@@ -177,7 +178,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "reconcile_never_releases",
-        MANAGER,
+        FANOUT,
         (
             (
                 "dead = [g for g in self._retained if g not in live]",
@@ -189,7 +190,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "evidence_never_stamped",
-        MANAGER,
+        FANOUT,
         (
             (
                 "    if isinstance(error, PeerLost) and error.evidence_at is None:",
@@ -201,7 +202,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "fail_address_wrong_rooms",
-        MANAGER,
+        FANOUT,
         (
             (
                 "            if receiver.addr == addr:\n                used.update(",
@@ -214,15 +215,15 @@ MUTANTS: tuple[CodeMutant, ...] = (
     # --- receiver -------------------------------------------------------------------------------
     CodeMutant(
         "stale_key_not_refetched",
-        RECEIVER,
-        (("                fresh.update(self._fetch_keys(plan, stale))\n", ""),),
+        FETCHER,
+        (("                fresh.update(self._fetch_keys(receiver.addr, plan, stale))\n", ""),),
         (T_FETCH,),
         "after retiring a replaced instance the request keeps its entry of the old one",
     ),
     CodeMutant(
         "mark_not_checked_at_start",
         RECEIVER,
-        (("        if m.watermarked:\n", "        if False:\n"),),
+        (("        if parts.watermarked:\n", "        if False:\n"),),
         (T_ETCD + "test_a_marked_generation_fails_its_holder_at_start",),
         "a request starts a transfer on a generation the watch marked (NoStaleStart)",
     ),
@@ -511,7 +512,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         (
             (
                 "            try:\n                wake()\n            except Exception as exc:\n"
-                "                self._m.callback_raised(self, exc)\n",
+                "                self._parts.rooms.callback_raised(self, exc)\n",
                 "            wake()\n",
             ),
         ),
@@ -524,16 +525,16 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "known_dead_ranks_not_retryable",
-        RECEIVER,
+        FETCHER,
         (
             (
-                "                _refuse_known_dead(self.addr, m.transport, fresh.values())\n",
+                "                _refuse_known_dead(addr, self._transport, fresh.values())\n",
                 "                pass\n",
             ),
             (
-                '            unreachable = _unreachable(self.addr, error.endpoint, "registering '
-                'with it failed")\n            unreachable.__cause__ = error\n',
-                "            unreachable = error\n",
+                '            refused = unreachable(addr, error.endpoint, "registering with it '
+                'failed")\n            refused.__cause__ = error\n',
+                "            refused = error\n",
             ),
         ),
         (
