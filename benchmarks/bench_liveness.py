@@ -147,6 +147,10 @@ class Load:
                 self._pending.extend(still)
             time.sleep(0.005)
 
+    def succeeded_since(self, since: float) -> bool:
+        with self._lock:
+            return any(o.ok and o.end >= since for o in self.outcomes)
+
     def _record(self, start: float, ok: bool, error: str) -> None:
         with self._lock:
             self.outcomes.append(Outcome(start, time.monotonic(), ok, error))
@@ -202,9 +206,7 @@ def run_one(
         heal_at = time.monotonic()
         deadline = heal_at + AFTER_MAX_S
         while time.monotonic() < deadline:
-            with load._lock:
-                done = any(o.ok and o.end >= heal_at for o in load.outcomes)
-            if done:
+            if load.succeeded_since(heal_at):
                 time.sleep(AFTER_SUCCESS_S)
                 break
             time.sleep(0.05)
