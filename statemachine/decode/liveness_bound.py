@@ -51,8 +51,9 @@ __all__ = [
 #: pause, a long step) is not declared dead; shorter bounds fail more requests that would have
 #: finished (docs/performance.md).
 DEFAULT_LIVENESS_TIMEOUT_S = 3.0
-#: The smallest bound accepted: below it, heartbeats and probes come every few tens of ms.
-MIN_LIVENESS_TIMEOUT_S = 0.2
+#: The smallest bound accepted: below it the transport's fixed 0.1 s grace after a disconnect
+#: (ZMQ-16) no longer fits (3/4 bound + 0.1 s), and PINGs and probes would come every few ms.
+MIN_LIVENESS_TIMEOUT_S = 0.5
 #: How long one reconnect attempt into a silent path lasts, and the longest wait between two:
 #: their sum bounds the first success after the path returns (the goal is 0.5 s). On a data
 #: centre network a connect takes well under a millisecond; a lost SYN is retried sooner this

@@ -209,10 +209,16 @@ class ZmqTransport:
             ("reconnect_ivl_max_ms", reconnect_ivl_max_ms),
             ("dead_grace_ms", dead_grace_ms),
             ("down_hold_ms", down_hold_ms),
-            ("connect_timeout_ms", connect_timeout_ms or 1),
-            ("heartbeat_ivl_ms", heartbeat_ivl_ms or 1),
-            ("heartbeat_timeout_ms", heartbeat_timeout_ms or 1),
-            ("heartbeat_ttl_ms", heartbeat_ttl_ms or 1),
+            *(
+                (name, value)
+                for name, value in (
+                    ("connect_timeout_ms", connect_timeout_ms),
+                    ("heartbeat_ivl_ms", heartbeat_ivl_ms),
+                    ("heartbeat_timeout_ms", heartbeat_timeout_ms),
+                    ("heartbeat_ttl_ms", heartbeat_ttl_ms),
+                )
+                if value is not None  # None: libzmq's default (no heartbeats), SNDTIMEO
+            ),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgument(
@@ -233,7 +239,9 @@ class ZmqTransport:
         self._reconnect_ivl_max_ms = max(reconnect_ivl_max_ms, reconnect_ivl_ms)
         self._grace_s = dead_grace_ms / 1000
         self._hold_s = down_hold_ms / 1000
-        self._connect_timeout_ms = connect_timeout_ms or send_timeout_ms
+        self._connect_timeout_ms = (
+            send_timeout_ms if connect_timeout_ms is None else connect_timeout_ms
+        )
         # ZMTP heartbeats (ZMQ-24): None leaves libzmq's default, no heartbeats.
         self._heartbeat = _heartbeat_options(
             heartbeat_ivl_ms, heartbeat_timeout_ms, heartbeat_ttl_ms
