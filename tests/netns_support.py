@@ -137,6 +137,7 @@ class NetNamespace:
         self.host_ip = ""
         self.ns_ip = ""
         self._created = False
+        self._blackhole = ""
 
     def __enter__(self) -> NetNamespace:
         try:
@@ -154,6 +155,10 @@ class NetNamespace:
         subnet = _free_subnet()
         host, peer = list(subnet.hosts())
         self.subnet, self.host_ip, self.ns_ip = subnet, str(host), str(peer)
+        # While the namespace lives, a blackhole route for its /30 (behind the veth's own
+        # route) keeps any packet for these addresses on this machine once the veth is gone.
+        _run("ip", "route", "add", "blackhole", str(subnet), "metric", "4000")
+        self._blackhole = str(subnet)
         _run("ip", "netns", "add", self.name)
         self._created = True
         _run("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
@@ -177,6 +182,9 @@ class NetNamespace:
             self._created = False
         if _run("ip", "link", "show", self.host_if, check=False).returncode == 0:
             _run("ip", "link", "del", self.host_if, check=False)
+        if self._blackhole:
+            _run("ip", "route", "del", "blackhole", self._blackhole, "metric", "4000", check=False)
+            self._blackhole = ""
 
     def exec(self, *argv: str) -> subprocess.CompletedProcess[str]:
         return _run("ip", "netns", "exec", self.name, *argv)
