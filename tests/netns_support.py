@@ -20,6 +20,7 @@ they are missing); :func:`netns_unavailable` says why not otherwise, for a skip.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import itertools
 import os
@@ -45,8 +46,11 @@ _TABLE = "pdlv"
 _serial = itertools.count()
 
 
+@functools.cache
 def netns_unavailable() -> str | None:
-    """Why namespace tests cannot run here (a skip reason), or None if they can."""
+    """Why namespace tests cannot run here (a skip reason), or None if they can: root, the
+    tools, and one namespace with its veth pair and fault table actually made and removed (a
+    container without CAP_NET_ADMIN, or a kernel without nftables' egress hook, fails there)."""
     if not sys.platform.startswith("linux"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
@@ -56,6 +60,11 @@ def netns_unavailable() -> str | None:
     for tool, package in (("ip", "iproute2"), ("nft", "nftables")):
         if shutil.which(tool) is None:
             return f"the `{tool}` command is missing: install {package} (make does, as root)"
+    try:
+        with NetNamespace():
+            pass
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        return f"cannot make a network namespace with a veth pair and nftables rules here: {exc}"
     return None
 
 
