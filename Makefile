@@ -13,7 +13,7 @@ SGLANG_CONS  := tests/sglang_interop/constraints.txt
 SGLANG_IMPORTS := import sglang.srt.disaggregation.common.conn, \
 	sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn
 
-.PHONY: demo test lint typecheck pytest crosshair bench tlc mutate clean
+.PHONY: demo test lint typecheck pytest crosshair bench tlc mutate clean netns-tools
 
 # pip stays --quiet (its full output is hundreds of lines); the echo lines say what it is doing.
 $(STAMP): pyproject.toml
@@ -64,8 +64,24 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict statemachine
 
-pytest: $(STAMP) $(SGLANG_STAMP)
+pytest: $(STAMP) $(SGLANG_STAMP) netns-tools
 	$(PY) -m pytest
+
+# The network-namespace tests and benchmark (tests/netns_support.py) need `ip` (iproute2) and
+# `nft` (nftables: this machine kind's kernel has no netem qdisc, but nftables' hooks). As root
+# with apt-get, what is missing is installed; otherwise those tests skip and say why.
+netns-tools:
+	@if command -v ip >/dev/null 2>&1 && command -v nft >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "netns tests: installing iproute2 and nftables with apt-get (once)..."; \
+		{ apt-get install -y -qq iproute2 nftables >/dev/null 2>&1 || \
+			{ apt-get update -qq >/dev/null 2>&1 && \
+			apt-get install -y -qq iproute2 nftables >/dev/null 2>&1; }; } && \
+		echo "netns tests: installed." || \
+		echo "netns tests: apt-get failed: the network-namespace tests will skip."; \
+	else \
+		echo "netns tests: no ip/nft, and not root with apt-get: the network-namespace tests will skip."; \
+	fi
 
 # Symbolic check of the pool's PEP 316 contracts. The default search is too weak to find pool
 # bugs (it found 1 of 8 seeded ones here); 50 uninteresting iterations found all of them.
@@ -80,7 +96,7 @@ crosshair: $(STAMP)
 	[ $$rc -ne 0 ] || echo "crosshair: every contract held ($$(( $$(date +%s) - start )) s)"; \
 	exit $$rc
 
-bench: $(STAMP)
+bench: $(STAMP) netns-tools
 	$(PY) -m benchmarks
 
 # TLC is not installable from the registries CI reaches; run it where a user has the jar

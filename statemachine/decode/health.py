@@ -68,8 +68,30 @@ class _Watch:
         self.thread: threading.Thread | None = None
 
 
+#: A probe's connect and read timeouts when no ``probe_timeout_s`` is given.
+DEFAULT_PROBE_CONNECT_S = 2.0
+DEFAULT_PROBE_READ_S = 3.0
+
+
+def _probe_client(probe_timeout_s: float | None) -> BootstrapClient:
+    """The probes' client: each probe bounded by ``probe_timeout_s`` as a whole (HEALTH-5)."""
+    if probe_timeout_s is None:
+        return BootstrapClient(
+            connect_timeout=DEFAULT_PROBE_CONNECT_S, read_timeout=DEFAULT_PROBE_READ_S
+        )
+    return BootstrapClient(
+        connect_timeout=probe_timeout_s, read_timeout=probe_timeout_s, deadline=probe_timeout_s
+    )
+
+
 class HealthMonitor:
-    """Probe bootstrap addresses every ``interval_s`` seconds, one daemon thread per address."""
+    """Probe bootstrap addresses every ``interval_s`` seconds, one daemon thread per address.
+
+    ``probe_timeout_s`` bounds each probe (connect, read and the whole exchange; default: a 2 s
+    connect and a 3 s read): a silent address is judged dead at most ``failures_to_dead ×
+    (interval_s + probe_timeout_s)`` after it last answered (HEALTH-5);
+    :class:`~statemachine.decode.liveness_bound.LivenessBound` derives all three from one bound.
+    """
 
     def __init__(
         self,
@@ -81,14 +103,22 @@ class HealthMonitor:
         addresses: Iterable[str] = (),
         on_dead: OnDead | None = None,
         on_restart: OnRestart | None = None,
+        probe_timeout_s: float | None = None,
     ) -> None:
         if not interval_s > 0 or not isinstance(failures_to_dead, int) or failures_to_dead < 1:
             raise ValueError("interval_s must be > 0 and failures_to_dead an int >= 1")
+        if probe_timeout_s is not None and not probe_timeout_s > 0:
+            raise ValueError(f"probe_timeout_s must be > 0 (seconds), not {probe_timeout_s!r}")
+        if probe_timeout_s is not None and client is not None:
+            raise ValueError(
+                "give probe_timeout_s or client, not both: the client's own timeouts bound its "
+                "probes"
+            )
         self._pool = pool
         # Each probe thread gets its own sessions (they are per thread inside the client).
-        self._client = (
-            client if client is not None else BootstrapClient(connect_timeout=2.0, read_timeout=3.0)
-        )
+        if client is None:
+            client = _probe_client(probe_timeout_s)
+        self._client = client
         self._interval_s = interval_s
         self._failures_to_dead = failures_to_dead
         self._on_dead = on_dead

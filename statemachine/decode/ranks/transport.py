@@ -17,6 +17,13 @@ In the default mode (``mode="immediate"``, ``monitor=True``):
   with it succeeds again. A send never waits on a socket already judged dead: it waits for a
   connection in short poll slices and gives up as soon as the monitor's verdict arrives, so
   only a send that races the verdict waits, and never longer than ``SNDTIMEO``.
+* **Silence (ZMQ-25).** With ``heartbeat_ivl_ms`` (and ``heartbeat_timeout_ms``), libzmq
+  PINGs every connection and drops one that stays silent, which the monitor then judges as
+  any disconnect: a stopped or cut-off rank is found within ivl + timeout + ``dead_grace_ms``
+  without a message of ours. ``connect_timeout_ms`` and ``reconnect_ivl_max_ms`` bound how
+  long a reconnect attempt into a cut lasts and how long the next waits, so the first
+  handshake after the path returns follows within their sum.
+  :mod:`statemachine.decode.liveness_bound` derives all of them from one bound.
 * **Resources follow generations (ZMQ-20).** :meth:`ZmqTransport.retain` / :meth:`release`
   count the live generations that use an endpoint; at zero its socket and monitor are closed.
   A dead endpoint nobody retains is closed at once (no reconnect attempts while idle); its
@@ -184,6 +191,10 @@ class ZmqTransport:
         reconnect_ivl_max_ms: int = 1000,
         dead_grace_ms: int = 100,
         down_hold_ms: int = 1000,
+        connect_timeout_ms: int | None = None,
+        heartbeat_ivl_ms: int | None = None,
+        heartbeat_timeout_ms: int | None = None,
+        heartbeat_ttl_ms: int | None = None,
     ) -> None:
         if mode not in ("immediate", "queueing"):
             raise InvalidArgument(
@@ -198,6 +209,16 @@ class ZmqTransport:
             ("reconnect_ivl_max_ms", reconnect_ivl_max_ms),
             ("dead_grace_ms", dead_grace_ms),
             ("down_hold_ms", down_hold_ms),
+            *(
+                (name, value)
+                for name, value in (
+                    ("connect_timeout_ms", connect_timeout_ms),
+                    ("heartbeat_ivl_ms", heartbeat_ivl_ms),
+                    ("heartbeat_timeout_ms", heartbeat_timeout_ms),
+                    ("heartbeat_ttl_ms", heartbeat_ttl_ms),
+                )
+                if value is not None  # None: libzmq's default (no heartbeats), SNDTIMEO
+            ),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgument(
@@ -218,6 +239,13 @@ class ZmqTransport:
         self._reconnect_ivl_max_ms = max(reconnect_ivl_max_ms, reconnect_ivl_ms)
         self._grace_s = dead_grace_ms / 1000
         self._hold_s = down_hold_ms / 1000
+        self._connect_timeout_ms = (
+            send_timeout_ms if connect_timeout_ms is None else connect_timeout_ms
+        )
+        # ZMTP heartbeats (ZMQ-25): None leaves libzmq's default, no heartbeats.
+        self._heartbeat = _heartbeat_options(
+            heartbeat_ivl_ms, heartbeat_timeout_ms, heartbeat_ttl_ms
+        )
         self._own_context = context is None
         if context is None:
             context = zmq.Context()
@@ -578,7 +606,9 @@ class ZmqTransport:
             if self._monitor is not None:
                 socket.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
                 socket.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_ivl_max_ms)
-                socket.setsockopt(zmq.CONNECT_TIMEOUT, self.send_timeout_ms)
+                socket.setsockopt(zmq.CONNECT_TIMEOUT, self._connect_timeout_ms)
+                for option, value in self._heartbeat:
+                    socket.setsockopt(option, value)
                 # Before connect(), so that not even the first attempt's events are missed.
                 monitor_socket = self._monitor_socket(socket)
             socket.connect(url)
@@ -703,6 +733,33 @@ class ZmqTransport:
                 with self._lock:
                     self._listener_errors += 1
                 _log.exception("endpoint listener raised; other listeners still run")
+
+
+def _heartbeat_options(
+    ivl_ms: int | None, timeout_ms: int | None, ttl_ms: int | None
+) -> tuple[tuple[int, int], ...]:
+    """The socket options of ZMTP heartbeats (ZMQ-25); none unless ``ivl_ms`` is given.
+
+    libzmq sends a PING every ``ivl_ms`` on each connection and closes it (the monitor sees
+    ``EVENT_DISCONNECTED``) when nothing at all arrived within ``timeout_ms`` of a PING; any
+    ZMQ peer answers PINGs inside libzmq, a prefill's ``PULL`` socket included, so a stopped or
+    cut-off peer is found without a message of ours. ``ttl_ms`` asks the peer to drop the
+    connection once it has heard nothing from us that long (libzmq counts it in tenths of a
+    second, at most 6553.5 s).
+    """
+    if ivl_ms is None:
+        if timeout_ms is not None or ttl_ms is not None:
+            raise InvalidArgument(
+                "heartbeat_timeout_ms and heartbeat_ttl_ms need heartbeat_ivl_ms: give the "
+                "interval between PINGs too"
+            )
+        return ()
+    options = [(int(zmq.HEARTBEAT_IVL), ivl_ms)]
+    if timeout_ms is not None:
+        options.append((int(zmq.HEARTBEAT_TIMEOUT), timeout_ms))
+    if ttl_ms is not None:
+        options.append((int(zmq.HEARTBEAT_TTL), min(ttl_ms, 6_553_500)))
+    return tuple(options)
 
 
 FrameSender = Callable[[zmq.Socket[bytes], bytes, int], object]

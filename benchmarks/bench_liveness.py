@@ -1,0 +1,292 @@
+"""Silence: how soon a stopped or cut-off prefill is found, and how soon requests succeed again.
+
+The reference prefill (bootstrap server + 2 tp ranks) runs as processes in a network namespace
+this benchmark creates (``tests/netns_support.py``; needs root, ``ip`` and ``nft``). A
+``DecodeManager`` on the host side issues a request every 20 ms through its public API
+(``receiver`` → ``init`` → ``send_metadata`` → ``poll``), and a fault lasts ``--fault-s``:
+
+* ``hang``: every prefill process SIGSTOPped, then SIGCONTed;
+* ``partition``: every packet between decode and prefill dropped both ways (no resets), then
+  let through again;
+* ``rank-cut``: only the ranks' ZMQ ports cut, the bootstrap server still answers;
+* ``replace``: every prefill process SIGKILLed and a new instance started behind the same
+  bootstrap address (the "heal" is the moment it serves again).
+
+Figures per run: *detection* (fault → the first request Failed), requests failed, the longest
+wait of a request, and *first success after heal* (the heal or SIGCONT → the first request that
+completes with Success). Configurations, in the same run:
+
+* ``before``: the manager's defaults (health probes every 5 s, a 2 s connect / 3 s read probe,
+  no heartbeats): main's behaviour;
+* ``bound=3s`` / ``bound=1s``: the parts built from
+  :class:`~statemachine.decode.liveness_bound.LivenessBound` and handed to the manager (its
+  transport, its fetch client, its health interval; the probe timeout itself is not yet a
+  manager setting, so the probes keep the 2 s / 3 s default here).
+
+Figures come from a machine shared with other work: indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from statemachine.decode.client import BootstrapClient
+from statemachine.decode.liveness_bound import LivenessBound
+from statemachine.decode.manager import DecodeManager
+from statemachine.decode.plan import RankPlan
+from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.decode.receiver import BootstrapReceiver
+from statemachine.lifecycle import KVPoll
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from netns_support import NetNamespace, NetnsPrefill, netns_unavailable
+
+PLAN = RankPlan(tp_ranks=(0, 1))
+PERIOD_S = 0.02
+WARMUP_S = 1.0
+#: After the heal, watch until the first success plus this, or at most AFTER_MAX_S.
+AFTER_SUCCESS_S = 0.5
+AFTER_MAX_S = 15.0
+FAULTS = ("hang", "partition", "rank-cut", "replace")
+
+
+@dataclass
+class Outcome:
+    start: float
+    end: float
+    ok: bool
+    error: str
+
+
+@dataclass
+class RunFigures:
+    config: str
+    fault: str
+    detection_s: float | None
+    failed: int
+    longest_wait_s: float
+    first_success_after_heal_s: float | None
+    requests: int
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class Load:
+    """A request every ``PERIOD_S``: init and send on a pool of workers, polled by one thread."""
+
+    def __init__(self, manager: DecodeManager, addr: str) -> None:
+        self.manager = manager
+        self.addr = addr
+        self.outcomes: list[Outcome] = []
+        self._lock = threading.Lock()
+        self._pending: list[tuple[float, BootstrapReceiver]] = []
+        self._stop = threading.Event()
+        self._workers = ThreadPoolExecutor(max_workers=48, thread_name_prefix="bench-init")
+        self._threads = [
+            threading.Thread(target=self._issue, name="bench-issue", daemon=True),
+            threading.Thread(target=self._poll, name="bench-poll", daemon=True),
+        ]
+        self._room = 0
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+        self._workers.shutdown(wait=True, cancel_futures=True)
+
+    def _issue(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            self._room += 1
+            self._workers.submit(self._start_one, self._room)
+            next_at += PERIOD_S
+            self._stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def _start_one(self, room: int) -> None:
+        start = time.monotonic()
+        try:
+            receiver = self.manager.receiver(self.addr, room, PLAN, prefill_dp_rank=0)
+            if receiver.init(0) == KVPoll.WaitingForInput:
+                receiver.send_metadata((1, 2, 3), aux_index=0)
+        except Exception as exc:
+            self._record(start, False, type(exc).__name__)
+            return
+        with self._lock:
+            self._pending.append((start, receiver))
+
+    def _poll(self) -> None:
+        """Poll every pending request each 5 ms until stopped (what is left then, the
+        manager's close fails)."""
+        while not self._stop.is_set():
+            with self._lock:
+                pending, self._pending = self._pending, []
+            still = []
+            for start, receiver in pending:
+                status = receiver.poll()
+                if status == KVPoll.Success:
+                    self._record(start, True, "")
+                elif status == KVPoll.Failed:
+                    self._record(start, False, type(receiver.failure).__name__)
+                else:
+                    still.append((start, receiver))
+            with self._lock:
+                self._pending.extend(still)
+            time.sleep(0.005)
+
+    def succeeded_since(self, since: float) -> bool:
+        with self._lock:
+            return any(o.ok and o.end >= since for o in self.outcomes)
+
+    def _record(self, start: float, ok: bool, error: str) -> None:
+        with self._lock:
+            self.outcomes.append(Outcome(start, time.monotonic(), ok, error))
+
+
+@contextmanager
+def manager_for(config: str, ack_ip: str) -> Iterator[DecodeManager]:
+    """``before``: the defaults; ``bound=Ns``: the parts derived from a LivenessBound."""
+    closers: list[Callable[[], None]] = []
+    if config == "before":
+        manager = DecodeManager(ack_ip=ack_ip)
+    else:
+        bound = LivenessBound.from_timeout(float(config.removeprefix("bound=").rstrip("s")))
+        transport = ZmqTransport(**bound.transport_options())
+        client = BootstrapClient(**bound.client_options())
+        closers += [transport.close, client.close_all]
+        manager = DecodeManager(
+            ack_ip=ack_ip,
+            transport=transport,
+            source=client,
+            health_interval_s=bound.health_interval_s,
+            failures_to_dead=bound.failures_to_dead,
+        )
+    try:
+        yield manager
+    finally:
+        manager.close()
+        for close in closers:
+            close()
+
+
+def run_one(
+    ns: NetNamespace, prefill: NetnsPrefill, config: str, fault: str, fault_s: float
+) -> RunFigures:
+    with manager_for(config, ns.host_ip) as manager, Load(manager, prefill.addr) as load:
+        time.sleep(WARMUP_S)
+        fault_at = time.monotonic()
+        if fault == "hang":
+            prefill.hang()
+        elif fault == "partition":
+            ns.partition()
+        elif fault == "rank-cut":
+            ns.cut_ports(prefill.rank_ports)
+        elif fault == "replace":
+            prefill.kill()
+        time.sleep(fault_s)
+        if fault == "hang":
+            prefill.resume()
+        elif fault == "replace":
+            prefill.start(server_port=int(prefill.addr.rsplit(":", 1)[1]))
+        else:
+            ns.heal()
+        heal_at = time.monotonic()
+        deadline = heal_at + AFTER_MAX_S
+        while time.monotonic() < deadline:
+            if load.succeeded_since(heal_at):
+                time.sleep(AFTER_SUCCESS_S)
+                break
+            time.sleep(0.05)
+    outcomes = sorted(load.outcomes, key=lambda o: o.end)
+    failures = [o for o in outcomes if not o.ok and o.end >= fault_at]
+    errors: dict[str, int] = {}
+    for outcome in failures:
+        errors[outcome.error] = errors.get(outcome.error, 0) + 1
+    healed = [o.end - heal_at for o in outcomes if o.ok and o.end >= heal_at]
+    return RunFigures(
+        config=config,
+        fault=fault,
+        detection_s=failures[0].end - fault_at if failures else None,
+        failed=len(failures),
+        longest_wait_s=max((o.end - o.start for o in outcomes), default=0.0),
+        first_success_after_heal_s=min(healed) if healed else None,
+        requests=len(outcomes),
+        errors=errors,
+    )
+
+
+def _fmt(value: float | None) -> str:
+    return "never" if value is None else f"{value:6.2f} s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fault-s", type=float, default=8.0, help="how long each fault lasts")
+    parser.add_argument("--reps", type=int, default=1, help="runs per configuration and fault")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a seconds-long run: 2 s faults, hang and partition"
+    )
+    parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated faults")
+    parser.add_argument(
+        "--configs", default="before,bound=3s,bound=1s", help="comma-separated configurations"
+    )
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    reason = netns_unavailable()
+    if reason is not None:
+        print(f"bench_liveness skipped: {reason}")
+        return 0
+    faults = args.faults.split(",")
+    configs = args.configs.split(",")
+    fault_s = args.fault_s
+    if args.smoke:
+        faults, configs, fault_s = ["hang", "partition"], ["before", "bound=1s"], 2.0
+    print(
+        f"a request every {PERIOD_S * 1000:.0f} ms; faults of {fault_s:g} s; "
+        f"{args.reps} run(s) each; the reference prefill in its own network namespace",
+        flush=True,
+    )
+    results: dict[tuple[str, str], list[RunFigures]] = {}
+    with NetNamespace() as ns, NetnsPrefill(ns) as prefill:
+        for _ in range(args.reps):
+            for fault in faults:
+                for config in configs:  # interleaved: a slow moment hits every configuration
+                    figures = run_one(ns, prefill, config, fault, fault_s)
+                    results.setdefault((fault, config), []).append(figures)
+                    print(
+                        f"  {fault:9} {config:9} detection {_fmt(figures.detection_s)}  "
+                        f"failed {figures.failed:4}  longest wait {figures.longest_wait_s:6.2f} s  "
+                        f"first success after heal {_fmt(figures.first_success_after_heal_s)}  "
+                        f"({figures.requests} requests; {figures.errors})",
+                        flush=True,
+                    )
+    if args.reps > 1:
+        print("medians:")
+        for (fault, config), runs in results.items():
+            print(
+                f"  {fault:9} {config:9} detection {_fmt(_median([r.detection_s for r in runs]))}"
+                f"  first success after heal "
+                f"{_fmt(_median([r.first_success_after_heal_s for r in runs]))}"
+            )
+    return 0
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if len(known) == len(values) and known else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

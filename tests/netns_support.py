@@ -1,0 +1,382 @@
+"""Real network namespaces for the silence tests and benchmark (issue 27): a prefill cut off
+without resets, a prefill stopped, a rank path cut alone.
+
+:class:`NetNamespace` creates a namespace with a veth pair to the host side. Its two addresses
+come from a /30 of ``10.213.0.0/16`` that no interface or route of this machine uses, so every
+packet the tests send stays on that pair; everything is removed on exit (deleting the namespace
+deletes the veth pair), also when the body fails. Faults are nftables rules in the namespace,
+on the namespace's end of the pair (``netdev`` family, ``ingress`` and ``egress`` hooks): a rule
+that drops a packet answers nothing, so the decode sees silence, never a reset. (This kernel
+kind has no ``netem`` qdisc and no ``tc`` drop action; nftables' hooks are built in.)
+
+:class:`NetnsPrefill` runs the reference prefill inside it as processes (``ip netns exec``):
+the bootstrap server and two tp ranks, which a test can stop (SIGSTOP) and continue, or kill
+and replace behind the same bootstrap address.
+
+Needs root and the ``ip`` and ``nft`` commands (``make`` installs iproute2 and nftables where
+they are missing); :func:`netns_unavailable` says why not otherwise, for a skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import ipaddress
+import itertools
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from statemachine.prefill.readiness import read_prefixed_line, read_ready
+
+#: The private range the namespaces' /30s come from.
+SUBNETS = ipaddress.ip_network("10.213.0.0/16")
+#: Every namespace and interface made here starts with this, followed by the creating pid.
+PREFIX = "pdlv"
+TOKEN = "netns-liveness-token"
+START_TIMEOUT_S = 30.0
+_TABLE = "pdlv"
+_serial = itertools.count()
+
+
+@functools.cache
+def netns_unavailable() -> str | None:
+    """Why namespace tests cannot run here (a skip reason), or None if they can: root, the
+    tools, and one namespace with its veth pair and fault table actually made and removed (a
+    container without CAP_NET_ADMIN, or a kernel without nftables' egress hook, fails there)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return (
+            "network namespaces need root (CI runs as root; run the tests as root to include them)"
+        )
+    for tool, package in (("ip", "iproute2"), ("nft", "nftables")):
+        if shutil.which(tool) is None:
+            return f"the `{tool}` command is missing: install {package} (make does, as root)"
+    try:
+        with NetNamespace():
+            pass
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        return f"cannot make a network namespace with a veth pair and nftables rules here: {exc}"
+    return None
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+    if check and result.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(argv)} failed ({result.returncode}): {result.stderr.strip()}"
+        )
+    return result
+
+
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 network an address or a route of this machine covers (the default excepted)."""
+    used = []
+    for line in _run("ip", "-4", "-o", "addr", "show").stdout.splitlines():
+        words = line.split()
+        if "inet" in words:
+            used.append(ipaddress.ip_interface(words[words.index("inet") + 1]).network)
+    for line in _run("ip", "-4", "route", "show", "table", "all").stdout.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        dest = words[1] if words[0] in ("unicast", "local", "broadcast", "blackhole") else words[0]
+        if dest != "default":
+            try:
+                used.append(ipaddress.ip_network(dest, strict=False))
+            except ValueError:
+                continue
+    return [net for net in used if isinstance(net, ipaddress.IPv4Network)]
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    used = _used_networks()
+    candidates = list(SUBNETS.subnets(new_prefix=30))
+    random.shuffle(candidates)
+    for net in candidates[:2000]:
+        if not any(net.overlaps(other) for other in used):
+            return net
+    raise RuntimeError(f"no free /30 in {SUBNETS}: every candidate is routed here")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_namespaces() -> None:
+    """Delete namespaces left by a test process that died without cleaning up (SIGKILL)."""
+    for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if not name.startswith(PREFIX):
+            continue
+        pid_text = name[len(PREFIX) :].split("x")[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            _run("ip", "netns", "del", name, check=False)
+
+
+class NetNamespace:
+    """A namespace joined to the host by a veth pair; faults are nftables rules inside it.
+
+    ``host_ip`` is the host's end (where a decode's ack listener binds), ``ns_ip`` the
+    namespace's end (where the prefill listens). Use as a context manager.
+    """
+
+    def __init__(self) -> None:
+        serial = next(_serial)
+        self.name = f"{PREFIX}{os.getpid()}x{serial}"
+        # Interface names are at most 15 bytes.
+        tag = f"{os.getpid() % 100000}{serial % 100}"
+        self.host_if = f"{PREFIX}h{tag}"
+        self.ns_if = f"{PREFIX}n{tag}"
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.host_ip = ""
+        self.ns_ip = ""
+        self._created = False
+        self._blackhole = ""
+
+    def __enter__(self) -> NetNamespace:
+        try:
+            self.create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def create(self) -> None:
+        remove_stale_namespaces()
+        subnet = _free_subnet()
+        host, peer = list(subnet.hosts())
+        self.subnet, self.host_ip, self.ns_ip = subnet, str(host), str(peer)
+        # While the namespace lives, a blackhole route for its /30 (behind the veth's own
+        # route) keeps any packet for these addresses on this machine once the veth is gone.
+        _run("ip", "route", "add", "blackhole", str(subnet), "metric", "4000")
+        self._blackhole = str(subnet)
+        _run("ip", "netns", "add", self.name)
+        self._created = True
+        _run("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+        _run("ip", "link", "set", self.ns_if, "netns", self.name)
+        _run("ip", "addr", "add", f"{host}/30", "dev", self.host_if)
+        _run("ip", "link", "set", self.host_if, "up")
+        self.exec("ip", "addr", "add", f"{peer}/30", "dev", self.ns_if)
+        self.exec("ip", "link", "set", self.ns_if, "up")
+        self.exec("ip", "link", "set", "lo", "up")
+        self._nft(
+            f"table netdev {_TABLE} {{\n"
+            f'  chain in {{ type filter hook ingress device "{self.ns_if}" priority 0; }}\n'
+            f'  chain out {{ type filter hook egress device "{self.ns_if}" priority 0; }}\n'
+            "}\n"
+        )
+
+    def close(self) -> None:
+        """Delete the namespace (and with it both ends of the veth pair)."""
+        if self._created:
+            _run("ip", "netns", "del", self.name, check=False)
+            self._created = False
+        if _run("ip", "link", "show", self.host_if, check=False).returncode == 0:
+            _run("ip", "link", "del", self.host_if, check=False)
+        if self._blackhole:
+            _run("ip", "route", "del", "blackhole", self._blackhole, "metric", "4000", check=False)
+            self._blackhole = ""
+
+    def exec(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        return _run("ip", "netns", "exec", self.name, *argv)
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside the namespace (``ip netns exec`` execs it: same pid)."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def _nft(self, script: str) -> None:
+        result = subprocess.run(
+            self.command(["nft", "-f", "-"]),
+            input=script,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"nft failed ({result.returncode}): {result.stderr.strip()}")
+
+    # --- faults -------------------------------------------------------------------------------
+
+    def partition(self) -> None:
+        """Drop every packet both ways (ARP included): a cut without resets."""
+        self._nft(f"add rule netdev {_TABLE} in drop\nadd rule netdev {_TABLE} out drop\n")
+
+    def cut_ports(self, ports: Sequence[int]) -> None:
+        """Drop TCP to and from ``ports`` of the namespace only; everything else still flows."""
+        listed = ", ".join(str(port) for port in ports)
+        self._nft(
+            f"add rule netdev {_TABLE} in meta l4proto tcp tcp dport {{ {listed} }} drop\n"
+            f"add rule netdev {_TABLE} out meta l4proto tcp tcp sport {{ {listed} }} drop\n"
+        )
+
+    def heal(self) -> None:
+        """Remove every fault rule."""
+        self._nft(f"flush chain netdev {_TABLE} in\nflush chain netdev {_TABLE} out\n")
+
+
+class _Child:
+    """One prefill process in the namespace; its stderr goes to a file (shown on a failed start)."""
+
+    def __init__(self, ns: NetNamespace, argv: Sequence[str], log: Path) -> None:
+        self.log = log
+        self._log_file = log.open("ab")
+        self.proc = subprocess.Popen(
+            ns.command(argv),
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def read_line(self, prefix: bytes) -> bytes:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            line = read_prefixed_line(self.proc.stdout.fileno(), prefix, deadline, bytearray())
+        except TimeoutError:
+            line = None
+        if line is None:
+            self.kill()
+            raise RuntimeError(
+                f"prefill process {self.proc.args!r} did not start: {self.log.read_text()[-2000:]}"
+            )
+        return line
+
+    def read_port(self) -> int:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            words = read_ready(self.proc.stdout.fileno(), deadline)
+        except TimeoutError:
+            words = None
+        if not words:
+            self.kill()
+            raise RuntimeError(
+                f"prefill rank {self.proc.args!r} did not start: {self.log.read_text()[-2000:]}"
+            )
+        return int(words[0])
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signum)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL ends a stopped child too
+            self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log_file.close()
+
+
+class NetnsPrefill:
+    """The reference prefill (a bootstrap server, ``tp`` ranks) as processes in ``ns``.
+
+    ``addr`` is the bootstrap server's ``ip:port`` inside the namespace; ``rank_ports`` the
+    ranks' ZMQ ports. Use as a context manager: every process is killed on exit.
+    """
+
+    def __init__(self, ns: NetNamespace, *, tp: int = 2, ack_delay_ms: int = 0) -> None:
+        self.ns = ns
+        self.tp = tp
+        self.ack_delay_ms = ack_delay_ms
+        self.addr = ""
+        self.instance_id = ""
+        self.rank_ports: list[int] = []
+        self._children: list[_Child] = []
+        self._logs = Path(tempfile.mkdtemp(prefix="netns-prefill-"))
+
+    def __enter__(self) -> NetnsPrefill:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, server_port: int = 0) -> None:
+        """Start the server (on ``server_port`` if given) and the ranks; return once all serve."""
+        server = self._spawn(
+            [
+                *("-m", "statemachine", "serve"),
+                *("--host", self.ns.ns_ip, "--port", str(server_port), "--token", TOKEN),
+            ],
+            "server",
+        )
+        words = server.read_line(b"listening on").split()
+        self.addr = words[2].decode()
+        self.instance_id = words[4].decode() if len(words) > 4 else ""
+        self.rank_ports = []
+        for tp_rank in range(self.tp):
+            rank = self._spawn(
+                [
+                    *("-m", "statemachine.prefill.rank", "--token", TOKEN),
+                    *("--bootstrap", self.addr, "--host", self.ns.ns_ip),
+                    *("--tp-rank", str(tp_rank), "--tp-size", str(self.tp)),
+                    *("--ack-delay-ms", str(self.ack_delay_ms)),
+                ],
+                f"rank{tp_rank}",
+            )
+            self.rank_ports.append(rank.read_port())
+
+    def _spawn(self, args: list[str], what: str) -> _Child:
+        child = _Child(self.ns, [sys.executable, *args], self._logs / f"{what}.log")
+        self._children.append(child)
+        return child
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.proc.pid for child in self._children if child.proc.poll() is None]
+
+    @property
+    def rank_endpoints(self) -> list[tuple[str, int]]:
+        return [(self.ns.ns_ip, port) for port in self.rank_ports]
+
+    # --- faults -------------------------------------------------------------------------------
+
+    def hang(self) -> None:
+        """SIGSTOP every prefill process: connections stay up, nothing answers."""
+        for child in self._children:
+            child.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for child in self._children:
+            child.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL every prefill process (the kernel resets their connections)."""
+        for child in self._children:
+            child.kill()
+        self._children = []
+
+    def replace(self) -> None:
+        """Kill every process, then start a new instance behind the same bootstrap address."""
+        port = int(self.addr.rsplit(":", 1)[1])
+        self.kill()
+        self.start(server_port=port)
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self._logs, ignore_errors=True)

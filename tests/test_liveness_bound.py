@@ -1,0 +1,136 @@
+"""One bound on silence (ZMQ-25, HEALTH-5) on loopback: what the bound derives, and the parts
+built from it finding a real stopped peer process and a real silent listener. Runs anywhere
+(no root); the namespace faults are in ``tests/test_liveness_netns.py``."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from zmq_support import SinkProcess, VerdictRecorder, wait_until
+
+from statemachine.decode.client import BootstrapClient
+from statemachine.decode.health import HealthMonitor
+from statemachine.decode.liveness_bound import (
+    DEFAULT_LIVENESS_TIMEOUT_S,
+    RECONNECT_ATTEMPT_MS,
+    LivenessBound,
+)
+from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.errors import SendFailed
+from statemachine.pool import BootstrapPool
+from statemachine.validation import InvalidArgument
+
+LOAD_MARGIN_S = 0.5  # what a loaded 2-core machine may add to a deadline
+
+
+@pytest.mark.parametrize("seconds", [DEFAULT_LIVENESS_TIMEOUT_S, 1.0, 0.5])
+def test_zmq24_every_verdict_of_silence_falls_within_the_bound(seconds: float) -> None:
+    bound = LivenessBound.from_timeout(seconds)
+    assert bound.liveness_timeout_s == seconds
+    assert bound.rank_detection_s <= seconds
+    assert math.isclose(bound.health_detection_s, seconds)
+    assert bound.fetch_read_timeout_s <= seconds and bound.fetch_connect_timeout_s < seconds
+    # Recovery does not grow with the bound: one attempt plus one wait.
+    assert bound.connect_timeout_ms + bound.reconnect_ivl_max_ms == 2 * RECONNECT_ATTEMPT_MS
+    # Each part takes its options as they are.
+    ZmqTransport(**bound.transport_options()).close()
+    HealthMonitor(BootstrapPool(), **bound.health_options()).stop()
+    BootstrapClient(**bound.client_options()).close_all()
+
+
+@pytest.mark.parametrize("bad", [0.4, 0, -3, float("nan"), "3", True, None])
+def test_zmq24_a_bound_that_is_not_a_number_of_seconds_is_refused(bad: object) -> None:
+    with pytest.raises(InvalidArgument, match="liveness_timeout_s must be"):
+        LivenessBound.from_timeout(bad)  # type: ignore[arg-type]
+
+
+def test_zmq24_heartbeats_are_refused_half_given_and_bad_values_are_named() -> None:
+    with pytest.raises(InvalidArgument, match="need heartbeat_ivl_ms"):
+        ZmqTransport(heartbeat_timeout_ms=500)
+    with pytest.raises(InvalidArgument, match="heartbeat_ivl_ms must be a positive int"):
+        ZmqTransport(heartbeat_ivl_ms=0)
+    with pytest.raises(InvalidArgument, match="heartbeat_ttl_ms must be a positive int"):
+        ZmqTransport(heartbeat_ivl_ms=100, heartbeat_ttl_ms=-1)
+    with pytest.raises(InvalidArgument, match="connect_timeout_ms must be a positive int"):
+        ZmqTransport(connect_timeout_ms=0)
+
+
+@pytest.fixture
+def stopped_peer() -> Iterator[SinkProcess]:
+    """A real PULL peer process; continued (SIGCONT) and killed on exit whatever happened."""
+    with SinkProcess() as sink:
+        try:
+            yield sink
+        finally:
+            os.kill(sink.proc.pid, signal.SIGCONT)
+
+
+def test_zmq24_heartbeats_find_a_stopped_peer_that_main_never_finds(
+    stopped_peer: SinkProcess,
+) -> None:
+    """A SIGSTOPped peer keeps its TCP connections: without heartbeats (main's transport) no
+    verdict comes; with the bound's, the endpoint is judged dead within the bound, sends fail at
+    once, and after SIGCONT the pending handshake completes and a send goes through."""
+    bound = LivenessBound.from_timeout(1.0)
+    endpoint = ("127.0.0.1", stopped_peer.port)
+    with ZmqTransport(**bound.transport_options()) as transport, ZmqTransport() as plain:
+        verdicts, plain_verdicts = VerdictRecorder(), VerdictRecorder()
+        transport.subscribe(verdicts)
+        plain.subscribe(plain_verdicts)
+        for part in (transport, plain):
+            part.retain([endpoint])
+            part.send(endpoint, [b"hello"])
+        stopped = time.monotonic()
+        os.kill(stopped_peer.proc.pid, signal.SIGSTOP)
+        reason, at = verdicts.wait_for(endpoint, alive=False, timeout=10.0)
+        assert at - stopped <= bound.rank_detection_s + LOAD_MARGIN_S
+        assert "disconnected" in reason
+        with pytest.raises(SendFailed, match="is down"):
+            transport.send(endpoint, [b"refused at once"])
+        assert plain_verdicts.of(endpoint) == []
+        os.kill(stopped_peer.proc.pid, signal.SIGCONT)
+        verdicts.wait_for(endpoint, alive=True, timeout=5.0)
+        transport.send(endpoint, [b"served again"])
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[str]:
+    """An address whose kernel accepts connections that nobody ever reads or answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def test_health_5_probe_timeout_bounds_each_probe(silent_listener: str) -> None:
+    deaths: list[tuple[float, str]] = []
+    monitor = HealthMonitor(
+        BootstrapPool(),
+        interval_s=0.05,
+        failures_to_dead=2,
+        probe_timeout_s=0.2,
+        on_dead=lambda addr, reason: deaths.append((time.monotonic(), reason)),
+    )
+    monitor.watch(silent_listener, instance_id="known")  # no baseline probe
+    started = time.monotonic()
+    with monitor:
+        assert wait_until(lambda: bool(deaths), 5.0)
+    # two probes of at most 0.05 s wait + 0.2 s each (main's probe waited 3 s per read)
+    assert deaths[0][0] - started <= 2 * (0.05 + 0.2) + LOAD_MARGIN_S
+    assert "0.2 s" in deaths[0][1]
+
+
+def test_health_5_a_probe_timeout_and_a_client_are_not_both_taken() -> None:
+    with pytest.raises(ValueError, match="probe_timeout_s or client"):
+        HealthMonitor(BootstrapPool(), client=BootstrapClient(), probe_timeout_s=1.0)
+    with pytest.raises(ValueError, match="probe_timeout_s must be > 0"):
+        HealthMonitor(BootstrapPool(), probe_timeout_s=0)
