@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from statemachine.model import validate
 from statemachine.model.check import TLA_DIR, load
 from statemachine.model.checker import explore
 from statemachine.model.spec import PROCESS_ACTIONS, BootstrapCache, State, Step
@@ -167,3 +168,60 @@ def test_without_kv_release_the_new_variables_never_move() -> None:
 
     explore(m, fair=False, observer=observe)
     assert moved == []
+
+
+# --- the same rule on the code's traces (statemachine/model/validate.py) ----------------------
+
+RANK = "tcp://127.0.0.1:7001"
+OTHER = "tcp://127.0.0.1:7002"
+
+
+def _validate(*events: dict[str, object]) -> validate.Report:
+    return validate.validate([{"seq": n, **e} for n, e in enumerate(events)])
+
+
+def test_a_release_after_a_reset_or_a_new_instance_validates() -> None:
+    report = _validate(
+        {"action": "SilenceSeen", "endpoint": RANK, "instance": "A"},
+        {"action": "ResetSeen", "endpoint": RANK, "instance": "A"},
+        {"action": "NewInstanceSeen", "endpoint": OTHER, "instance": "A", "new_instance": "B"},
+        {"action": "ReleaseOnProvenGone", "room": 7, "instance": "A", "writers": [RANK, OTHER]},
+        {"action": "ReleaseOnTimeout", "room": 8},
+        {"action": "ReleaseOnAbortAck", "room": 9},
+    )
+    assert report.ok, report.violation
+
+
+def test_a_release_on_silence_is_named_by_the_property() -> None:
+    report = _validate(
+        {"action": "ResetSeen", "endpoint": RANK, "instance": "A"},
+        {"action": "SilenceSeen", "endpoint": OTHER, "instance": "A"},
+        {"action": "ReleaseOnProvenGone", "room": 7, "instance": "A", "writers": [RANK, OTHER]},
+    )
+    assert report.violation is not None and report.violation.index == 2
+    assert report.violation.rule == "NoReleaseWhileWriterMayWrite"
+    assert "only silence" in report.violation.reason and OTHER in report.violation.reason
+
+
+def test_a_reset_of_another_instance_proves_nothing_about_the_rooms_writer() -> None:
+    report = _validate(
+        {"action": "ResetSeen", "endpoint": RANK, "instance": "B"},
+        {"action": "ReleaseOnProvenGone", "room": 7, "instance": "A", "writers": [RANK]},
+    )
+    assert report.violation is not None
+    assert "heard nothing" in report.violation.reason
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"action": "ReleaseOnProvenGone", "room": 7, "instance": "A", "writers": []},
+        {"action": "ReleaseOnProvenGone", "room": 7, "writers": [RANK]},
+        {"action": "ResetSeen", "endpoint": RANK},
+        {"action": "NewInstanceSeen", "endpoint": RANK, "instance": "A", "new_instance": "A"},
+        {"action": "ReleaseOnTimeout"},
+    ],
+)
+def test_malformed_kv_release_events_are_format_errors(event: dict[str, object]) -> None:
+    with pytest.raises(validate.TraceFormatError):
+        _validate(event)
