@@ -87,12 +87,12 @@ VARIABLES
     flight,    \* flight[a]: the flight registered for key a (single-flight registry), or None
     rflight,   \* rflight[r]: the flight r leads (fetching..registered) or follows (idle), or None
     fate,      \* fate[f]: "open", "published" or "failed"; "free" for an unused flight id
-    kv,        \* kv[r]: r's room's KV pages: "none", "held", "released" (on proof), "expired" (timeout)
-    told,      \* told[r]: the ranks that may still write r's room (metadata sent, not done, no ABORT_ACK)
+    kv,        \* kv[r]: r's room's pages: "none", "held", "released" (proof), "expired" (timeout)
+    told,      \* told[r]: ranks that may still write r's room (told, neither done nor ABORT_ACK)
     kvAddr,    \* kvAddr[r]: the address whose ranks were told r's room, or None
     kvEpoch,   \* kvEpoch[r]: the epoch whose rank processes were told r's room
-    proc,      \* proc[a][p]: rank p's process of epoch[a]: "up", "silent" (stopped, cut off), "exited"
-    heard      \* heard[a][p]: the decode's evidence about it: "none", "silence", "reset" (reset/refused)
+    proc,      \* proc[a][p]: rank p's process of epoch[a]: "up", "silent" (stopped, cut), "exited"
+    heard      \* heard[a][p]: the decode's evidence about it: "none", "silence", "reset"
 
 vars == <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
           notified, flight, rflight, fate, kv, told, kvAddr, kvEpoch, proc, heard>>
