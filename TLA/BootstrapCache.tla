@@ -35,7 +35,11 @@
 (*  - a prefill's answer to the handshake and the poll that sees it are    *)
 (*    one step (PrefillReady), taken only while that prefill is alive;     *)
 (*  - flight ids are recycled like object ids (the smallest id nothing     *)
-(*    references; an unreferenced id's fate is reset to "free").           *)
+(*    references; an unreferenced id's fate is reset to "free");           *)
+(*  - KV release (KVRelease = TRUE only): a receiver's room is one slot,   *)
+(*    told to every rank at SendOk; rank processes are those of the        *)
+(*    current epoch, and their states touch only what the decode hears     *)
+(*    from them (Ack, AbortAck, the transport's evidence).                 *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
 
@@ -48,7 +52,8 @@ CONSTANTS
     Discovery,    \* where rank infos come from: "http" (bootstrap server) or "etcd" (watched)
     Variant,      \* "Correct" or a bug variant (see Invalidate, NodeFailure, ...)
     Ranks,        \* prefill ranks whose transfer responses complete a request (model values)
-    Policy        \* the decode allocation policy: "early" or "prefill_complete" (handshake)
+    Policy,       \* the decode allocation policy: "early" or "prefill_complete" (handshake)
+    KVRelease     \* TRUE: model the KV of failed rooms and the rank processes (MCKVRelease)
 
 Variants == {"Correct", "NoInvalidation", "InvalidateByKey", "PrefixNodeFailure",
              "RetireStaleObservation", "ReusedPortAcks", "RetireByKey"}
@@ -64,6 +69,7 @@ ASSUME
     /\ Variant \in Variants
     /\ Ranks # {}
     /\ Policy \in {"early", "prefill_complete"}
+    /\ KVRelease \in BOOLEAN
 
 VARIABLES
     rstate,    \* rstate[r]: lifecycle state of receiver r
@@ -80,10 +86,19 @@ VARIABLES
     notified,  \* receivers whose request sent its ABORT notice to every target rank
     flight,    \* flight[a]: the flight registered for key a (single-flight registry), or None
     rflight,   \* rflight[r]: the flight r leads (fetching..registered) or follows (idle), or None
-    fate       \* fate[f]: "open", "published" or "failed"; "free" for an unused flight id
+    fate,      \* fate[f]: "open", "published" or "failed"; "free" for an unused flight id
+    kv,        \* kv[r]: r's room's pages: "none", "held", "released" (proof), "expired" (timeout)
+    told,      \* told[r]: ranks that may still write r's room (told, neither done nor ABORT_ACK)
+    kvAddr,    \* kvAddr[r]: the address whose ranks were told r's room, or None
+    kvEpoch,   \* kvEpoch[r]: the epoch whose rank processes were told r's room
+    proc,      \* proc[a][p]: rank p's process of epoch[a]: "up", "silent" (stopped, cut), "exited"
+    heard      \* heard[a][p]: the decode's evidence about it: "none", "silence", "reset"
 
 vars == <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-          notified, flight, rflight, fate>>
+          notified, flight, rflight, fate, kv, told, kvAddr, kvEpoch, proc, heard>>
+
+\* The variables of the KV-release part, which most actions leave alone.
+kvVars == <<kv, told, kvAddr, kvEpoch, proc, heard>>
 
 None == 0
 
@@ -107,6 +122,13 @@ FlightStates == {"fetching", "fetched", "registered"}
 Initialized == {"cached", "handshaking", "ready", "waiting", "done"}
 
 NoAcks == [p \in Ranks |-> 0]
+
+KVStates == {"none", "held", "released", "expired"}
+ProcStates == {"up", "silent", "exited"}
+Evidence == {"none", "silence", "reset"}
+\* A new process (a restart): up, and nothing heard about it yet.
+FreshProcs == [p \in Ranks |-> "up"]
+NothingHeard == [p \in Ranks |-> "none"]
 
 \* Objects referenced by the pool or by a receiver.
 Referenced(p, g) == ({p[a] : a \in Addrs} \cup {g[r] : r \in Receivers}) \ {None}
@@ -188,11 +210,43 @@ FailEarly(r) ==
         /\ rstate' = [rstate EXCEPT ![r] = "failed"]
         /\ Unflight(r, "failed")
 
+\* KV release.  The process of rank p that was told r's room is still running
+\* (up, or silent: stopped or cut off, so it may resume and write).
+WriterAlive(r, p) == kvEpoch[r] = epoch[kvAddr[r]] /\ proc[kvAddr[r]][p] # "exited"
+
+\* The decode holds proof that the process of rank p told r's room is gone: a
+\* new instance answers at its address (a newer epoch), or its connection was
+\* reset or refused (the transport's disconnect evidence).  Silence is no proof.
+ProvenGone(r, p) ==
+    \/ kvEpoch[r] < epoch[kvAddr[r]]
+    \/ heard[kvAddr[r]][p] = "reset"
+
+\* r's request ended without success: its room's pages wait for a release.
+RoomEnded(r) == rstate[r] \in {"failed", "invalidated", "aborted"}
+
+\* Some rank of the live process r holds does not answer (stopped, cut off, or
+\* exited): a timeout is forced by the environment.
+RankDown(r) ==
+    rgen[r] # None /\ Live(r) /\ \E p \in Ranks : proc[rkey[r]][p] # "up"
+
+\* The transport reported a reset or refused connection of a rank of the live
+\* process r holds: the fan-out's failure is forced by the environment.
+RankReset(r) ==
+    rgen[r] # None /\ Live(r) /\ \E p \in Ranks : heard[rkey[r]][p] = "reset"
+
+\* r's room is forgotten (its request succeeded, or r starts its next one).
+ClearRoom(r) ==
+    /\ kv' = [kv EXCEPT ![r] = "none"]
+    /\ told' = [told EXCEPT ![r] = {}]
+    /\ kvAddr' = [kvAddr EXCEPT ![r] = None]
+    /\ kvEpoch' = [kvEpoch EXCEPT ![r] = 0]
+
 -----------------------------------------------------------------------------
 (* Receiver actions: one per lifecycle event.                              *)
 
 \* A lookup hit, or (a follower) the generation its flight's leader published.
 Hit(r, a) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "idle"
     /\ IF rkey[r] = None
           THEN /\ pool[a] # None
@@ -211,6 +265,7 @@ Hit(r, a) ==
 \* manager with single_flight=False, or another manager on the same pool): it
 \* leads no flight.
 Miss(r, a) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "idle"
     /\ rkey[r] = None
     /\ pool[a] = None
@@ -229,6 +284,7 @@ Miss(r, a) ==
 
 \* The fetch runs outside any lock; it returns the ports of the current epoch.
 FetchOk(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "fetching"
     /\ objEpoch' = [objEpoch EXCEPT ![rgen[r]] = epoch[rkey[r]]]
     /\ rstate' = [rstate EXCEPT ![r] = "fetched"]
@@ -240,6 +296,7 @@ FetchOk(r) ==
 \* From fetching: genuine when the prefill restarted since the fetch began (two
 \* rank queries answered by two instances), spurious otherwise.
 FetchFail(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] \in {"idle", "fetching"}
     /\ Failure(IF rstate[r] = "idle" THEN FlightFailed(r)
                                      ELSE objEpoch[rgen[r]] < epoch[rkey[r]])
@@ -249,6 +306,7 @@ FetchFail(r) ==
 \* Registering KV args with every rank.  In queueing mode a dead port takes
 \* the message silently.
 RegisterOk(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "fetched"
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "registered"]
@@ -256,6 +314,7 @@ RegisterOk(r) ==
                    notified, flight, rflight, fate>>
 
 RegisterFail(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "fetched"
     /\ Failure(Mode = "immediate" /\ ~Live(r))
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
@@ -270,6 +329,7 @@ RegisterFail(r) ==
 \* until it fails); the pool then holds nothing for the followers, and the
 \* flight fails (Flights.fail with the refusal).
 Publish(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "registered"
     /\ LET k == rkey[r]
            f == rflight[r]
@@ -291,6 +351,7 @@ Publish(r) ==
 \* rank it is here (BOOTSTRAP, in init()).  Queueing mode: a dead port takes
 \* it silently (and the prefill never answers: Timeout).
 Handshake(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "cached"
     /\ Policy = "prefill_complete"
     /\ r \notin marked
@@ -302,6 +363,7 @@ Handshake(r) ==
 \* The prefill answered the handshake (status WaitingForInput) and a poll saw
 \* it.  Only a live prefill answers.
 PrefillReady(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "handshaking"
     /\ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "ready"]
@@ -310,29 +372,37 @@ PrefillReady(r) ==
 
 \* Per-request metadata: at once under "early", after the prefill answered
 \* the handshake under "prefill_complete".  Queueing mode: a dead port takes
-\* it silently.
+\* it silently.  With KVRelease the metadata tells every rank r's room (its
+\* page indices): from now on those ranks' processes may write into it.
 SendOk(r) ==
     /\ \/ rstate[r] = "cached" /\ Policy = "early"
        \/ rstate[r] = "ready"
     /\ r \notin marked
     /\ Mode = "queueing" \/ Live(r)
     /\ rstate' = [rstate EXCEPT ![r] = "waiting"]
+    /\ IF KVRelease
+          THEN /\ kv' = [kv EXCEPT ![r] = "held"]
+               /\ told' = [told EXCEPT ![r] = Ranks]
+               /\ kvAddr' = [kvAddr EXCEPT ![r] = rkey[r]]
+               /\ kvEpoch' = [kvEpoch EXCEPT ![r] = objEpoch[rgen[r]]]
+          ELSE UNCHANGED <<kv, told, kvAddr, kvEpoch>>
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-                   notified, flight, rflight, fate>>
+                   notified, flight, rflight, fate, proc, heard>>
 
 \* From idle (no key yet): send_metadata before a successful init.  From
 \* cached, handshaking or ready: the BOOTSTRAP or the metadata send failed.
 SendFail(r) ==
-    \/ /\ rstate[r] = "idle"
-       /\ rkey[r] = None
-       /\ Failure(FALSE)
-       /\ FailEarly(r)
-       /\ UNCHANGED <<pool, epoch, acked, watched, notified>>
-    \/ /\ rstate[r] \in {"cached", "handshaking", "ready"}
-       /\ Failure(Mode = "immediate" /\ ~Live(r))
-       /\ rstate' = [rstate EXCEPT ![r] = "failed"]
-       /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked,
-                      notified, flight, rflight, fate>>
+    /\ UNCHANGED kvVars
+    /\ \/ /\ rstate[r] = "idle"
+          /\ rkey[r] = None
+          /\ Failure(FALSE)
+          /\ FailEarly(r)
+          /\ UNCHANGED <<pool, epoch, acked, watched, notified>>
+       \/ /\ rstate[r] \in {"cached", "handshaking", "ready"}
+          /\ Failure(Mode = "immediate" /\ ~Live(r))
+          /\ rstate' = [rstate EXCEPT ![r] = "failed"]
+          /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, acked, pooled, watched, marked,
+                         notified, flight, rflight, fate>>
 
 \* poll() completes once every target rank has reported its transfer: the
 \* responses are counted per rank, so a rank that reports twice counts once.
@@ -348,16 +418,19 @@ Complete(r) ==
     /\ acked' = [acked EXCEPT ![r] = NoAcks]
     /\ marked' = marked \ {r}
     /\ rstate' = [rstate EXCEPT ![r] = "done"]
-    /\ UNCHANGED <<pool, epoch, faults, watched, notified, flight, rflight, fate>>
+    /\ ClearRoom(r)  \* every rank finished writing: the pages serve the request now
+    /\ UNCHANGED <<pool, epoch, faults, watched, notified, flight, rflight, fate, proc, heard>>
 
 \* The prefill never answered the handshake, or some rank never reported
 \* (poll() looks at the responses first).  Genuine when the metadata or the
-\* BOOTSTRAP was lost or the prefill died; spurious otherwise.  The request
-\* tells every target rank it gave up (ABORT), as SGLang 0.5.23 does.
+\* BOOTSTRAP was lost, the prefill died, or one of its ranks does not answer
+\* (RankDown); spurious otherwise.  The request tells every target rank it
+\* gave up (ABORT), as SGLang 0.5.23 does.
 Timeout(r) ==
+    /\ UNCHANGED kvVars
     /\ \/ rstate[r] = "handshaking"
        \/ rstate[r] = "waiting" /\ \E p \in Ranks : acked[r][p] = 0
-    /\ Failure(~Live(r))
+    /\ Failure(~Live(r) \/ RankDown(r))
     /\ notified' = notified \cup {r}
     /\ acked' = [acked EXCEPT ![r] = NoAcks]
     /\ rstate' = [rstate EXCEPT ![r] = "failed"]
@@ -365,12 +438,14 @@ Timeout(r) ==
                    fate>>
 
 \* The manager's fan-out: evidence that the prefill r depends on died or
-\* restarted (genuine when r was marked or its object is of a dead epoch),
-\* or a spurious one.  From done: SGLang's failure_exception() on a
-\* succeeded receiver, after another rank of the room failed.
+\* restarted (genuine when r was marked, its object is of a dead epoch, or a
+\* rank's connection was reset), or a spurious one.  From done: SGLang's
+\* failure_exception() on a succeeded receiver, after another rank of the
+\* room failed.
 PeerLost(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] \in {"idle", "cached", "handshaking", "ready", "waiting", "done"}
-    /\ Failure(r \in marked \/ (rgen[r] # None /\ ~Live(r)))
+    /\ Failure(r \in marked \/ (rgen[r] # None /\ ~Live(r)) \/ RankReset(r))
     /\ IF rstate[r] = "idle"
           THEN /\ FailEarly(r)
                /\ UNCHANGED <<pool, epoch, acked, watched, notified>>
@@ -384,6 +459,7 @@ PeerLost(r) ==
 \*   NoInvalidation  - SGLang before PR #36029: nothing is dropped;
 \*   InvalidateByKey - delete pool[k] without the identity test.
 Invalidate(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "failed"
     /\ LET k == rkey[r]
            g == rgen[r]
@@ -407,6 +483,7 @@ Invalidate(r) ==
 \* also before its metadata went out and after its transfer finished.  A
 \* leader's flight fails (no follower waits for an abandoned fetch).
 Abort(r) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] \in ActiveStates \cup {"done"}
     /\ Failure(FALSE)
     /\ notified' = IF rstate[r] \in Initialized THEN notified \cup {r} ELSE notified
@@ -422,13 +499,16 @@ Abort(r) ==
     /\ Unflight(r, "failed")
     /\ UNCHANGED <<pool, epoch, watched>>
 
-\* A finished receiver starts its next request (for any key: chosen at lookup).
+\* A finished receiver starts its next request (for any key: chosen at lookup),
+\* once its last room's pages are no longer held (r is one room slot).
 NewRequest(r) ==
     /\ rstate[r] \in FinalStates
+    /\ kv[r] # "held"
     /\ rstate' = [rstate EXCEPT ![r] = "idle"]
     /\ notified' = notified \ {r}
+    /\ ClearRoom(r)
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
-                   flight, rflight, fate>>
+                   flight, rflight, fate, proc, heard>>
 
 -----------------------------------------------------------------------------
 (* Steps other threads take for a receiver: no lifecycle state changes.    *)
@@ -437,6 +517,7 @@ NewRequest(r) ==
 \* registered follows that very flight instead of fetching (Flights.claim); it
 \* stays idle until the flight's fate tells it the leader's result.
 JoinFlight(r, a) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "idle"
     /\ rkey[r] = None
     /\ pool[a] = None
@@ -451,16 +532,21 @@ JoinFlight(r, a) ==
 \* live one.  A second report from the same rank changes nothing (the first
 \* is kept).  Bug variant ReusedPortAcks: in queueing mode the frames queued
 \* for a dead port reach a new process that bound the same port, and it acks.
+\* A stopped, cut-off or exited rank process sends nothing.  The rank has
+\* finished writing r's room: it no longer may write it.
 Ack(r, p) ==
     /\ rstate[r] = "waiting"
     /\ Live(r) \/ (Variant = "ReusedPortAcks" /\ Mode = "queueing")
+    /\ proc[rkey[r]][p] = "up"
     /\ acked' = [acked EXCEPT ![r][p] = IF @ = 0 THEN epoch[rkey[r]] + 1 ELSE @]
+    /\ told' = [told EXCEPT ![r] = @ \ {p}]
     /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, pooled, watched, marked,
-                   notified, flight, rflight, fate>>
+                   notified, flight, rflight, fate, kv, kvAddr, kvEpoch, proc, heard>>
 
 \* A rank's report that arrives after r's request failed (its timeout fired,
 \* or another rank failed it): Failed is terminal, so nothing changes.
 LateAck(r, p) ==
+    /\ UNCHANGED kvVars
     /\ rstate[r] = "failed"
     /\ rgen[r] # None
     /\ Live(r)
@@ -468,15 +554,64 @@ LateAck(r, p) ==
     /\ UNCHANGED <<rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched, marked,
                    notified, flight, rflight, fate>>
 
+\* KV release.  Rank p's process acknowledges r's ABORT (ABORT_ACK): it will
+\* not write r's room.  Only a running process of the room's epoch that was
+\* told both the room and the ABORT answers.
+AbortAck(r, p) ==
+    /\ kv[r] = "held"
+    /\ r \in notified
+    /\ p \in told[r]
+    /\ kvEpoch[r] = epoch[kvAddr[r]]
+    /\ proc[kvAddr[r]][p] = "up"
+    /\ told' = [told EXCEPT ![r] = @ \ {p}]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched,
+                   marked, notified, flight, rflight, fate, kv, kvAddr, kvEpoch, proc, heard>>
+
+\* The pages of r's ended room are freed: no rank may write them any more
+\* (each finished its transfer or acknowledged the ABORT).
+ReleaseOnAbortAck(r) ==
+    /\ kv[r] = "held"
+    /\ RoomEnded(r)
+    /\ told[r] = {}
+    /\ kv' = [kv EXCEPT ![r] = "released"]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched,
+                   marked, notified, flight, rflight, fate, told, kvAddr, kvEpoch, proc, heard>>
+
+\* The pages of r's ended room are freed as soon as every rank that may still
+\* write them is proven gone (its connection reset or refused, or a new
+\* instance at its address), without waiting for the timeout.
+ReleaseOnProvenGone(r) ==
+    /\ kv[r] = "held"
+    /\ RoomEnded(r)
+    /\ told[r] # {}
+    /\ \A p \in told[r] : ProvenGone(r, p)
+    /\ kv' = [kv EXCEPT ![r] = "released"]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched,
+                   marked, notified, flight, rflight, fate, told, kvAddr, kvEpoch, proc, heard>>
+
+\* kv_release_timeout_s passed: the pages are freed whatever the ranks do.  A
+\* silent rank that resumes may then write into pages already reused: the
+\* risk SGLang 0.5.23 accepts, kept apart ("expired") and outside the
+\* property NoReleaseWhileWriterMayWrite.
+ReleaseOnTimeout(r) ==
+    /\ kv[r] = "held"
+    /\ RoomEnded(r)
+    /\ kv' = [kv EXCEPT ![r] = "expired"]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched,
+                   marked, notified, flight, rflight, fate, told, kvAddr, kvEpoch, proc, heard>>
+
 -----------------------------------------------------------------------------
 (* Environment actions: no receiver's lifecycle state changes.             *)
 
-\* The prefill at a restarts unnoticed: a new epoch; older ports are dead.
+\* The prefill at a restarts unnoticed: a new epoch; older ports are dead, and
+\* so are the older processes (a new instance at their address is their proof).
 Restart(a) ==
     /\ epoch[a] < MaxRestarts
     /\ epoch' = [epoch EXCEPT ![a] = @ + 1]
+    /\ proc' = [proc EXCEPT ![a] = FreshProcs]
+    /\ heard' = [heard EXCEPT ![a] = NothingHeard]
     /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, faults, acked, pooled, watched, marked,
-                   notified, flight, rflight, fate>>
+                   notified, flight, rflight, fate, kv, told, kvAddr, kvEpoch>>
 
 \* The prefill at a restarts and the heartbeat notices: the entries of exactly
 \* address a are dropped.  Bug variant PrefixNodeFailure: key.startswith(addr).
@@ -487,8 +622,10 @@ NodeFailure(a) ==
        IN  /\ pool' = newPool
            /\ objEpoch' = Collect(newPool, rgen, objEpoch)
            /\ pooled' = pooled \cap Referenced(newPool, rgen)
+    /\ proc' = [proc EXCEPT ![a] = FreshProcs]
+    /\ heard' = [heard EXCEPT ![a] = NothingHeard]
     /\ UNCHANGED <<rstate, rkey, rgen, faults, acked, watched, marked, notified, flight, rflight,
-                   fate>>
+                   fate, kv, told, kvAddr, kvEpoch>>
 
 \* An observer (the health probe, or a receiver whose fetch answered) saw
 \* instance e answer at a, at some time up to now, after it had seen an older
@@ -496,6 +633,7 @@ NodeFailure(a) ==
 \* Bug variant RetireStaleObservation: the code before this rule dropped every
 \* entry whose instance differs from e, although e may be stale by now.
 RetireInstance(a, e) ==
+    /\ UNCHANGED kvVars
     /\ e <= epoch[a]
     /\ pool[a] # None
     /\ IF Variant = "RetireStaleObservation"
@@ -514,6 +652,7 @@ RetireInstance(a, e) ==
 \* object older than it (its owner's next call fails it: PeerLost).  Bug
 \* variant RetireByKey: the event drops pool[a] whatever revision it holds.
 WatchEvent(a) ==
+    /\ UNCHANGED kvVars
     /\ Discovery = "etcd"
     /\ watched[a] < epoch[a]
     /\ LET w == watched[a] + 1
@@ -531,6 +670,53 @@ WatchEvent(a) ==
                                         "handshaking", "ready", "waiting"}
                       /\ objEpoch[rgen[r]] < w}
     /\ UNCHANGED <<rstate, rkey, rgen, epoch, faults, acked, notified, flight, rflight, fate>>
+
+\* KV release: the rank processes of the current epoch at a, and what the
+\* decode's transport tells it about them.  Rank p's process stops (SIGSTOP)
+\* or is cut off (a partition dropping every packet): silent, it may resume.
+RankStops(a, p) ==
+    /\ KVRelease
+    /\ proc[a][p] = "up"
+    /\ proc' = [proc EXCEPT ![a][p] = "silent"]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched,
+                   marked, notified, flight, rflight, fate, kv, told, kvAddr, kvEpoch, heard>>
+
+\* SIGCONT, or the partition heals: the process runs on, and may write.
+RankResumes(a, p) ==
+    /\ proc[a][p] = "silent"
+    /\ proc' = [proc EXCEPT ![a][p] = "up"]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched,
+                   marked, notified, flight, rflight, fate, kv, told, kvAddr, kvEpoch, heard>>
+
+\* The process exits (SIGKILL, a crash), running or silent: it writes nothing
+\* more.  Its address stays with no process until a restart.
+RankExits(a, p) ==
+    /\ KVRelease
+    /\ proc[a][p] \in {"up", "silent"}
+    /\ proc' = [proc EXCEPT ![a][p] = "exited"]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched,
+                   marked, notified, flight, rflight, fate, kv, told, kvAddr, kvEpoch, heard>>
+
+\* The transport's disconnect evidence: the connection to an exited process is
+\* reset, or a reconnect is refused (no process holds the port).  Only the
+\* host's kernel answers that way, and only once nobody holds the port: a
+\* stopped process's kernel still accepts, and a cut path answers nothing.
+ResetSeen(a, p) ==
+    /\ proc[a][p] = "exited"
+    /\ heard[a][p] # "reset"
+    /\ heard' = [heard EXCEPT ![a][p] = "reset"]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched,
+                   marked, notified, flight, rflight, fate, kv, told, kvAddr, kvEpoch, proc>>
+
+\* Timeouts only (a heartbeat or a probe unanswered): the decode judges a rank
+\* that does not answer silent.  It cannot tell stopped or cut off (alive)
+\* from exited behind a cut path.
+SilenceSeen(a, p) ==
+    /\ proc[a][p] # "up"
+    /\ heard[a][p] = "none"
+    /\ heard' = [heard EXCEPT ![a][p] = "silence"]
+    /\ UNCHANGED <<rstate, rkey, rgen, pool, objEpoch, epoch, faults, acked, pooled, watched,
+                   marked, notified, flight, rflight, fate, kv, told, kvAddr, kvEpoch, proc>>
 
 -----------------------------------------------------------------------------
 
@@ -550,6 +736,12 @@ Init ==
     /\ flight = [a \in Addrs |-> None]
     /\ rflight = [r \in Receivers |-> None]
     /\ fate = [f \in FlightIds |-> "free"]
+    /\ kv = [r \in Receivers |-> "none"]
+    /\ told = [r \in Receivers |-> {}]
+    /\ kvAddr = [r \in Receivers |-> None]
+    /\ kvEpoch = [r \in Receivers |-> 0]
+    /\ proc = [a \in Addrs |-> FreshProcs]
+    /\ heard = [a \in Addrs |-> NothingHeard]
 
 Next ==
     \/ \E r \in Receivers :
@@ -573,11 +765,20 @@ Next ==
         \/ \E a \in Addrs : JoinFlight(r, a)
         \/ \E p \in Ranks : Ack(r, p)
         \/ \E p \in Ranks : LateAck(r, p)
+        \/ \E p \in Ranks : AbortAck(r, p)
+        \/ ReleaseOnAbortAck(r)
+        \/ ReleaseOnProvenGone(r)
+        \/ ReleaseOnTimeout(r)
     \/ \E a \in Addrs :
         \/ Restart(a)
         \/ NodeFailure(a)
         \/ \E e \in 0 .. MaxRestarts : RetireInstance(a, e)
         \/ WatchEvent(a)
+        \/ \E p \in Ranks : RankStops(a, p)
+        \/ \E p \in Ranks : RankResumes(a, p)
+        \/ \E p \in Ranks : RankExits(a, p)
+        \/ \E p \in Ranks : ResetSeen(a, p)
+        \/ \E p \in Ranks : SilenceSeen(a, p)
 
 \* Fairness.  Spurious failures and aborts are bounded by MaxFaults, and
 \* restarts by MaxRestarts, so every behaviour has only finitely many of them
@@ -589,7 +790,11 @@ Next ==
 \* asks for again would never be evicted.  NodeFailure, RetireInstance and
 \* WatchEvent get no fairness: eviction must not rely on a health monitor,
 \* a fan-out or etcd being there (PeerLost is fair only as one of the owner's
-\* steps: a marked receiver's next call fails it).
+\* steps: a marked receiver's next call fails it).  With KVRelease a room's
+\* release steps are the owner's too: a held room ends (at the latest by the
+\* timeout), so NewRequest is not blocked forever.  The rank processes get
+\* no fairness: a stopped process need never resume, nor an exited one be
+\* restarted.
 ReceiverStep(r) ==
     \/ \E a \in Addrs : Hit(r, a) \/ Miss(r, a)
     \/ FetchOk(r) \/ FetchFail(r)
@@ -602,6 +807,7 @@ ReceiverStep(r) ==
     \/ Invalidate(r)
     \/ NewRequest(r)
     \/ \E p \in Ranks : Ack(r, p)
+    \/ ReleaseOnAbortAck(r) \/ ReleaseOnProvenGone(r) \/ ReleaseOnTimeout(r)
 
 Lookup(a) == \E r \in Receivers : Hit(r, a) \/ Miss(r, a)
 
@@ -630,6 +836,12 @@ TypeOK ==
     /\ flight \in [Addrs -> FlightIds \cup {None}]
     /\ rflight \in [Receivers -> FlightIds \cup {None}]
     /\ fate \in [FlightIds -> FlightFates]
+    /\ kv \in [Receivers -> KVStates]
+    /\ told \in [Receivers -> SUBSET Ranks]
+    /\ kvAddr \in [Receivers -> Addrs \cup {None}]
+    /\ kvEpoch \in [Receivers -> 0 .. MaxRestarts]
+    /\ proc \in [Addrs -> [Ranks -> ProcStates]]
+    /\ heard \in [Addrs -> [Ranks -> Evidence]]
 
 \* POOL-1/POOL-2: a receiver past setup uses a generation that was published,
 \* so other receivers can find it and its own failure can evict it (or it was
@@ -666,6 +878,13 @@ FinishedFlightGone ==
 \* holds the generation it was marked for (a mark never fails a later request).
 MarkOfLiveRequest ==
     \A r \in marked : rstate[r] \notin FinalStates /\ rgen[r] # None
+
+\* KV release: a room's pages are never freed (other than by the timeout)
+\* while a rank that may still write them is alive, running or silent: once
+\* freed, no write of a told rank can land in pages the decode reused.
+NoReleaseWhileWriterMayWrite ==
+    \A r \in Receivers :
+        kv[r] = "released" => \A p \in told[r] : ~WriterAlive(r, p)
 
 \* POOL-3: a receiver's step removes or replaces a live entry only as the
 \* invalidation of a receiver that holds that very object: a fresh generation

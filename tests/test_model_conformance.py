@@ -88,6 +88,8 @@ def test_every_other_ci_config_takes_only_machine_transitions() -> None:
         "MCOne.cfg",
         "MCResponses.cfg",
         "MCTwoReceivers.cfg",
+        "MCKVRelease.cfg",
+        "MCKVReleaseTwoRanks.cfg",
     ):
         report = compare(load(TLA_DIR / name).model, MACHINE)
         assert not report.only_in_model, (name, report.only_in_model)

@@ -57,6 +57,9 @@ def test_the_table_covers_the_required_mutations() -> None:
         "PublishHandsFollowersNothing",
         "WatchMarksCurrent",
         "MarkOutlivesRequest",
+        "ReleaseOnSilence",
+        "ReleaseOnOneRankGone",
+        "HeartbeatDisconnectIsProof",
     } <= names
     # Every property has teeth: some mutation breaks it.
     named = {*spec.INVARIANTS, *spec.ACTION_PROPERTIES, *spec.LIVENESS_PROPERTIES} - {"TypeOK"}

@@ -54,6 +54,8 @@ def test_tla_files_exist() -> None:
         "MCResponses.cfg",
         "MCHandshake.cfg",
         "MCTwoReceivers.cfg",
+        "MCKVRelease.cfg",
+        "MCKVReleaseTwoRanks.cfg",
     }
 
 

@@ -94,6 +94,12 @@ DUMP = """State 1:
 /\\ flight = (80 :> 0)
 /\\ rflight = (r1 :> 0)
 /\\ fate = <<"free", "free">>
+/\\ kv = (r1 :> "none")
+/\\ told = (r1 :> {})
+/\\ kvAddr = (r1 :> 0)
+/\\ kvEpoch = (r1 :> 0)
+/\\ proc = (80 :> (p1 :> "up"))
+/\\ heard = (80 :> (p1 :> "none"))
 
 """
 
@@ -137,6 +143,12 @@ def test_a_state_set_that_differs_is_reported(tmp_path: Path) -> None:
         lines.append(f"/\\ rflight = (r1 :> {state.rflight[0]})")
         fates = ", ".join(f'"{x}"' for x in state.fate)
         lines.append(f"/\\ fate = <<{fates}>>")
+        lines.append(f'/\\ kv = (r1 :> "{state.kv[0]}")')
+        lines.append(f"/\\ told = (r1 :> {{{', '.join(sorted(state.told[0]))}}})")
+        lines.append(f"/\\ kvAddr = (r1 :> {state.kvAddr[0]})")
+        lines.append(f"/\\ kvEpoch = (r1 :> {state.kvEpoch[0]})")
+        lines.append(f'/\\ proc = (80 :> (p1 :> "{state.proc[0][0]}"))')
+        lines.append(f'/\\ heard = (80 :> (p1 :> "{state.heard[0][0]}"))')
         lines.append("")
     (tmp_path / "s.dump").write_text("\n".join(lines), encoding="utf-8")
     dumped = read_dump(tmp_path / "s.dump")

@@ -72,6 +72,12 @@ def _string(value: CfgValue, name: str, path: str) -> str:
     return value
 
 
+def _boolean(value: CfgValue, name: str, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise CfgError(f"{name} must be TRUE or FALSE", path=path)
+    return value
+
+
 def load(path: str | Path) -> Loaded:
     """Read a cfg and build the mirror. Raises :class:`CfgError` on anything it cannot check."""
     cfg = read_cfg(path)
@@ -96,6 +102,7 @@ def load(path: str | Path) -> Loaded:
             discovery=_string(c["Discovery"], "Discovery", where),
             ranks=_model_values(c["Ranks"], "Ranks", where),
             policy=_string(c["Policy"], "Policy", where),
+            kv_release=_boolean(c["KVRelease"], "KVRelease", where),
         )
     except ValueError as exc:
         raise CfgError(f"ASSUME violated: {exc}", path=where) from None
@@ -173,7 +180,7 @@ def summary(loaded: Loaded, result: Result) -> str:
         f"{result.transitions} transitions, {result.seconds:.2f} s",
     ]
     for name, held in result.verdicts.items():
-        lines.append(f"  {name:<26} {'held' if held else 'VIOLATED'}")
+        lines.append(f"  {name:<30} {'held' if held else 'VIOLATED'}")
     return "\n".join(lines)
 
 

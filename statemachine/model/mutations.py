@@ -291,6 +291,45 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
         "a failure mark survives its request's invalidation: the receiver's next request is"
         " failed by the mark of a request that already ended",
     ),
+    SpecMutation(
+        "ReleaseOnSilence",
+        "MCKVRelease.cfg",
+        "NoReleaseWhileWriterMayWrite",
+        (
+            (
+                '    \\/ heard[kvAddr[r]][p] = "reset"\n',
+                '    \\/ heard[kvAddr[r]][p] \\in {"reset", "silence"}\n',
+            ),
+        ),
+        "a failed room's KV is freed when its ranks are only silent (stopped or cut off): a"
+        " rank that resumes writes the old transfer into pages another request now uses",
+    ),
+    SpecMutation(
+        "ReleaseOnOneRankGone",
+        "MCKVReleaseTwoRanks.cfg",
+        "NoReleaseWhileWriterMayWrite",
+        (
+            (
+                "    /\\ \\A p \\in told[r] : ProvenGone(r, p)\n",
+                "    /\\ \\E p \\in told[r] : ProvenGone(r, p)\n",
+            ),
+        ),
+        "a failed room's KV is freed once one of its ranks is proven gone, while another rank"
+        " told the same room is only silent and may still write it",
+    ),
+    SpecMutation(
+        "HeartbeatDisconnectIsProof",
+        "MCKVRelease.cfg",
+        "NoReleaseWhileWriterMayWrite",
+        (
+            (
+                '    /\\ proc[a][p] = "exited"\n    /\\ heard[a][p] # "reset"\n',
+                '    /\\ proc[a][p] # "up"\n    /\\ heard[a][p] # "reset"\n',
+            ),
+        ),
+        "a connection closed because its heartbeat expired (silence) is taken for a reset or"
+        " refused one (an exited process): a stopped rank's room is freed and it resumes writing",
+    ),
 )
 
 BY_NAME = {m.name: m for m in MUTATION_TABLE}

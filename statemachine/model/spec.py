@@ -19,7 +19,9 @@ Encoding (the same values TLC holds):
   ``pooled`` is a frozenset of object ids;
 * flight ids are ``1 .. |Addrs| + |Receivers|``; ``fate[f]`` is at index ``f - 1``; ``flight``
   is indexed by address, ``rflight`` by receiver;
-* ``None`` is ``0`` for keys, objects and flights, as in the spec.
+* ``None`` is ``0`` for keys, objects and flights, as in the spec;
+* KV release: ``kv``, ``told`` (frozensets of rank names), ``kvAddr`` and ``kvEpoch`` are indexed
+  by receiver; ``proc`` and ``heard`` by address, then by rank (``proc[j][k]``).
 
 A *spec mutation* (``statemachine.model.mutations``) is applied to the mirror by the
 ``mutation`` argument of :class:`BootstrapCache`, and to a temporary copy of the spec text for
@@ -53,6 +55,12 @@ VARIABLES: tuple[str, ...] = (
     "flight",
     "rflight",
     "fate",
+    "kv",
+    "told",
+    "kvAddr",
+    "kvEpoch",
+    "proc",
+    "heard",
 )
 
 MODES: tuple[str, ...] = ("immediate", "queueing")
@@ -89,16 +97,34 @@ RECEIVER_ACTIONS: tuple[str, ...] = (
 )
 #: Steps other threads take for a receiver (single-flight registry, ack listener): they take
 #: a receiver parameter but change no lifecycle state and have no Machine event.
-HELPER_ACTIONS: tuple[str, ...] = ("JoinFlight", "Ack", "LateAck")
+#: The KV-release steps for a receiver's room (the manager's, not the Machine's).
+RELEASE_ACTIONS: tuple[str, ...] = ("ReleaseOnAbortAck", "ReleaseOnProvenGone", "ReleaseOnTimeout")
+HELPER_ACTIONS: tuple[str, ...] = ("JoinFlight", "Ack", "LateAck", "AbortAck", *RELEASE_ACTIONS)
 #: Actions that take a receiver and an address.
 KEYED_ACTIONS: frozenset[str] = frozenset({"Hit", "Miss", "JoinFlight"})
 #: Actions that take a receiver and a prefill rank.
-RANKED_ACTIONS: frozenset[str] = frozenset({"Ack", "LateAck"})
+RANKED_ACTIONS: frozenset[str] = frozenset({"Ack", "LateAck", "AbortAck"})
+#: Environment actions on a rank process (an address and a prefill rank): KV release.
+PROCESS_ACTIONS: tuple[str, ...] = (
+    "RankStops",
+    "RankResumes",
+    "RankExits",
+    "ResetSeen",
+    "SilenceSeen",
+)
 #: Environment actions (first parameter: an address); they change no lifecycle state.
-ENV_ACTIONS: tuple[str, ...] = ("Restart", "NodeFailure", "RetireInstance", "WatchEvent")
+ENV_ACTIONS: tuple[str, ...] = (
+    "Restart",
+    "NodeFailure",
+    "RetireInstance",
+    "WatchEvent",
+    *PROCESS_ACTIONS,
+)
 ACTIONS: tuple[str, ...] = RECEIVER_ACTIONS + HELPER_ACTIONS + ENV_ACTIONS
 #: ``ReceiverStep(r)``: the receiver's weakly fair steps.
-RECEIVER_STEP: frozenset[str] = (frozenset(RECEIVER_ACTIONS) - {"Abort"}) | {"Ack"}
+RECEIVER_STEP: frozenset[str] = (
+    (frozenset(RECEIVER_ACTIONS) - {"Abort"}) | {"Ack"} | frozenset(RELEASE_ACTIONS)
+)
 
 INVARIANTS: tuple[str, ...] = (
     "TypeOK",
@@ -106,6 +132,7 @@ INVARIANTS: tuple[str, ...] = (
     "FollowerGetsLeaderResult",
     "FinishedFlightGone",
     "MarkOfLiveRequest",
+    "NoReleaseWhileWriterMayWrite",
 )
 ACTION_PROPERTIES: tuple[str, ...] = (
     "IdentitySafe",
@@ -129,6 +156,7 @@ CONSTANTS: tuple[str, ...] = (
     "Variant",
     "Ranks",
     "Policy",
+    "KVRelease",
 )
 POLICIES: tuple[str, ...] = ("early", "prefill_complete")
 FLIGHT_STATES = frozenset({"fetching", "fetched", "registered"})
@@ -142,6 +170,12 @@ INITIALIZED = frozenset({"cached", "handshaking", "ready", "waiting", "done"})
 HOLDING = frozenset({"cached", "handshaking", "ready", "waiting"})
 #: ``FlightFates``: what a flight id's ``fate`` can be ("free": no flight uses the id).
 FLIGHT_FATES = frozenset({"free", "open", "published", "failed"})
+#: ``KVStates``, ``ProcStates``, ``Evidence``: the values of ``kv``, ``proc`` and ``heard``.
+KV_STATES = frozenset({"none", "held", "released", "expired"})
+PROC_STATES = frozenset({"up", "silent", "exited"})
+EVIDENCE = frozenset({"none", "silence", "reset"})
+#: ``RoomEnded(r)``: the request ended without success; its room waits for a release.
+ROOM_ENDED = frozenset({"failed", "invalidated", "aborted"})
 
 #: Spec mutations the mirror reproduces (see ``statemachine.model.mutations``).
 MUTATIONS: tuple[str, ...] = (
@@ -169,6 +203,9 @@ MUTATIONS: tuple[str, ...] = (
     "PublishHandsFollowersNothing",
     "WatchMarksCurrent",
     "MarkOutlivesRequest",
+    "ReleaseOnSilence",
+    "ReleaseOnOneRankGone",
+    "HeartbeatDisconnectIsProof",
 )
 
 
@@ -190,6 +227,12 @@ class State(NamedTuple):
     flight: tuple[int, ...]
     rflight: tuple[int, ...]
     fate: tuple[str, ...]
+    kv: tuple[str, ...]
+    told: tuple[frozenset[str], ...]
+    kvAddr: tuple[int, ...]
+    kvEpoch: tuple[int, ...]
+    proc: tuple[tuple[str, ...], ...]
+    heard: tuple[tuple[str, ...], ...]
 
 
 class Step(NamedTuple):
@@ -215,6 +258,7 @@ class Constants:
     discovery: str = "http"
     ranks: tuple[str, ...] = ("p1",)
     policy: str = "early"
+    kv_release: bool = False
 
     def __post_init__(self) -> None:
         # The spec's ASSUME, checked the same way.
@@ -250,6 +294,19 @@ def _put_acks(
     values: tuple[tuple[int, ...], ...], index: int, value: tuple[int, ...]
 ) -> tuple[tuple[int, ...], ...]:
     return (*values[:index], value, *values[index + 1 :])
+
+
+def _put_ranks(
+    values: tuple[frozenset[str], ...], index: int, value: frozenset[str]
+) -> tuple[frozenset[str], ...]:
+    return (*values[:index], value, *values[index + 1 :])
+
+
+def _put_rank_state(
+    values: tuple[tuple[str, ...], ...], j: int, k: int, value: str
+) -> tuple[tuple[str, ...], ...]:
+    """``[f EXCEPT ![a][p] = value]`` for a function of addresses to functions of ranks."""
+    return (*values[:j], _put_state(values[j], k, value), *values[j + 1 :])
 
 
 def digit_prefix(p: int, n: int) -> bool:
@@ -316,6 +373,10 @@ class BootstrapCache:
         self.ranks = c.ranks
         self.no_acks = (0,) * len(c.ranks)
         self.handshake_policy = c.policy == "prefill_complete"
+        self.kv_release = c.kv_release
+        self.all_ranks = frozenset(c.ranks)
+        self.fresh_procs = ("up",) * len(c.ranks)  # FreshProcs
+        self.nothing_heard = ("none",) * len(c.ranks)  # NothingHeard
         self._receiver_table: dict[str, Callable[[State, int], State | None]] = {
             "FetchOk": self.fetch_ok,
             "FetchFail": self.fetch_fail,
@@ -332,11 +393,23 @@ class BootstrapCache:
             "Invalidate": self.invalidate,
             "Abort": self.abort,
             "NewRequest": self.new_request,
+            "ReleaseOnAbortAck": self.release_on_abort_ack,
+            "ReleaseOnProvenGone": self.release_on_proven_gone,
+            "ReleaseOnTimeout": self.release_on_timeout,
         }
         self._unkeyed = tuple((name, self._receiver_table[name]) for name in RECEIVER_ACTIONS[2:])
+        self._releases = tuple((name, self._receiver_table[name]) for name in RELEASE_ACTIONS)
         self._ranked: dict[str, Callable[[State, int, int], State | None]] = {
             "Ack": self.ack,
             "LateAck": self.late_ack,
+            "AbortAck": self.abort_ack,
+        }
+        self._process: dict[str, Callable[[State, int, int], State | None]] = {
+            "RankStops": self.rank_stops,
+            "RankResumes": self.rank_resumes,
+            "RankExits": self.rank_exits,
+            "ResetSeen": self.reset_seen,
+            "SilenceSeen": self.silence_seen,
         }
         prefix = c.variant == "PrefixNodeFailure" or mutation == "PrefixNodeFailure"
         self._drops = tuple(
@@ -457,6 +530,46 @@ class BootstrapCache:
         r = self.receivers[i]
         return marked - {r} if r in marked else marked
 
+    # --- KV release (the spec's operators) ----------------------------------------------------
+
+    def writer_alive(self, s: State, i: int, k: int) -> bool:
+        """``WriterAlive(r, p)``: the process of rank ``k`` told ``i``'s room still runs."""
+        j = self.addr_index[s.kvAddr[i]]
+        return s.kvEpoch[i] == s.epoch[j] and s.proc[j][k] != "exited"
+
+    def proven_gone(self, s: State, i: int, k: int) -> bool:
+        """``ProvenGone(r, p)``: a newer instance at the address, or a reset/refused connection."""
+        j = self.addr_index[s.kvAddr[i]]
+        proof = ("reset", "silence") if self.mutation == "ReleaseOnSilence" else ("reset",)
+        return s.kvEpoch[i] < s.epoch[j] or s.heard[j][k] in proof
+
+    def rank_down(self, s: State, i: int) -> bool:
+        """``RankDown(r)``: a rank of the live process ``i`` holds does not answer."""
+        if s.rgen[i] == NONE or not self.live(s, i):
+            return False
+        return any(x != "up" for x in s.proc[self.addr_index[s.rkey[i]]])
+
+    def rank_reset(self, s: State, i: int) -> bool:
+        """``RankReset(r)``: a rank of the live process ``i`` holds was reset or refused."""
+        if s.rgen[i] == NONE or not self.live(s, i):
+            return False
+        return any(x == "reset" for x in s.heard[self.addr_index[s.rkey[i]]])
+
+    def clear_room(self, s: State, i: int, t: State) -> State:
+        """``t`` with ``ClearRoom(r)``: the room of receiver ``i`` forgotten."""
+        if s.kv[i] == "none" and not s.told[i] and s.kvAddr[i] == NONE and s.kvEpoch[i] == 0:
+            return t
+        return t._replace(
+            kv=_put_state(s.kv, i, "none"),
+            told=_put_ranks(s.told, i, frozenset()),
+            kvAddr=_put(s.kvAddr, i, NONE),
+            kvEpoch=_put(s.kvEpoch, i, 0),
+        )
+
+    def _untold(self, s: State, i: int, k: int) -> tuple[frozenset[str], ...]:
+        p = self.ranks[k]
+        return s.told if p not in s.told[i] else _put_ranks(s.told, i, s.told[i] - {p})
+
     # --- Init ---------------------------------------------------------------------------------
 
     def init_states(self) -> list[State]:
@@ -478,6 +591,12 @@ class BootstrapCache:
                 flight=(NONE,) * na,
                 rflight=(NONE,) * nr,
                 fate=("free",) * len(self.flight_ids),
+                kv=("none",) * nr,
+                told=(frozenset(),) * nr,
+                kvAddr=(NONE,) * nr,
+                kvEpoch=(0,) * nr,
+                proc=(self.fresh_procs,) * na,
+                heard=(self.nothing_heard,) * na,
             )
         ]
 
@@ -625,7 +744,15 @@ class BootstrapCache:
             return None
         if self.receivers[i] in s.marked or not (self.queueing or self.live(s, i)):
             return None
-        return s._replace(rstate=_put_state(s.rstate, i, "waiting"))
+        t = s._replace(rstate=_put_state(s.rstate, i, "waiting"))
+        if not self.kv_release:
+            return t
+        return t._replace(
+            kv=_put_state(s.kv, i, "held"),
+            told=_put_ranks(s.told, i, self.all_ranks),
+            kvAddr=_put(s.kvAddr, i, s.rkey[i]),
+            kvEpoch=_put(s.kvEpoch, i, s.objEpoch[s.rgen[i] - 1]),
+        )
 
     def send_fail(self, s: State, i: int) -> State | None:
         state = s.rstate[i]
@@ -648,7 +775,7 @@ class BootstrapCache:
             enough = self.mutation == "CompleteWithoutAck" or all(s.acked[i])
         if not enough:
             return None
-        return self._end_request(s, i, "done")
+        return self.clear_room(s, i, self._end_request(s, i, "done"))
 
     def _end_request(self, s: State, i: int, state: str) -> State:
         """Receiver ``i`` ends in ``state``: it lets go of its key, generation, acks and mark."""
@@ -667,7 +794,7 @@ class BootstrapCache:
         state = s.rstate[i]
         if not (state == "handshaking" or (state == "waiting" and not all(s.acked[i]))):
             return None
-        faults = self.failure(s, not self.live(s, i))
+        faults = self.failure(s, not self.live(s, i) or self.rank_down(s, i))
         if faults is None:
             return None
         notified = s.notified
@@ -687,7 +814,11 @@ class BootstrapCache:
         state = s.rstate[i]
         if state not in PEER_LOST_FROM:
             return None
-        genuine = self.receivers[i] in s.marked or (s.rgen[i] != NONE and not self.live(s, i))
+        genuine = (
+            self.receivers[i] in s.marked
+            or (s.rgen[i] != NONE and not self.live(s, i))
+            or self.rank_reset(s, i)
+        )
         faults = self.failure(s, genuine)
         if faults is None:
             return None
@@ -738,11 +869,13 @@ class BootstrapCache:
         return self.unflight(s, i, "failed", self._end_request(told, i, "aborted"))
 
     def new_request(self, s: State, i: int) -> State | None:
-        if s.rstate[i] not in FINAL_STATES:
+        if s.rstate[i] not in FINAL_STATES or s.kv[i] == "held":
             return None
         r = self.receivers[i]
         notified = s.notified - {r} if r in s.notified else s.notified
-        return s._replace(rstate=_put_state(s.rstate, i, "idle"), notified=notified)
+        return self.clear_room(
+            s, i, s._replace(rstate=_put_state(s.rstate, i, "idle"), notified=notified)
+        )
 
     # --- steps of other threads for a receiver -----------------------------------------------
 
@@ -759,10 +892,15 @@ class BootstrapCache:
         reused = self.variant == "ReusedPortAcks" and self.queueing
         if not (self.live(s, i) or reused or self.mutation == "AckWithoutLiveness"):
             return None
+        j = self.addr_index[s.rkey[i]]
+        if s.proc[j][k] != "up":
+            return None  # a stopped, cut-off or exited rank sends nothing
+        told = self._untold(s, i, k)  # rank p finished writing r's room
         if s.acked[i][k] != 0:
-            return s  # a repeated report from rank p: the first one is kept
-        epoch = s.epoch[self.addr_index[s.rkey[i]]]
-        return s._replace(acked=_put_acks(s.acked, i, _put(s.acked[i], k, epoch + 1)))
+            # a repeated report from rank p: the first one is kept
+            return s if told is s.told else s._replace(told=told)
+        epoch = s.epoch[j]
+        return s._replace(acked=_put_acks(s.acked, i, _put(s.acked[i], k, epoch + 1)), told=told)
 
     def late_ack(self, s: State, i: int, k: int) -> State | None:
         """``LateAck(r, p)``: a report for a failed request changes nothing."""
@@ -771,6 +909,40 @@ class BootstrapCache:
         if self.mutation == "LateAckCompletes":
             return s._replace(rstate=_put_state(s.rstate, i, "done"))
         return s
+
+    def abort_ack(self, s: State, i: int, k: int) -> State | None:
+        """``AbortAck(r, p)``: rank ``k``'s process acknowledges ``i``'s ABORT."""
+        if s.kv[i] != "held" or self.receivers[i] not in s.notified:
+            return None
+        if self.ranks[k] not in s.told[i]:
+            return None
+        j = self.addr_index[s.kvAddr[i]]
+        if s.kvEpoch[i] != s.epoch[j] or s.proc[j][k] != "up":
+            return None
+        return s._replace(told=self._untold(s, i, k))
+
+    # --- the KV-release steps for a receiver's room -------------------------------------------
+
+    def _release(self, s: State, i: int, how: str) -> State | None:
+        if s.kv[i] != "held" or s.rstate[i] not in ROOM_ENDED:
+            return None
+        return s._replace(kv=_put_state(s.kv, i, how))
+
+    def release_on_abort_ack(self, s: State, i: int) -> State | None:
+        if s.told[i]:
+            return None
+        return self._release(s, i, "released")
+
+    def release_on_proven_gone(self, s: State, i: int) -> State | None:
+        if s.kv[i] != "held" or not s.told[i]:
+            return None
+        ranks = [self.ranks.index(p) for p in s.told[i]]
+        one = self.mutation == "ReleaseOnOneRankGone"
+        proven = (any if one else all)(self.proven_gone(s, i, k) for k in ranks)
+        return self._release(s, i, "released") if proven else None
+
+    def release_on_timeout(self, s: State, i: int) -> State | None:
+        return self._release(s, i, "expired")
 
     def _no_acks_for(
         self, acked: tuple[tuple[int, ...], ...], i: int
@@ -782,7 +954,16 @@ class BootstrapCache:
     def restart(self, s: State, j: int) -> State | None:
         if s.epoch[j] >= self.constants.max_restarts:
             return None
-        return s._replace(epoch=_put(s.epoch, j, s.epoch[j] + 1))
+        return self._fresh_processes(s._replace(epoch=_put(s.epoch, j, s.epoch[j] + 1)), j)
+
+    def _fresh_processes(self, t: State, j: int) -> State:
+        """``t`` with the processes at address ``j`` new (a restart): up, nothing heard."""
+        if t.proc[j] == self.fresh_procs and t.heard[j] == self.nothing_heard:
+            return t
+        return t._replace(
+            proc=(*t.proc[:j], self.fresh_procs, *t.proc[j + 1 :]),
+            heard=(*t.heard[:j], self.nothing_heard, *t.heard[j + 1 :]),
+        )
 
     def node_failure(self, s: State, j: int) -> State | None:
         if self.mutation == "HeartbeatFalsePositive":
@@ -793,12 +974,13 @@ class BootstrapCache:
             epoch = _put(s.epoch, j, s.epoch[j] + 1)
         drops = self._drops[j]
         pool = tuple(NONE if drops[b] else o for b, o in enumerate(s.pool))
-        return s._replace(
+        t = s._replace(
             epoch=epoch,
             pool=pool,
             objEpoch=self.collect(pool, s.rgen, s.objEpoch),
             pooled=self.keep_pooled(s.pooled, pool, s.rgen),
         )
+        return self._fresh_processes(t, j)
 
     def retire_instance(self, s: State, j: int, e: int) -> State | None:
         o = s.pool[j]
@@ -842,6 +1024,38 @@ class BootstrapCache:
             marked=marked if marked != s.marked else s.marked,
         )
 
+    # --- rank processes and the decode's evidence (j: address index, k: rank index) ---------
+
+    def rank_stops(self, s: State, j: int, k: int) -> State | None:
+        if not self.kv_release or s.proc[j][k] != "up":
+            return None
+        return s._replace(proc=_put_rank_state(s.proc, j, k, "silent"))
+
+    def rank_resumes(self, s: State, j: int, k: int) -> State | None:
+        if s.proc[j][k] != "silent":
+            return None
+        return s._replace(proc=_put_rank_state(s.proc, j, k, "up"))
+
+    def rank_exits(self, s: State, j: int, k: int) -> State | None:
+        if not self.kv_release or s.proc[j][k] not in ("up", "silent"):
+            return None
+        return s._replace(proc=_put_rank_state(s.proc, j, k, "exited"))
+
+    def reset_seen(self, s: State, j: int, k: int) -> State | None:
+        # HeartbeatDisconnectIsProof: a heartbeat's expiry reported as a disconnect.
+        if self.mutation == "HeartbeatDisconnectIsProof":
+            gone = s.proc[j][k] != "up"
+        else:
+            gone = s.proc[j][k] == "exited"
+        if not gone or s.heard[j][k] == "reset":
+            return None
+        return s._replace(heard=_put_rank_state(s.heard, j, k, "reset"))
+
+    def silence_seen(self, s: State, j: int, k: int) -> State | None:
+        if s.proc[j][k] == "up" or s.heard[j][k] != "none":
+            return None
+        return s._replace(heard=_put_rank_state(s.heard, j, k, "silence"))
+
     # --- Next -----------------------------------------------------------------------------
 
     def apply(self, s: State, step: Step) -> State | None:
@@ -871,6 +1085,10 @@ class BootstrapCache:
                     "WatchEvent": self.watch_event,
                 }
                 return env[step.action](s, j)
+            if step.action in self._process:
+                a, p = step.params
+                j, k = self.addr_index[int(a)], self.ranks.index(str(p))
+                return self._process[step.action](s, j, k)
             if step.action == "RetireInstance":
                 a, e = step.params
                 e = int(e)
@@ -906,6 +1124,10 @@ class BootstrapCache:
                     t = ranked(s, i, k)
                     if t is not None:
                         yield Step(name, (r, p)), t
+            for name, action in self._releases:
+                t = action(s, i)
+                if t is not None:
+                    yield Step(name, (r,)), t
         for j, a in addrs:
             t = self.restart(s, j)
             if t is not None:
@@ -920,6 +1142,11 @@ class BootstrapCache:
             t = self.watch_event(s, j)
             if t is not None:
                 yield Step("WatchEvent", (a,)), t
+            for name, process in self._process.items():
+                for k, p in enumerate(self.ranks):
+                    t = process(s, j, k)
+                    if t is not None:
+                        yield Step(name, (a, p)), t
 
     # --- invariants and properties ---------------------------------------------------------
 
@@ -951,6 +1178,16 @@ class BootstrapCache:
             and all(f == NONE or f in self.flight_ids for f in s.rflight)
             and len(s.fate) == len(self.flight_ids)
             and all(x in FLIGHT_FATES for x in s.fate)
+            and len(s.kv) == len(self.receivers)
+            and all(x in KV_STATES for x in s.kv)
+            and len(s.told) == len(self.receivers)
+            and all(told <= self.all_ranks for told in s.told)
+            and all(k in keys for k in s.kvAddr)
+            and all(0 <= e <= c.max_restarts for e in s.kvEpoch)
+            and len(s.proc) == len(self.addrs)
+            and all(len(row) == len(self.ranks) and set(row) <= PROC_STATES for row in s.proc)
+            and len(s.heard) == len(self.addrs)
+            and all(len(row) == len(self.ranks) and set(row) <= EVIDENCE for row in s.heard)
         )
 
     def adoption_correct(self, s: State) -> bool:
@@ -986,6 +1223,14 @@ class BootstrapCache:
                 s.rflight[i] == f and s.rstate[i] in FLIGHT_STATES and s.rkey[i] == a
                 for i in range(len(self.receivers))
             ):
+                return False
+        return True
+
+    def no_release_while_writer_may_write(self, s: State) -> bool:
+        for i, kv in enumerate(s.kv):
+            if kv != "released":
+                continue
+            if any(self.writer_alive(s, i, self.ranks.index(p)) for p in s.told[i]):
                 return False
         return True
 
@@ -1084,6 +1329,7 @@ class BootstrapCache:
             "FollowerGetsLeaderResult": self.follower_gets_leader_result,
             "FinishedFlightGone": self.finished_flight_gone,
             "MarkOfLiveRequest": self.mark_of_live_request,
+            "NoReleaseWhileWriterMayWrite": self.no_release_while_writer_may_write,
         }
         return table[name]
 
@@ -1148,20 +1394,25 @@ class BootstrapCache:
     # --- printing ---------------------------------------------------------------------------
 
     def _domain(self, var: str) -> tuple[str | int, ...]:
-        if var in ("rstate", "rkey", "rgen", "acked", "rflight"):
+        if var in ("rstate", "rkey", "rgen", "acked", "rflight", "kv", "told", "kvAddr", "kvEpoch"):
             return self.receivers
-        if var in ("pool", "epoch", "watched", "flight"):
+        if var in ("pool", "epoch", "watched", "flight", "proc", "heard"):
             return self.addrs
         if var == "fate":
             return tuple(self.flight_ids)
         return tuple(self.object_ids)
 
-    @staticmethod
-    def _show(var: str, value: object) -> str:
+    def _show(self, var: str, value: object) -> str:
         if var == "rstate":
             return str(value)
-        if var in ("rkey", "rgen", "pool", "flight", "rflight") and value == NONE:
+        if var in ("proc", "heard") and isinstance(value, tuple):
+            return (
+                "(" + ", ".join(f"{p}: {x}" for p, x in zip(self.ranks, value, strict=True)) + ")"
+            )
+        if var in ("rkey", "rgen", "pool", "flight", "rflight", "kvAddr") and value == NONE:
             return "None"
+        if isinstance(value, frozenset):
+            return "{" + ", ".join(sorted(str(v) for v in value)) + "}"
         return str(value)
 
     def format_state(self, s: State) -> str:

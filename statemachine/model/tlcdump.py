@@ -164,6 +164,20 @@ def to_state(model: BootstrapCache, values: dict[str, Value]) -> State:
         raise DumpError("fate is not a sequence of strings in the dump")
     if not isinstance(faults, int):
         raise DumpError("faults is not an integer in the dump")
+
+    def rank_states(name: str) -> tuple[tuple[str, ...], ...]:
+        rows = []
+        for row in per(name, model.addrs):
+            if not isinstance(row, dict):
+                raise DumpError(f"{name}[a] is not a function in the dump")
+            rows.append(tuple(str(row[ModelName(p)]) for p in model.ranks))
+        return tuple(rows)
+
+    told = []
+    for ranks in per("told", model.receivers):
+        if not isinstance(ranks, frozenset):
+            raise DumpError("told[r] is not a set in the dump")
+        told.append(frozenset(str(p) for p in ranks))
     return State(
         rstate=tuple(str(v) for v in per("rstate", model.receivers)),
         rkey=ints(per("rkey", model.receivers)),
@@ -180,4 +194,10 @@ def to_state(model: BootstrapCache, values: dict[str, Value]) -> State:
         flight=ints(per("flight", model.addrs)),
         rflight=ints(per("rflight", model.receivers)),
         fate=tuple(str(v) for v in fate),
+        kv=tuple(str(v) for v in per("kv", model.receivers)),
+        told=tuple(told),
+        kvAddr=ints(per("kvAddr", model.receivers)),
+        kvEpoch=ints(per("kvEpoch", model.receivers)),
+        proc=rank_states("proc"),
+        heard=rank_states("heard"),
     )

@@ -38,7 +38,15 @@ implementation can observe, and reports the first event the model does not allow
   target rank it gave up) must belong to each ``Timeout`` and to each ``Abort`` taken from a
   state that holds the target ranks (``cached`` through ``done``), in the same request (before
   or after the step, before ``NewRequest``). A trace with no ``AbortNotice`` event at all comes
-  from a decode that does not record them, and is not judged on this rule.
+  from a decode that does not record them, and is not judged on this rule;
+* ``NoReleaseWhileWriterMayWrite`` (KV release of failed rooms, the model's
+  ``ReleaseOnProvenGone``): a ``ReleaseOnProvenGone`` event (``room``, ``instance``: the one
+  its metadata named, ``writers``: the endpoints of the ranks that could still write it) needs,
+  earlier, proof that each writer's process of that instance is gone: a ``ResetSeen``
+  (``endpoint``, ``instance``: its connection reset or a reconnect refused) or a
+  ``NewInstanceSeen`` (``endpoint``, ``instance``, ``new_instance``: another process answers at
+  that endpoint). A ``SilenceSeen`` (timeouts only) is no proof. ``ReleaseOnAbortAck`` and
+  ``ReleaseOnTimeout`` (``room``) are accepted as they come.
 
 Events are replayed in ``seq`` order. ``BootstrapPool`` takes a pool event's ``seq`` under its
 lock and writes the line after releasing it (POOL-7), so ``seq`` order is the order the lock
@@ -84,6 +92,11 @@ POOL_EVENTS = frozenset(
 ACK_EVENT = "Ack"
 #: written by the decode when it sends its ABORT to every target rank of a request
 ABORT_NOTICE = "AbortNotice"
+#: the decode's evidence about a rank process (the model's ResetSeen, SilenceSeen, and a newer
+#: epoch at the address) and its releases of a failed room's KV (issue 27)
+RESET_SEEN, SILENCE_SEEN, NEW_INSTANCE_SEEN = "ResetSeen", "SilenceSeen", "NewInstanceSeen"
+RELEASE_ON_PROVEN_GONE = "ReleaseOnProvenGone"
+OTHER_RELEASES = frozenset({"ReleaseOnAbortAck", "ReleaseOnTimeout"})
 #: the lifecycle states in which a request holds its target ranks (the model's Initialized)
 INITIALIZED = frozenset({"cached", "handshaking", "ready", "waiting", "done"})
 
@@ -184,6 +197,9 @@ class Validator:
         #: the end (only if the trace records notices at all)
         self.unnotified: list[tuple[int, Mapping[str, Any]]] = []
         self.records_notices = False
+        #: the strongest evidence heard about each (rank endpoint, instance): "silence", or a
+        #: proof that the process is gone ("reset", "new_instance")
+        self.evidence: dict[tuple[str, str], str] = {}
         #: position and event being replayed (finish(): the completion it rejects)
         self.index = 0
         self.at: Mapping[str, Any] = {}
@@ -389,6 +405,50 @@ class Validator:
                 f"{len(ranks)} distinct prefill ranks; its plan requires {required}",
             )
 
+    # --- KV release (NoReleaseWhileWriterMayWrite) -------------------------------------------
+
+    @staticmethod
+    def _text(event: Mapping[str, Any], name: str) -> str:
+        value = event.get(name)
+        if not isinstance(value, str) or not value:
+            raise TraceFormatError(f"{event.get('action')} needs {name} as a non-empty string")
+        return value
+
+    def _heard(self, event: Mapping[str, Any]) -> None:
+        action = event["action"]
+        writer = (self._text(event, "endpoint"), self._text(event, "instance"))
+        if action == NEW_INSTANCE_SEEN:
+            if self._text(event, "new_instance") == writer[1]:
+                raise TraceFormatError("NewInstanceSeen names the same instance twice")
+            self.evidence[writer] = "new_instance"
+        elif action == RESET_SEEN:
+            self.evidence[writer] = "reset"
+        else:
+            self.evidence.setdefault(writer, "silence")  # silence never undoes a proof
+
+    def _release_on_proof(self, event: Mapping[str, Any]) -> None:
+        room = _count(event, "room")
+        instance = self._text(event, "instance")
+        writers = event.get("writers")
+        if not isinstance(writers, list) or not writers:
+            raise TraceFormatError(
+                "ReleaseOnProvenGone needs writers: the endpoints of the ranks that could still "
+                "write the room (with none left, the release is ReleaseOnAbortAck)"
+            )
+        for endpoint in writers:
+            if not isinstance(endpoint, str):
+                raise TraceFormatError("writers must be endpoint strings")
+            heard = self.evidence.get((endpoint, instance))
+            if heard in ("reset", "new_instance"):
+                continue
+            what = "only silence" if heard == "silence" else "nothing"
+            raise _Violated(
+                "NoReleaseWhileWriterMayWrite",
+                f"room {room} released while the rank at {endpoint} (instance {instance!r}) may "
+                f"still write it: the decode heard {what} that proves that process gone (a "
+                "reset or refused connection, or another instance at that endpoint)",
+            )
+
     # --- receiver events --------------------------------------------------------------------
 
     def _receiver(self, event: Mapping[str, Any]) -> None:
@@ -475,6 +535,12 @@ class Validator:
             self._ack(event)
         elif action == ABORT_NOTICE:
             self._notice(event)
+        elif action in (RESET_SEEN, SILENCE_SEEN, NEW_INSTANCE_SEEN):
+            self._heard(event)
+        elif action == RELEASE_ON_PROVEN_GONE:
+            self._release_on_proof(event)
+        elif action in OTHER_RELEASES:
+            _count(event, "room")
         else:
             raise _Violated("model", f"unknown action {action!r}")
 
