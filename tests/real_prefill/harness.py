@@ -80,6 +80,8 @@ class RealPrefill:
         self.ready: list[dict[str, Any]] = []
         self.concluded: dict[int, str] = {}  # room -> "Success" / "Failed", as rank 0 saw it
         self._starts = 0
+        self._warm = False
+        self._lock = threading.Lock()  # transfer() from several threads, spawn() swapping procs
 
     def command(self, tp_rank: int) -> list[str]:
         g = self.layout.geometry
@@ -94,16 +96,21 @@ class RealPrefill:
             "--page-size", str(g.page_size),
             "--total-heads", str(self.layout.total_heads),
             "--head-bytes", str(g.head_bytes),
+            "--aux-slots", str(g.aux_slots),
         ]  # fmt: skip
         if tp_rank == 0:
             cmd.append("--serve")
         if self.layout.mla:
             cmd.append("--mla")
+        if self._warm:
+            cmd.append("--wait-go")
         return cmd
 
-    def spawn(self) -> None:
-        """Start every rank process; :meth:`wait_ready` waits for them."""
+    def spawn(self, *, warm: bool = False) -> None:
+        """Start every rank process; :meth:`wait_ready` waits for them. ``warm``: each imports
+        SGLang and waits for :meth:`go` (a replacement standing by, ready at once)."""
         self._starts += 1
+        self._warm = warm
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(_TESTS), os.environ.get("PYTHONPATH", "")]),
@@ -117,6 +124,13 @@ class RealPrefill:
             )  # fmt: skip
             log.close()
             self.procs.append(proc)
+
+    def go(self) -> None:
+        """Let a warm replacement (``spawn(warm=True)``) bind and register now."""
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -134,15 +148,23 @@ class RealPrefill:
         self.wait_ready(timeout)
         return self
 
+    def wait_warm(self, timeout: float = 120.0) -> None:
+        """Wait until every rank of a warm spawn imported SGLang and waits for :meth:`go`."""
+        deadline = time.monotonic() + timeout
+        for rank, proc in enumerate(self.procs):
+            line = self._read_line(proc.stdout, deadline, "WARM")
+            if line != "WARM":
+                raise RuntimeError(f"SGLang prefill rank {rank} did not get warm ({line!r})")
+
     @staticmethod
-    def _read_line(stream: IO[str] | None, deadline: float) -> str:
-        """The READY line (NIXL logs to stdout too: other lines are skipped)."""
+    def _read_line(stream: IO[str] | None, deadline: float, prefix: str = "READY ") -> str:
+        """The line starting with ``prefix`` (NIXL logs to stdout too: others are skipped)."""
         assert stream is not None
         result: list[str] = []
 
         def read() -> None:
             for line in stream:
-                if line.startswith("READY ") or not line:
+                if line.startswith(prefix):
                     result.append(line.strip())
                     return
             result.append("<the process ended>")
@@ -162,32 +184,41 @@ class RealPrefill:
     def transfer(
         self,
         room: int,
-        src_pages: Sequence[int],
-        aux_index: int,
+        src_pages: Sequence[int] | int,
+        aux_index: int | None = None,
         state_index: int | None = None,
         *,
         break_source: bool = False,
     ) -> None:
         """What SGLang's prefill scheduler does for one request, on every rank: a sender for the
         room, its pages computed (the pattern), sent once the decode's metadata arrived.
-        ``break_source``: the rank's transfer fails (source pages outside its buffers)."""
-        line = json.dumps(
-            {
-                "op": "send",
-                "room": room,
-                "src_pages": list(src_pages),
-                "aux_index": aux_index,
-                "state_index": state_index,
-                "break_source": break_source,
-            }
-        )
-        for proc in self.procs:
-            if proc.poll() is None and proc.stdin is not None:
-                try:
-                    proc.stdin.write(line + "\n")
-                    proc.stdin.flush()
-                except (BrokenPipeError, OSError):
-                    pass  # killed under us: the request fails on the decode side, as it should
+        ``src_pages``: the rank's pages, or how many (each rank then takes free ones of its
+        own and an aux slot, returned when the request ends). ``break_source``: the rank's
+        transfer fails (source pages outside its buffers)."""
+        command: dict[str, Any] = {
+            "op": "send",
+            "room": room,
+            "state_index": state_index,
+            "break_source": break_source,
+        }
+        if isinstance(src_pages, int):
+            command["pages"] = src_pages
+        else:
+            command.update(src_pages=list(src_pages), aux_index=aux_index)
+        line = json.dumps(command)
+        with self._lock:
+            for proc in self.procs:
+                if proc.poll() is None and proc.stdin is not None:
+                    try:
+                        proc.stdin.write(line + "\n")
+                        proc.stdin.flush()
+                    except (BrokenPipeError, OSError, ValueError):
+                        pass  # killed under us: the request fails on the decode side
+
+    def swap_in(self, replacement: RealPrefill) -> None:
+        """Route :meth:`transfer` to ``replacement``'s processes (started behind this port)."""
+        with self._lock:
+            self.procs, self.ready = replacement.procs, replacement.ready
 
     def kill(self) -> None:
         """SIGKILL every rank (and the bootstrap server with rank 0)."""

@@ -15,6 +15,7 @@ registered, then one ``{"room", "status"}`` line per request it concluded.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import queue
@@ -80,6 +81,7 @@ class Prefill:
             page_size=args.page_size,
             heads=1 if args.mla else args.total_heads // args.tp_size,
             head_bytes=args.head_bytes,
+            aux_slots=args.aux_slots,
         )
         self.first_head = 0 if args.mla else args.tp_rank * self.geometry.heads
         g = self.geometry
@@ -87,6 +89,9 @@ class Prefill:
         self.aux = np.zeros(g.aux_slots * g.aux_item_len, dtype=np.uint8)
         self.state = np.zeros(g.state_slots * g.state_item_len, dtype=np.uint8)
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        order = np.random.default_rng(args.tp_rank).permutation(g.slots)  # scattered pages
+        self.free_pages = collections.deque(int(page) for page in order)
+        self.free_aux = collections.deque(range(g.aux_slots))
         self.senders: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     def state_fields(self) -> dict[str, Any]:
@@ -222,6 +227,16 @@ class Prefill:
                 self.commands.put(json.loads(line))
         self.commands.put({"op": "exit"})
 
+    def allocate(self, request: dict[str, Any]) -> bool:
+        """This rank's own pages for a request that named only how many: scattered slots no
+        request in flight holds (a real prefill's KV allocator), and an aux slot."""
+        if len(self.free_pages) < request["pages"] or not self.free_aux:
+            return False
+        request["src_pages"] = [self.free_pages.popleft() for _ in range(request["pages"])]
+        request["aux_index"] = self.free_aux.popleft()
+        request["allocated"] = True
+        return True
+
     def fill(self, room: int, request: dict[str, Any]) -> None:
         """The forward pass: this rank's heads of every page of the request, aux and state."""
         g = self.geometry
@@ -246,11 +261,16 @@ class Prefill:
                 raise SystemExit(0)
             room = command["room"]
             sender = self.sender_class(self.manager, f"127.0.0.1:{self.args.bootstrap_port}", room)
-            sender.init(len(command["src_pages"]), command["aux_index"])
+            pages = command.get("pages") or len(command["src_pages"])
+            sender.init(pages, command.get("aux_index"))
             self.senders[room] = (sender, {**command, "sent": False})
         for room, (sender, request) in list(self.senders.items()):
             status = sender.poll()
             if not request["sent"] and status == self.kv_poll.WaitingForInput:
+                if "src_pages" not in request:
+                    if not self.allocate(request):
+                        continue  # no free pages: wait for a request to end, as a scheduler does
+                    sender.aux_index = request["aux_index"]  # what init() would have been given
                 self.fill(room, request)
                 state = request.get("state_index") if has_state(self.args.backend) else None
                 pages = np.asarray(request["src_pages"], dtype=np.int32)
@@ -266,6 +286,9 @@ class Prefill:
                 name = "Success" if status == self.kv_poll.Success else "Failed"
                 sender.clear()
                 del self.senders[room]
+                if request.get("allocated"):
+                    self.free_pages.extend(request["src_pages"])
+                    self.free_aux.append(request["aux_index"])
                 print(json.dumps({"room": room, "status": name}), flush=True)
 
     def run(self) -> None:
@@ -288,9 +311,18 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=Geometry.page_size)
     parser.add_argument("--total-heads", type=int, default=Geometry.heads)
     parser.add_argument("--head-bytes", type=int, default=Geometry.head_bytes)
+    parser.add_argument("--aux-slots", type=int, default=Geometry.aux_slots)
+    parser.add_argument(
+        "--wait-go", action="store_true", help="import SGLang, then start on a 'go' line (warm)"
+    )
     args = parser.parse_args()
     _environment(args.backend)
     prefill = Prefill(args)
+    if args.wait_go:
+        import sglang.srt.disaggregation.common.conn  # noqa: F401  (the slow part: SGLang's import)
+
+        print("WARM", flush=True)
+        sys.stdin.readline()
     ready = prefill.start()
     prefill.wait_registered(timeout=60.0)
     print("READY " + json.dumps(ready), flush=True)
