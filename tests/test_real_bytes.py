@@ -14,14 +14,17 @@ implemented"), and NIXL state buffers (it registers them as VRAM).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from real_prefill.engines import engine_unavailable
 from real_prefill.harness import LibraryDecode, PrefillPool, RealPrefill
+from real_prefill.pattern import aux_bytes, page_bytes
 from sglang_support import requires_sglang
 
 from statemachine.errors import TransferFailed
@@ -167,3 +170,35 @@ def test_decode_tp2_from_prefill_tp1_each_rank_gets_its_half(mooncake_tp1: RealP
     finally:
         for decode in decodes:
             decode.close()
+
+
+def test_integration_docs_real_deployment_example(mooncake_tp1: RealPrefill) -> None:
+    """docs/integration.md's worked example (engine, registered buffers, session id), run as
+    printed against SGLang's real prefill: the bytes land in the example's own buffers."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integration.md").read_text()
+    section = text.split("## A real deployment", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block is not None, "the real-deployment section lost its example"
+    namespace: dict[str, Any] = {"__name__": "integration_real_deployment"}
+    exec(compile(block.group(1), "docs/integration.md", "exec"), namespace)
+    # The prefill's geometry is the harness default; the example's must match it byte for byte.
+    g = mooncake_tp1.layout.side(1)
+    assert (namespace["LAYERS"], namespace["PAGE_BYTES"]) == (g.layers, g.item_len)
+    assert namespace["AUX_BYTES"] == g.aux_item_len
+    manager, _engine, buffers = namespace["make_mooncake_decode"]()
+    try:
+        room, dst = 6001, [9, 0, 31, 4, 22, 63]
+        mooncake_tp1.transfer(room, SRC, aux_index=1)
+        receiver = manager.receiver(mooncake_tp1.address, room, prefill_dp_rank=0)
+        assert receiver.init() == KVPoll.WaitingForInput
+        receiver.send_metadata(dst, 5)
+        assert finish(receiver) == KVPoll.Success, receiver.failure
+        for buffer, kv in enumerate(buffers[:-1]):
+            pages = kv.reshape(-1, g.item_len)
+            for number, page in enumerate(dst):
+                expected = page_bytes(room, buffer, number, g, 0, g.heads)
+                assert np.array_equal(pages[page], expected), (buffer, page)
+        aux = buffers[-1].reshape(-1, g.aux_item_len)
+        assert np.array_equal(aux[5], aux_bytes(room, 0, g.aux_item_len))
+    finally:
+        manager.close()

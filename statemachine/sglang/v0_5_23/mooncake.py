@@ -41,8 +41,9 @@ def check_session_id(session_id: object) -> bytes:
     host, sep, port = encoded.rpartition(b":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise InvalidArgument(
-            f"Mooncake session_id must be 'host:port' (the transfer engine's session id, e.g. "
-            f"from TransferEngine.get_session_id()), got {session_id!r}"
+            f"Mooncake session_id must be 'host:port': the host your transfer engine was "
+            f"initialized with and its engine.get_rpc_port() (mooncake.engine.TransferEngine has "
+            f'no get_session_id()), e.g. f"{{host}}:{{engine.get_rpc_port()}}"; got {session_id!r}'
         )
     return encoded
 
