@@ -202,3 +202,39 @@ def test_integration_docs_real_deployment_example(mooncake_tp1: RealPrefill) -> 
         assert np.array_equal(aux[5], aux_bytes(room, 0, g.aux_item_len))
     finally:
         manager.close()
+
+
+# A decode's mistake never reaches the prefill: refused here, and SGLang's prefill still serves.
+
+
+@pytest.mark.parametrize("mistake", ["unregistered buffer", "kinds left at VRAM"])
+def test_nixl_decode_mistake_refused_locally_prefill_still_serves(
+    prefills: PrefillPool, mistake: str
+) -> None:
+    needs("nixl")
+    from real_prefill import engines
+
+    from statemachine.sglang.v0_5_23 import DecodeKVArgs, NixlBackend
+    from statemachine.validation import InvalidArgument
+
+    prefill = prefills.get("nixl")
+    agent = engines.nixl_agent(f"mistaken-{mistake.replace(' ', '-')}")
+    kv = [np.zeros(4096, dtype=np.uint8) for _ in range(4)]
+    registered = kv[:-1] if mistake == "unregistered buffer" else kv
+    engines.register("nixl", agent, registered)
+    kv_args = DecodeKVArgs(
+        engine_rank=0,
+        attn_tp_size=1,
+        kv_data_ptrs=[b.ctypes.data for b in kv],
+        kv_data_lens=[b.nbytes for b in kv],
+        kv_item_lens=[128] * 4,
+        kv_mem_kinds=["DRAM"] * 4 if mistake == "unregistered buffer" else (),
+    )
+    with pytest.raises(InvalidArgument, match="is not registered with NIXL agent"):
+        NixlBackend.from_agent(agent, kv_args)
+    # Nothing was sent: the same prefill serves a correct decode right after.
+    decode = LibraryDecode("nixl")
+    try:
+        run(prefill, [decode], room=7001 + len(mistake), state=None)
+    finally:
+        decode.close()

@@ -286,9 +286,7 @@ class LibraryDecode:
             self.engine = engines.nixl_agent(f"library-decode-{os.getpid()}-{next(_names)}")
             engines.register(backend, self.engine, buffers)
             self.session_id = self.engine.name
-            factory = NixlBackend.factory(
-                self.engine.name, self.engine.get_agent_metadata(), kv_args
-            )
+            factory = NixlBackend.from_agent(self.engine, kv_args)
         self.manager = DecodeManager(
             layout=DecodeLayout(
                 tp_rank=tp_rank,
