@@ -238,3 +238,34 @@ def test_nixl_decode_mistake_refused_locally_prefill_still_serves(
         run(prefill, [decode], room=7001 + len(mistake), state=None)
     finally:
         decode.close()
+
+
+def test_mooncake_decode_mistake_refused_locally_prefill_still_serves(
+    prefills: PrefillPool,
+) -> None:
+    needs("mooncake")
+    from real_prefill import engines
+
+    from statemachine.sglang.v0_5_23 import DecodeKVArgs, MooncakeBackend
+    from statemachine.validation import InvalidArgument
+
+    prefill = prefills.get("mooncake")
+    engine, _session = engines.mooncake_engine()
+    kv = [np.zeros(4096, dtype=np.uint8) for _ in range(4)]
+    aux = np.zeros(384, dtype=np.uint8)  # never registered: the mistake
+    kv_args = DecodeKVArgs(
+        engine_rank=0,
+        attn_tp_size=1,
+        kv_data_ptrs=[b.ctypes.data for b in kv],
+        kv_data_lens=[b.nbytes for b in kv],
+        kv_item_lens=[128] * 4,
+        aux_data_ptrs=[aux.ctypes.data],
+    )
+    with pytest.raises(InvalidArgument, match=r"aux_data_ptrs\[0\] .* is not registered"):
+        MooncakeBackend.from_engine(engine, "127.0.0.1", kv_args)
+    # Nothing was sent: the same prefill serves a correct decode right after.
+    decode = LibraryDecode("mooncake")
+    try:
+        run(prefill, [decode], room=8001, state=2)
+    finally:
+        decode.close()

@@ -280,8 +280,9 @@ class LibraryDecode:
         )
         if backend == "mooncake":
             self.engine, self.session_id = engines.mooncake_engine()
-            engines.register(backend, self.engine, buffers)
-            factory: Any = MooncakeBackend.factory(self.session_id, kv_args)
+            # Aux only: from_engine registers the KV and state buffers itself.
+            engines.register(backend, self.engine, [self.aux])
+            factory: Any = MooncakeBackend.from_engine(self.engine, "127.0.0.1", kv_args)
         else:
             self.engine = engines.nixl_agent(f"library-decode-{os.getpid()}-{next(_names)}")
             engines.register(backend, self.engine, buffers)
