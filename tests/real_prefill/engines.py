@@ -28,6 +28,9 @@ def loopback_environment() -> None:
     os.environ["MC_FORCE_TCP"] = "1"
     os.environ["UCX_TLS"] = "tcp"
     os.environ["UCX_MODULES"] = "^ib"  # else NIXL's bundled libnl crashes the process at exit
+    # UCX's crash handler writes a backtrace file (NAME.btr) into the working directory of any
+    # process that aborts, i.e. into the repository; the crash still shows in the test's output.
+    os.environ["UCX_HANDLE_ERRORS"] = "none"
     os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
 
 

@@ -120,7 +120,7 @@ class RealPrefill:
             log = open(self.log_dir / f"rank{rank}-start{self._starts}.log", "w")  # noqa: SIM115
             proc = subprocess.Popen(
                 self.command(rank), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                text=True, env=env, cwd=_TESTS, start_new_session=True,
+                text=True, env=env, cwd=self.log_dir, start_new_session=True,
             )  # fmt: skip
             log.close()
             self.procs.append(proc)

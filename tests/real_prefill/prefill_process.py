@@ -55,7 +55,9 @@ def _environment(backend: str) -> None:
     else:
         os.environ["UCX_TLS"] = "tcp"
         os.environ["UCX_MODULES"] = "^ib"  # the wheel's bundled libnl crashes at exit otherwise
+        os.environ["UCX_HANDLE_ERRORS"] = "none"  # no NAME.btr crash files in the cwd
     sys.path.insert(0, str(_TESTS / "sglang_stubs"))
+    sys.path.insert(0, str(_TESTS))
 
 
 def _wait_listening(port: int, timeout: float) -> None:
