@@ -11,7 +11,8 @@ SGLANG_STAMP := $(VENV)/.sglang
 SGLANG_REQS  := tests/sglang_interop/requirements.txt
 SGLANG_CONS  := tests/sglang_interop/constraints.txt
 SGLANG_IMPORTS := import sglang.srt.disaggregation.common.conn, \
-	sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn
+	sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn, \
+	sglang.srt.disaggregation.decode
 
 .PHONY: demo test lint typecheck pytest crosshair bench tlc mutate clean
 
