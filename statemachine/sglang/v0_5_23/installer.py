@@ -14,16 +14,19 @@ these classes follow 0.5.23's decode code line by line.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
+import sys
 import threading
-from collections.abc import Callable, Iterable
-from types import TracebackType
+from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType, TracebackType
 from typing import Any
 
 from statemachine.errors import ConfigurationError
 from statemachine.sglang.v0_5_23 import scheduler
 
-__all__ = ["BACKENDS", "Installation", "install", "installed", "uninstall"]
+__all__ = ["BACKENDS", "Installation", "install", "install_on_import", "installed", "uninstall"]
 
 #: The SGLang release these classes follow.
 SUPPORTED_SGLANG = "0.5.23"
@@ -132,3 +135,45 @@ def installed() -> frozenset[str]:
     """The backends installed now (empty when none)."""
     current = _current
     return frozenset() if current is None else current.backends
+
+
+class _InstallAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``decode.py`` with the next finder, then installs right after it has run."""
+
+    def __init__(self, backends: frozenset[str]) -> None:
+        self.backends = backends
+        self._loader: importlib.abc.Loader | None = None
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _DECODE_MODULE or self._loader is not None:
+            return None
+        sys.meta_path.remove(self)  # once: the finders after us find the real module
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        assert self._loader is not None
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        assert self._loader is not None
+        self._loader.exec_module(module)
+        install(self.backends)
+
+
+def install_on_import(backends: Iterable[str] = ("mooncake", "nixl")) -> None:
+    """:func:`install` as soon as SGLang's ``decode.py`` is imported in this process (at once
+    if it already is). For a launcher whose module body runs again in every process SGLang
+    spawns (``statemachine.sglang.v0_5_23.launch_server``): SGLang starts its schedulers with
+    the ``spawn`` method, so a patch made in the launching process does not reach them."""
+    wanted = frozenset(backends)
+    if _DECODE_MODULE in sys.modules:
+        install(wanted)
+    elif not any(isinstance(finder, _InstallAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _InstallAfterImport(wanted))
