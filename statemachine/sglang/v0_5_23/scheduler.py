@@ -29,7 +29,7 @@ from typing import Any
 
 from statemachine.backend import KVBackend
 from statemachine.decode.manager import DecodeManager
-from statemachine.decode.plan import DecodeLayout
+from statemachine.decode.plan import DecodeLayout, RankPlan
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.errors import (
     BootstrapError,
@@ -42,6 +42,7 @@ from statemachine.lifecycle import KVPoll
 from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs
 from statemachine.sglang.v0_5_23.mooncake import MooncakeBackend
 from statemachine.sglang.v0_5_23.nixl import NixlBackend
+from statemachine.validation import Topology
 
 __all__ = [
     "MooncakeKVManager",
@@ -82,26 +83,30 @@ _POLL_OUT = {
 
 @dataclass(frozen=True)
 class PrefillInfo:
-    """One prefill's topology and this rank's plan against it: the fields of SGLang's
-    ``PrefillServerInfo`` that ``decode.py`` and its dp-rank resolution read
-    (``decode.py:879-897``: ``dp_size``, ``follow_bootstrap_room``), and the rank mapping
-    SGLang caches beside them (``common/conn.py:1525-1530``)."""
+    """One prefill's topology and this rank's plan against it (None: the prefill cannot serve
+    this decode, and each request fails ``TopologyMismatch``), answering what ``decode.py``
+    reads of SGLang's ``PrefillServerInfo`` to resolve a request's prefill dp rank
+    (``decode.py:879-897``)."""
 
-    attn_tp_size: int
-    attn_cp_size: int
-    dp_size: int
-    pp_size: int
-    page_size: int | None
-    kv_cache_dtype: str | None
-    follow_bootstrap_room: bool
-    decode_allocation_policy: str
-    prefill_http_port: int | None
-    target_tp_rank: int | None
-    target_tp_ranks: tuple[int, ...]
-    target_cp_ranks: tuple[int, ...]
-    target_pp_ranks: tuple[int, ...]
-    required_dst_info_num: int
-    required_prefill_response_num: int
+    topology: Topology
+    plan: RankPlan | None
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp_size
+
+    @property
+    def follow_bootstrap_room(self) -> bool:
+        # SGLang's server reports true when the prefill never set it (common/conn.py:3213).
+        return self.topology.follow_bootstrap_room is not False
+
+    @property
+    def prefill_http_port(self) -> int | None:
+        return self.topology.prefill_http_port
+
+    @property
+    def required_prefill_response_num(self) -> int:
+        return 0 if self.plan is None else self.plan.required_prefill_response_num
 
 
 class _DecodeKVManager:
@@ -242,26 +247,7 @@ class _DecodeKVManager:
             topology = manager.topology(bootstrap_addr)
         except BootstrapError:
             return False
-        self.prefill_info_table[bootstrap_addr] = PrefillInfo(
-            attn_tp_size=topology.attn_tp_size,
-            attn_cp_size=topology.attn_cp_size,
-            dp_size=topology.dp_size,
-            pp_size=topology.pp_size,
-            page_size=topology.page_size,
-            kv_cache_dtype=topology.kv_cache_dtype,
-            # SGLang's server reports true when the prefill never set it (common/conn.py:3213).
-            follow_bootstrap_room=topology.follow_bootstrap_room is not False,
-            decode_allocation_policy=topology.decode_allocation_policy or "early",
-            prefill_http_port=topology.prefill_http_port,
-            target_tp_rank=None if plan is None else plan.target_tp_rank,
-            target_tp_ranks=() if plan is None else plan.tp_ranks,
-            target_cp_ranks=() if plan is None else plan.cp_ranks,
-            target_pp_ranks=() if plan is None else plan.pp_ranks,
-            required_dst_info_num=1 if plan is None else plan.required_dst_info_num,
-            required_prefill_response_num=(
-                0 if plan is None else plan.required_prefill_response_num
-            ),
-        )
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(topology, plan)
         return True
 
     def forget_prefill(self, bootstrap_addr: str) -> None:
