@@ -100,8 +100,8 @@ class KVAllocator:
 class MetadataBuffers:
     """The aux rows: one int64 room per slot (what the metadata gate reads), as numpy."""
 
-    def __init__(self, slots: int = 8) -> None:
-        self.bootstrap_room = np.zeros((slots, 8), dtype=np.int64)
+    def __init__(self, slots: int = 8, row_bytes: int = 64) -> None:
+        self.bootstrap_room = np.zeros((slots, row_bytes // 8), dtype=np.int64)
 
     def get_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         row = int(self.bootstrap_room[0].nbytes)
@@ -228,7 +228,11 @@ def mooncake_engine(engine: Any) -> Iterator[Any]:
 
 @contextmanager
 def decode_queues(
-    backend: str = "mooncake", *, pool: KVPool | None = None, **server_fields: Any
+    backend: str = "mooncake",
+    *,
+    pool: KVPool | None = None,
+    metadata: MetadataBuffers | None = None,
+    **server_fields: Any,
 ) -> Iterator[tuple[Any, Any]]:
     """SGLang's own ``DecodeTransferQueue`` and ``DecodePreallocQueue`` of one decode rank (tp
     1), built by their constructors; the prealloc queue's constructor builds the KV manager
@@ -253,7 +257,7 @@ def decode_queues(
         stack.enter_context(one_rank_group())
         scheduler = _scheduler()
         scheduler.server_args = server_args
-        metadata = MetadataBuffers()
+        metadata = metadata or MetadataBuffers()
         slots = decode.ReqToMetadataIdxAllocator(metadata.bootstrap_room.shape[0])
         tree_cache = TreeCache()
         transfer = decode.DecodeTransferQueue(slots, metadata, scheduler, tree_cache)
