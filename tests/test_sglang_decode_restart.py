@@ -45,7 +45,7 @@ from statemachine.sglang import v0_5_23
 
 pytestmark = [requires_sglang, pytest.mark.slow]
 
-OBSERVE_S = 40.0  # after the new prefill is READY
+OBSERVE_S = 20.0  # after the new prefill is READY: ten times what the installed classes needed
 PAGES_PER_REQUEST = 4
 
 
