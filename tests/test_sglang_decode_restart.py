@@ -300,3 +300,77 @@ def test_a_prefill_restart_hangs_sglangs_classes_and_not_the_installed_ones(
     # Installed: nothing hangs; the request in flight fails typed; none after READY fails.
     assert ours[2].state == "failed" and "KVTransferError" in ours[2].detail, table(runs)
     assert [o.state for o in ours[3:]] == ["done", "done"], table(runs)
+
+
+@requires_sglang
+def test_the_nixl_classes_receive_real_bytes_from_sglangs_prefill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The installed NIXL classes with a real NIXL agent, against SGLang's real NIXL prefill.
+
+    decode.py cannot be built around them on CPU: it registers the KV pool as VRAM for NIXL
+    (decode.py:664-668, 671-672), which this machine has not. So the decode.py calls are
+    replayed in decode.py's order, with SGLang's ``KVArgs`` as decode.py fills them except for
+    the memory kinds (DRAM): the manager as decode.py:765-770 builds it, the receiver as
+    decode.py:905-911, ``try_ensure_parallel_info`` (decode.py:1200), ``init`` (1105),
+    ``poll`` (1142-1145), ``send_metadata`` (1863-1868), ``poll`` (2857-2860), ``clear``
+    (2774-2775)."""
+    reason = engine_unavailable("nixl")
+    if reason is not None:
+        pytest.skip(reason)
+    loopback_environment()
+    conn = import_sglang()
+    from sglang_support import make_kv_args, set_sglang_ranks, sglang_server_args
+
+    from statemachine.sglang.v0_5_23 import scheduler as ours
+
+    pool = KVPool(buffers=GEOMETRY.buffers, pages=GEOMETRY.slots, page_bytes=GEOMETRY.item_len)
+    metadata = MetadataBuffers(GEOMETRY.aux_slots, GEOMETRY.aux_item_len)
+    kv_ptrs, kv_lens, kv_item_lens = pool.get_contiguous_buf_infos()
+    aux_ptrs, aux_lens, aux_item_lens = metadata.get_buf_infos()
+    kv_args = make_kv_args(
+        kv_data_ptrs=kv_ptrs,
+        kv_data_lens=kv_lens,
+        kv_item_lens=kv_item_lens,
+        kv_layer_ids=[],
+        kv_data_mem_kinds=["DRAM"] * len(kv_ptrs),
+        aux_data_ptrs=aux_ptrs,
+        aux_data_lens=aux_lens,
+        aux_item_lens=aux_item_lens,
+    )
+    view = types.SimpleNamespace(
+        layout=LAYOUT,
+        tp_size=1,
+        tp_rank=0,
+        backend="nixl",
+        kv=pool.buffers,
+        aux=metadata.bootstrap_room.view("uint8").reshape(-1),
+    )
+    with ExitStack() as stack:
+        prefill = stack.enter_context(RealPrefill("nixl", layout=LAYOUT))
+        server_args = stack.enter_context(
+            sglang_server_args(disaggregation_mode="decode", host="127.0.0.1")
+        )
+        set_sglang_ranks(tp_rank=0)
+        manager = ours.NixlKVManager(kv_args, conn.DisaggregationMode.DECODE, server_args, False)
+        stack.callback(manager.close)
+        assert manager.try_ensure_parallel_info(prefill.address)
+        for k, room in enumerate((7001, 7002)):
+            src, aux = prefill_side(k)
+            dst = [40 + 4 * k + i for i in range(PAGES_PER_REQUEST)]
+            slot = 2 + k
+            prefill.transfer(room, src, aux_index=aux)
+            receiver = ours.NixlKVReceiver(
+                mgr=manager, bootstrap_addr=prefill.address, bootstrap_room=room
+            )
+            receiver.init(0)
+            assert receiver.poll() == 2  # SGLang's KVPoll.WaitingForInput
+            receiver.send_metadata(pages(dst), slot, None)
+            deadline = time.monotonic() + 30.0
+            while (state := receiver.poll()) not in (0, 4):
+                assert time.monotonic() < deadline, "the NIXL request neither succeeded nor failed"
+                time.sleep(0.001)
+            assert state == 4, receiver.failure_exception()
+            assert wrong_pages(view, room, dst, slot, None) == []
+            receiver.clear()
+        assert manager.decode_manager.stats().in_flight == 0

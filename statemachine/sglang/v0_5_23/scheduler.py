@@ -454,7 +454,7 @@ class NixlKVManager(_DecodeKVManager):
         by_kind: dict[str, list[tuple[int, int, int, str]]] = {"VRAM": [], "DRAM": []}
         kinds: Sequence[str] = self.decode_kv_args.kv_mem_kinds
         for ptr, length, kind in zip(args.kv_data_ptrs, args.kv_data_lens, kinds, strict=False):
-            by_kind[kind].append((ptr, length, 0 if kind == "DRAM" else int(args.gpu_id), ""))
+            by_kind[kind].append((ptr, length, 0 if kind == "DRAM" else int(args.gpu_id or 0), ""))
         by_kind["DRAM"] += [
             (ptr, length, 0, "")
             for ptr, length in zip(args.aux_data_ptrs, args.aux_data_lens, strict=False)
