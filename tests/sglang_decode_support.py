@@ -137,6 +137,10 @@ class Req:
         self.priority = 0
         self.lora_id = None
 
+    def build_rebootstrap_payload(self) -> dict[str, Any]:
+        """The ``/generate`` body of a PD retract rebootstrap (schedule_batch.py:2149-2197)."""
+        return {"rid": self.rid, "bootstrap_room": self.bootstrap_room}
+
 
 class StandInMooncakeEngine:
     """SGLang's shared Mooncake engine where none can run: a session id and the registered
