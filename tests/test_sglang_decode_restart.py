@@ -26,7 +26,6 @@ drop) is replayed for requests that fail before their metadata is sent.
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 import time
 import types
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from http_support import free_port
 from real_prefill.engines import engine_unavailable, loopback_environment
 from real_prefill.harness import Layout, RealPrefill, wrong_pages
 from sglang_decode_support import KVPool, MetadataBuffers, Req, decode_queues, pages
@@ -283,10 +283,7 @@ def table(runs: list[Run]) -> str:
 def test_a_prefill_restart_hangs_sglangs_classes_and_not_the_installed_ones(
     engine_environment: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    port = int(os.environ.get("PD_BOOTSTRAP_RESTART_PORT", "0")) or None
-    from http_support import free_port
-
-    port = port or free_port()
+    port = free_port()  # both runs' prefills, and each replacement, listen here
     rooms = iter(range(9_000, 9_100))
     runs = [restart_run("SGLang's own", port, rooms), restart_run("installed", port, rooms)]
     with capsys.disabled():
