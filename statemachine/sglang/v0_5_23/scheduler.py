@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from statemachine.backend import KVBackend
+from statemachine.completion import KVPoll
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan
 from statemachine.decode.receiver import BootstrapReceiver
@@ -38,7 +39,6 @@ from statemachine.errors import (
     PeerLost,
     TopologyMismatch,
 )
-from statemachine.lifecycle import KVPoll
 from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs
 from statemachine.sglang.v0_5_23.mooncake import MooncakeBackend
 from statemachine.sglang.v0_5_23.nixl import NixlBackend
