@@ -472,12 +472,12 @@ def test_http71_an_active_keep_alive_client_is_not_pushed_out_by_clients_re_requ
     connections pushed a legitimate keep-alive client's connection out before nearly every
     request. Issue 27 then found that fix (a connection that completed a request was never
     evicted) locked every newcomer out of a full server, and replaced it with eviction by
-    least recent activity that spares a connection active within EVICT_GRACE. Scaled down:
-    cap 16, 24 such clients; a keep-alive client asking one request after another from before
-    the flood to its end keeps its connection (one local port) and is answered every time.
-    (One that idles longer than EVICT_GRACE may be closed for a newcomer: it reconnects on its
-    next request and, while the flood keeps every connection busy, waits in the backlog as
-    every newcomer does.)"""
+    least recent activity that spares a connection answered within IDLE_BEFORE_EVICTION.
+    Scaled down: cap 16, 24 such clients; a keep-alive client asking one request after
+    another from before the flood to its end keeps its connection (one local port) and is
+    answered every time. (One idle longer than IDLE_BEFORE_EVICTION may be closed for a
+    newcomer: it reconnects on its next request and, while the flood keeps every connection
+    busy, waits in the backlog as every newcomer does.)"""
     with ServerProcess(token=TOKEN, max_connections=16) as srv:
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=TIMEOUT)
         ports: set[int] = set()
@@ -554,7 +554,7 @@ def test_http71_past_the_cap_a_newcomer_evicts_the_least_recently_active() -> No
             for sock in fleet:  # then each once, in order: fleet[0] is the least recent
                 assert _answered_health(sock)
                 time.sleep(0.02)
-            time.sleep(0.2)  # every one settled (idle longer than EVICT_GRACE)
+            time.sleep(0.6)  # every one settled (idle longer than IDLE_BEFORE_EVICTION)
             # (The registration's own connection, if still open, was evicted by the fleet.)
             evicted = srv.stats().connections_evicted
             assert srv.stats().connections_open == 8
@@ -562,7 +562,7 @@ def test_http71_past_the_cap_a_newcomer_evicts_the_least_recently_active() -> No
                 newcomer.get_rank(srv.address, **RANK)  # served past the cap
                 assert _closed_by_server(fleet[0], TIMEOUT)
                 assert srv.stats().connections_evicted == evicted + 1
-                time.sleep(0.2)  # the newcomer's connection settles too, but is more recent
+                time.sleep(0.6)  # the newcomer's connection settles too, but is more recent
                 with BootstrapClient(deadline=TIMEOUT) as second:
                     second.health(srv.address)
                     assert _closed_by_server(fleet[1], TIMEOUT)

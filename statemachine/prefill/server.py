@@ -94,10 +94,15 @@ ACCEPT_BATCH = 16
 #: Seconds accepting pauses after an accept failed for lack of fds, or at the cap with
 #: nothing to evict (HTTP-71/72).
 ACCEPT_PAUSE = 0.05
-#: Seconds: a connection this young, or whose last request ended (or started) this recently, is
-#: never evicted at the cap; one mid-request or silent since connecting for longer is stalled
-#: (a legitimate client sends its request within milliseconds) (HTTP-71).
+#: Seconds: a connection this young, or whose request started this recently, is never evicted
+#: at the cap; one mid-request or silent since connecting for longer is stalled (a legitimate
+#: client sends its request within milliseconds) (HTTP-71).
 EVICT_GRACE = 0.1
+#: Seconds an answered connection must have stayed idle before it may be evicted for a
+#: newcomer (HTTP-71): a client asking more often keeps its connection, even while attackers
+#: churn through the cap with connections younger than EVICT_GRACE, so that it is never the
+#: only one old enough to close; one asking once a second is evictable half of its time.
+IDLE_BEFORE_EVICTION = 0.5
 #: Connections one eviction looks at before it gives up (see ``_oldest_settled``).
 EVICT_LOOKS = 64
 
@@ -802,19 +807,21 @@ class BootstrapServer:
     def _victim(self) -> _Guard | None:
         """The connection to close to make room, never one being answered (HTTP-71).
 
-        First a stalled one: mid-request (headers or body), or silent since it connected, for
-        longer than EVICT_GRACE (a legitimate client sends its request within milliseconds),
-        the oldest first. Else the least recently active idle one, whatever how many requests
-        it made: a client that asks once a second has no better claim to a connection than a
-        newcomer, and one that was closed reconnects on its next request. A connection active
-        within the last EVICT_GRACE is spared: closing it would swap one client in mid-
-        conversation for another (its reconnect would evict the next), so while every
+        First a stalled one: open for longer than EVICT_GRACE without completing its first
+        request, or mid-request (headers or body) for that long after an answered one (a
+        legitimate client sends its request within milliseconds), the oldest first. Else the
+        least recently active idle one, whatever how many requests it made: a client that asks
+        once a second has no better claim to a connection than a newcomer, and one that was
+        closed reconnects on its next request. An idle one answered
+        within the last IDLE_BEFORE_EVICTION is spared: closing it would swap one client in
+        mid-conversation for another (its reconnect would evict the next), and under a churn
+        of young attackers it would be the only one old enough to close; so while every
         connection is that busy, newcomers wait in the backlog instead. None when nothing may
         be closed now (the accept loop pauses instead).
         """
-        settled = self._now() - EVICT_GRACE
-        return self._oldest_settled(self._pending, settled) or self._oldest_settled(
-            self._answered, settled
+        now = self._now()
+        return self._oldest_settled(self._pending, now - EVICT_GRACE) or self._oldest_settled(
+            self._answered, now - IDLE_BEFORE_EVICTION
         )
 
     def _evict(self, victim: _Guard) -> None:
@@ -825,7 +832,9 @@ class BootstrapServer:
 
     @staticmethod
     def _oldest_settled(conns: OrderedDict[_Guard, None], settled: float) -> _Guard | None:
-        """The first connection of ``conns`` (ordered by ``since``) that may be evicted.
+        """The first connection of ``conns`` that may be evicted, in their recency order: by
+        ``born`` until a connection's first answer (a connection open for EVICT_GRACE without
+        completing a request is stalled, whatever bytes it trickles), by ``since`` after.
 
         One whose next request already waits unread is passed over: on a busy loop that client
         is active though ``since`` is old, and closing it would fail the request it sent. At
@@ -833,7 +842,7 @@ class BootstrapServer:
         accepts (the caller's fallback) is the right answer to overload.
         """
         for looked, guard in enumerate(conns):
-            if guard.since > settled or looked >= EVICT_LOOKS:
+            if (guard.since if guard.served else guard.born) > settled or looked >= EVICT_LOOKS:
                 return None  # every later one is more recent still
             if guard.phase != BUSY and not guard.has_unread_bytes():
                 return guard
@@ -845,11 +854,14 @@ class BootstrapServer:
         self._peak = max(self._peak, self._open())
 
     def _progress(self, guard: _Guard, phase: int) -> None:
-        """``guard`` enters ``phase`` now: restart its clock and move it to the recent end."""
+        """``guard`` enters ``phase`` now: restart its clock and move it to the recent end of
+        its recency order (one that never completed a request keeps its place by ``born``)."""
         guard.phase = phase
         guard.since = self._now()
         if guard not in self._pending and guard not in self._answered:
             return  # closed already (a deadline or an eviction): it stays out
+        if not guard.served:
+            return  # still in _pending, where it stays until its first answer
         self._release(guard)
         if phase == IDLE and guard.served:
             self._answered[guard] = None
