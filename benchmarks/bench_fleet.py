@@ -42,6 +42,7 @@ from pathlib import Path
 
 from statemachine.decode.client import BootstrapClient, register_rank
 from statemachine.errors import BootstrapError
+from statemachine.prefill.readiness import read_ready
 from statemachine.registration import route_payload
 
 _TESTS = Path(__file__).resolve().parent.parent / "tests"
@@ -302,12 +303,15 @@ class FleetChild:
     def __init__(self, address: str, clients: int, seconds: float) -> None:
         self.proc = _child(["--fleet", address, str(clients), str(seconds)])
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("READY "):
+        try:  # the ramp, then up to 10 s for the last connections
+            words = read_ready(self.proc.stdout.fileno(), time.monotonic() + 120)
+        except TimeoutError:
+            words = None
+        if not words:
             self.proc.kill()
             _, err = self.proc.communicate(timeout=30)
-            raise RuntimeError(f"the fleet did not start: {line!r} {err[-2000:]!r}")
-        self.connected = int(line.split()[1])
+            raise RuntimeError(f"the fleet did not start: {err[-2000:]!r}")
+        self.connected = int(words[0])
 
     def wait(self) -> dict[str, int]:
         try:
