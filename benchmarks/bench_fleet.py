@@ -40,10 +40,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from statemachine.decode.client import BootstrapClient, register_rank
+from statemachine.decode.client import BootstrapClient
 from statemachine.errors import BootstrapError
 from statemachine.prefill.readiness import read_ready
-from statemachine.registration import route_payload
+from statemachine.prefill.registration import register_rank
+from statemachine.wire.http import route_payload
 
 _TESTS = Path(__file__).resolve().parent.parent / "tests"
 TOKEN = "bench-fleet"

@@ -2,7 +2,7 @@
 
 ``DecodePreallocQueue`` and ``DecodeTransferQueue`` of the 0.5.23 wheel are built by their own
 constructors (tests/sglang_decode_support.py: stand-ins only for the GPU pools, the scheduler
-and torch's one-rank group) after ``statemachine.sglang.v0_5_23.install()``; the prefill is
+and torch's one-rank group) after ``statemachine.sglang.decode_worker.install()``; the prefill is
 SGLang's own bootstrap server and a prefill-mode ``CommonKVManager`` registered by SGLang's
 ``register_to_bootstrap``, whose PULL socket the test reads, parsing every frame with SGLang's
 own parsers, and whose status sender reports back.
@@ -57,8 +57,8 @@ from sglang_support import sglang_prefill_rank as prefill_rank
 from sglang_wire_support import mooncake_module
 
 from statemachine.errors import ConfigurationError
-from statemachine.sglang import v0_5_23
-from statemachine.sglang.v0_5_23 import scheduler as ours
+from statemachine.sglang.v0_5_23 import decode_worker
+from statemachine.sglang.v0_5_23.decode_worker import scheduler as ours
 
 pytestmark = requires_sglang
 
@@ -84,7 +84,7 @@ def prefill() -> Iterator[tuple[str, Any]]:
 
 @pytest.fixture
 def installed() -> Iterator[None]:
-    with v0_5_23.install(["mooncake"]), mooncake_engine(StandInMooncakeEngine()):
+    with decode_worker.install(["mooncake"]), mooncake_engine(StandInMooncakeEngine()):
         yield
 
 
@@ -209,8 +209,8 @@ def test_install_answers_ours_for_the_chosen_backends_and_uninstall_restores_sgl
     manager, receiver = utils.KVClassType.MANAGER, utils.KVClassType.RECEIVER
     mooncake, nixl = utils.TransferBackend.MOONCAKE, utils.TransferBackend.NIXL
     sglangs = decode.get_kv_class
-    with v0_5_23.install(["nixl"]) as installation:
-        assert v0_5_23.installed() == {"nixl"}
+    with decode_worker.install(["nixl"]) as installation:
+        assert decode_worker.installed() == {"nixl"}
         assert decode.get_kv_class(nixl, manager) is ours.NixlKVManager
         assert decode.get_kv_class(nixl, receiver) is ours.NixlKVReceiver
         # Everything else stays SGLang's: other backends, KVArgs, the prefill's classes.
@@ -223,29 +223,29 @@ def test_install_answers_ours_for_the_chosen_backends_and_uninstall_restores_sgl
         )
         assert utils.get_kv_class is sglangs  # only the name decode.py holds changed
         with pytest.raises(ConfigurationError, match="already installed"):
-            v0_5_23.install(["mooncake"])
-    assert decode.get_kv_class is sglangs and v0_5_23.installed() == frozenset()
+            decode_worker.install(["mooncake"])
+    assert decode.get_kv_class is sglangs and decode_worker.installed() == frozenset()
     installation.uninstall()  # idempotent
-    v0_5_23.install()
+    decode_worker.install()
     assert decode.get_kv_class(mooncake, manager) is ours.MooncakeKVManager
-    v0_5_23.uninstall()
+    decode_worker.uninstall()
     assert decode.get_kv_class is sglangs
 
 
 def test_install_refuses_another_sglang_release_and_unknown_backends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from statemachine.sglang.v0_5_23 import installer
+    from statemachine.sglang.v0_5_23.decode_worker import installer
 
     monkeypatch.setattr(installer, "_installed_version", lambda: "0.5.22")
     with pytest.raises(ConfigurationError, match=r"SGLang 0\.5\.22 is installed.*0\.5\.23"):
-        v0_5_23.install()
+        decode_worker.install()
     monkeypatch.setattr(installer, "_installed_version", lambda: None)
     with pytest.raises(ConfigurationError, match=r"not installed.*sglang==0\.5\.23"):
-        v0_5_23.install()
+        decode_worker.install()
     with pytest.raises(ConfigurationError, match="mori"):
-        v0_5_23.install(["mori"])
-    assert v0_5_23.installed() == frozenset()
+        decode_worker.install(["mori"])
+    assert decode_worker.installed() == frozenset()
 
 
 @requires_sglang
@@ -314,7 +314,7 @@ def test_the_launcher_installs_in_the_processes_sglang_spawns() -> None:
         check=False,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-1] == "statemachine.sglang.v0_5_23.scheduler"
+    assert run.stdout.split()[-1] == "statemachine.sglang.v0_5_23.decode_worker.scheduler"
 
 
 @requires_sglang
@@ -324,7 +324,7 @@ def test_a_retract_rebootstrap_fails_typed_and_memory_release_deregisters_the_bu
     addr, rank = prefill
     engine = StandInMooncakeEngine()
     with (
-        v0_5_23.install(["mooncake"]),
+        decode_worker.install(["mooncake"]),
         mooncake_engine(engine),
         decode_queues("mooncake") as (prealloc, transfer),
     ):

@@ -41,7 +41,7 @@ from real_prefill.harness import Layout, RealPrefill, wrong_pages
 from sglang_decode_support import KVPool, MetadataBuffers, Req, decode_queues, pages
 from sglang_support import import_sglang, requires_sglang
 
-from statemachine.sglang import v0_5_23
+from statemachine.sglang.v0_5_23 import decode_worker
 
 pytestmark = [requires_sglang, pytest.mark.slow]
 
@@ -184,7 +184,7 @@ def restart_run(classes: str, port: int, rooms: Iterator[int]) -> Run:
     prefill = RealPrefill("mooncake", layout=LAYOUT, bootstrap_port=port)
     pool = KVPool(buffers=GEOMETRY.buffers, pages=GEOMETRY.slots, page_bytes=GEOMETRY.item_len)
     metadata = MetadataBuffers(GEOMETRY.aux_slots, GEOMETRY.aux_item_len)
-    installed = v0_5_23.install(["mooncake"]) if classes == "installed" else nullcontext()
+    installed = decode_worker.install(["mooncake"]) if classes == "installed" else nullcontext()
     with ExitStack() as stack:
         stack.callback(prefill.close)
         prefill.start()
@@ -322,7 +322,7 @@ def test_the_nixl_classes_receive_real_bytes_from_sglangs_prefill(
     conn = import_sglang()
     from sglang_support import make_kv_args, set_sglang_ranks, sglang_server_args
 
-    from statemachine.sglang.v0_5_23 import scheduler as ours
+    from statemachine.sglang.v0_5_23.decode_worker import scheduler as ours
 
     pool = KVPool(buffers=GEOMETRY.buffers, pages=GEOMETRY.slots, page_bytes=GEOMETRY.item_len)
     metadata = MetadataBuffers(GEOMETRY.aux_slots, GEOMETRY.aux_item_len)

@@ -3,12 +3,11 @@
 SGLang has no plug-in point for them: ``decode.py`` imports ``get_kv_class`` by name from
 ``sglang.srt.disaggregation.utils`` and asks it for the manager (``decode.py:765``) and for one
 receiver per request (``decode.py:905``). :func:`install` replaces the name ``decode.py``
-holds with a function that answers the classes of
-:mod:`statemachine.sglang.v0_5_23.scheduler` for the chosen transfer backends and defers to
-SGLang's own for everything else (KVArgs, the prefill's sender and bootstrap server, other
-backends). Nothing else of SGLang is touched; :func:`uninstall` (or leaving the ``with`` block)
-puts SGLang's function back. Only SGLang 0.5.23 is accepted: another release is refused, since
-these classes follow 0.5.23's decode code line by line.
+holds with a function that answers the classes of :mod:`.scheduler` for the chosen transfer backends
+and defers to SGLang's own for everything else (KVArgs, the prefill's sender and bootstrap server,
+other backends). Nothing else of SGLang is touched; :func:`uninstall` (or leaving the ``with``
+block) puts SGLang's function back. Only SGLang 0.5.23 is accepted: another release is refused,
+since these classes follow 0.5.23's decode code line by line.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 from statemachine.errors import ConfigurationError
-from statemachine.sglang.v0_5_23 import scheduler
+from statemachine.sglang.v0_5_23.decode_worker import scheduler
 
 __all__ = ["BACKENDS", "Installation", "install", "install_on_import", "installed", "uninstall"]
 
@@ -170,8 +169,9 @@ class _InstallAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install_on_import(backends: Iterable[str] = ("mooncake", "nixl")) -> None:
     """:func:`install` as soon as SGLang's ``decode.py`` is imported in this process (at once
     if it already is). For a launcher whose module body runs again in every process SGLang
-    spawns (``statemachine.sglang.v0_5_23.launch_server``): SGLang starts its schedulers with
-    the ``spawn`` method, so a patch made in the launching process does not reach them."""
+    spawns (``statemachine.sglang.v0_5_23.decode_worker.launch_server``): SGLang starts its
+    schedulers with the ``spawn`` method, so a patch made in the launching process does not
+    reach them."""
     wanted = frozenset(backends)
     if _DECODE_MODULE in sys.modules:
         install(wanted)

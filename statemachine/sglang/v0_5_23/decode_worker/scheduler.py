@@ -6,7 +6,7 @@ per process; ``decode.py:905-911``: one receiver per request). The classes here 
 constructors and the members ``decode.py`` uses, and are built on one :class:`DecodeManager`
 per process and its receivers, so the scheduler's requests get this library's recovery (a dead
 or replaced prefill fails the requests that depend on it at once, typed) while the scheduler's
-own code stays SGLang's. :func:`statemachine.sglang.v0_5_23.install` puts them in
+own code stays SGLang's. :func:`statemachine.sglang.v0_5_23.decode_worker.install` puts them in
 place; ``docs/sglang-decode.md`` says what changes and what is refused.
 
 SGLang itself is imported only when a manager is built (``sglang`` is not a dependency of this

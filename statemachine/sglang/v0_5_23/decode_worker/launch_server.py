@@ -1,4 +1,4 @@
-"""``python -m statemachine.sglang.v0_5_23.launch_server <SGLang's launch_server arguments>``.
+"""``python -m statemachine.sglang.v0_5_23.decode_worker.launch_server <SGLang's arguments>``.
 
 SGLang 0.5.23's own ``sglang.launch_server``, with this library's decode classes installed in
 every process that imports SGLang's ``decode.py``. SGLang starts its scheduler processes with
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import runpy
 
-from statemachine.sglang.v0_5_23.installer import install_on_import
+from statemachine.sglang.v0_5_23.decode_worker.installer import install_on_import
 
 #: The transfer backends whose decode classes are replaced, from the environment.
 BACKENDS = tuple(
