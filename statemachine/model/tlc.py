@@ -24,6 +24,8 @@ Exit 0 when everything agrees (or when skipped), 1 on any disagreement, 2 on a u
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import os
 import re
 import shutil
@@ -224,23 +226,38 @@ def compare_all(
     cfg_paths: Iterable[Path] | None = None,
     mutations: Iterable[SpecMutation] = MUTATION_TABLE,
     report: Callable[[str], None] = print,
+    workers: int | None = None,
 ) -> list[Comparison]:
-    """Every cfg, then every mutation: the mirror, and TLC when ``jar`` is given."""
+    """Every cfg, then every mutation: the mirror, and TLC when ``jar`` is given.
+
+    Rows are compared ``workers`` at a time (default: one per core, at most 4) and reported in
+    table order. Each TLC run is a single-worker JVM, so most of a row's time is a child process
+    the others can overlap with; the mirror's own search holds the GIL and gains little."""
     spec_text = (TLA_DIR / SPEC_NAME).read_text(encoding="utf-8")
+    jobs: list[Callable[[], Comparison]] = [
+        functools.partial(_compare_cfg, path, spec_text, jar, timeout)
+        for path in (configs(ci_only) if cfg_paths is None else cfg_paths)
+    ]
+    jobs += [functools.partial(_compare_mutation, mutation, jar, timeout) for mutation in mutations]
+    count = workers if workers is not None else min(4, os.cpu_count() or 1)
     rows: list[Comparison] = []
-    for path in configs(ci_only) if cfg_paths is None else cfg_paths:
-        row = compare(path.name, load(path), spec_text, path, jar, timeout)
-        report(row.row())
-        rows.append(row)
-    for mutation in mutations:
-        with tempfile.TemporaryDirectory(prefix="mutation-") as work:
-            cfg = write_mutated(mutation, Path(work))
-            text = (Path(work) / SPEC_NAME).read_text(encoding="utf-8")
-            label = f"{mutation.name} on {mutation.cfg}"
-            row = compare(label, load_mutated(mutation), text, cfg, jar, timeout, mutation.violates)
-        report(row.row())
-        rows.append(row)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, count)) as pool:
+        for row in pool.map(lambda job: job(), jobs):
+            report(row.row())
+            rows.append(row)
     return rows
+
+
+def _compare_cfg(path: Path, spec_text: str, jar: str | None, timeout: float) -> Comparison:
+    return compare(path.name, load(path), spec_text, path, jar, timeout)
+
+
+def _compare_mutation(mutation: SpecMutation, jar: str | None, timeout: float) -> Comparison:
+    with tempfile.TemporaryDirectory(prefix="mutation-") as work:
+        cfg = write_mutated(mutation, Path(work))
+        text = (Path(work) / SPEC_NAME).read_text(encoding="utf-8")
+        label = f"{mutation.name} on {mutation.cfg}"
+        return compare(label, load_mutated(mutation), text, cfg, jar, timeout, mutation.violates)
 
 
 def jar_from_environment() -> str | None:
