@@ -8,6 +8,11 @@ generations involved by identity (``spec/manager.md`` MGR-1..6). The fan-out nev
 another thread's receiver: it stores the reason on it (``lose``: one attribute store) and the
 owner's next call fires ``PeerLost``.
 
+The transport's verdicts are also evidence about a failed room's KV (MGR-15): a proven exit
+(ZMQ-26: the port refused a connect) is recorded with the deferred release
+(:meth:`FanOut.process_exited`), so a room whose every writer exited is released at once; any
+other dead verdict is silence and releases nothing (traced as ``SilenceSeen``).
+
 Also here, because they follow the same generations: the keys known dead (a miss on one fails
 at once, :mod:`statemachine.decode.dead_keys`, off unless a recheck time is given), and the
 sockets of the generations this process published, retained in the transport until no pool
@@ -19,8 +24,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
+from statemachine import trace
 from statemachine.decode.dead_keys import DeadKeys
-from statemachine.decode.ranks.transport import Endpoint, ZmqTransport, endpoint_url
+from statemachine.decode.holds import RESET_SEEN, AbortHolds, instance_label
+from statemachine.decode.ranks.transport import (
+    EXIT_PROVEN,
+    Endpoint,
+    ZmqTransport,
+    endpoint_url,
+)
 from statemachine.decode.rooms import InFlight, Rooms, entries_of, items_of
 from statemachine.decode.routes import Routes
 from statemachine.decode.source import BootstrapSource
@@ -52,6 +64,7 @@ class FanOut:
         dead_keys: DeadKeys,
         hold_off_dead: bool,
         clock: Callable[[], float],
+        holds: AbortHolds | None = None,
     ) -> None:
         self._rooms = rooms
         self._routes = routes
@@ -63,6 +76,8 @@ class FanOut:
         #: local store costs microseconds to ask and sees a new registration at once)
         self._hold_off_dead = hold_off_dead and source.health_by_probes
         self._clock = clock
+        #: the deferred KV release the transport's exit proofs go to (MGR-15)
+        self._holds = holds
         self._lock = threading.Lock()
         self._retained: dict[Generation, tuple[Endpoint, ...]] = {}
         #: pool entries removed, by what removed them (the lifecycle event or the evidence)
@@ -125,9 +140,27 @@ class FanOut:
     def on_endpoint(self, endpoint: Endpoint, alive: bool, reason: str) -> None:
         """Transport listener: an endpoint was found dead (evidence) or back."""
         if not alive:
-            self.endpoint_dead(endpoint_url(endpoint), reason)
+            url = endpoint_url(endpoint)
+            if trace.ENABLED and EXIT_PROVEN not in reason:
+                self._trace_silence(url)
+            self.endpoint_dead(url, reason)
         else:
             self.dead_keys.forget_endpoint(endpoint_url(endpoint))
+
+    def process_exited(self, endpoint: Endpoint, reason: str) -> None:
+        """Transport exit listener (ZMQ-26, before the dead verdict): the rank's process at
+        ``endpoint`` is gone, proof for the KV of every room its generations told."""
+        url = endpoint_url(endpoint)
+        if self._holds is not None:
+            self._holds.proven_gone(url, self._generations_using(url), RESET_SEEN)
+
+    def _trace_silence(self, url: str) -> None:
+        """A dead verdict that is not an exit: silence about every process told at ``url``."""
+        named = self._generations_using(url)
+        if self._holds is not None:
+            named |= self._holds.generations_at(url)
+        for generation in named:
+            trace.emit("SilenceSeen", endpoint=url, instance=instance_label(generation))
 
     def endpoint_dead(self, url: str, reason: str) -> int:
         generations = self._generations_using(url)
