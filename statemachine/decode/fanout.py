@@ -140,10 +140,7 @@ class FanOut:
     def on_endpoint(self, endpoint: Endpoint, alive: bool, reason: str) -> None:
         """Transport listener: an endpoint was found dead (evidence) or back."""
         if not alive:
-            url = endpoint_url(endpoint)
-            if trace.ENABLED and EXIT_PROVEN not in reason:
-                self._trace_silence(url)
-            self.endpoint_dead(url, reason)
+            self.endpoint_dead(endpoint_url(endpoint), reason)
         else:
             self.dead_keys.forget_endpoint(endpoint_url(endpoint))
 
@@ -163,6 +160,8 @@ class FanOut:
             trace.emit("SilenceSeen", endpoint=url, instance=instance_label(generation))
 
     def endpoint_dead(self, url: str, reason: str) -> int:
+        if trace.ENABLED and EXIT_PROVEN not in reason:
+            self._trace_silence(url)  # a verdict or a failed send that proves no exit
         generations = self._generations_using(url)
         if not generations:
             return 0
