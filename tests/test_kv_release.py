@@ -119,8 +119,10 @@ def test_mgr_15_a_killed_prefills_rooms_are_released_without_the_timeout(tmp_pat
         assert all(isinstance(v.failure, RankDead) for v in victims)
         assert "the process exited" in str(victims[0].failure)
         assert held(manager) == len(ROOMS)  # armed: the metadata had gone out
-        assert wait_until(lambda: manager.transport.stats().exits == len(prefill.ranks))
-        assert all(manager.kv_release(room) for room in ROOMS)
+        # One verdict may end the requests and close the other rank's socket before its own
+        # verdict: the fan-out then asks that rank's port itself (refused: proof too).
+        assert manager.transport.stats().exits >= 1
+        assert wait_until(lambda: all(manager.kv_release(room) for room in ROOMS))
         stats = manager.kv_holds()
         assert (stats.held, stats.released_by_proof) == (0, len(ROOMS))
         assert (stats.released_by_acks, stats.released_by_timeout) == (0, 0)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from statemachine import trace
 from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.holds import RESET_SEEN, AbortHolds, instance_label
+from statemachine.decode.ranks.exit_probe import connect_refused
 from statemachine.decode.ranks.transport import (
     EXIT_PROVEN,
     Endpoint,
@@ -146,10 +147,28 @@ class FanOut:
 
     def process_exited(self, endpoint: Endpoint, reason: str) -> None:
         """Transport exit listener (ZMQ-26, before the dead verdict): the rank's process at
-        ``endpoint`` is gone, proof for the KV of every room its generations told."""
+        ``endpoint`` is gone, proof for the KV of every room its generations told.
+
+        The other ranks of those generations are asked at once too: ranks that die together
+        (a whole prefill killed) would otherwise race their own verdicts, and the first one
+        ends the requests and closes the others' sockets before theirs arrive, leaving those
+        rooms held until the timeout. A refused connect is the proof either way."""
+        if self._holds is None:
+            return
         url = endpoint_url(endpoint)
-        if self._holds is not None:
-            self._holds.proven_gone(url, self._generations_using(url), RESET_SEEN)
+        generations = self._generations_using(url) | self._holds.generations_at(url)
+        self._holds.proven_gone(url, generations, RESET_SEEN)
+        others = {
+            (rank.ip, rank.port)
+            for generation in generations
+            for rank in generation.ranks
+            if (rank.ip, rank.port) != endpoint
+        }
+        for other in others:
+            if connect_refused(other):
+                other_url = endpoint_url(other)
+                named = self._generations_using(other_url) | self._holds.generations_at(other_url)
+                self._holds.proven_gone(other_url, named, RESET_SEEN)
 
     def _trace_silence(self, url: str) -> None:
         """A dead verdict that is not an exit: silence about every process told at ``url``."""
