@@ -49,6 +49,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def token(generation: object) -> int:
+    """The small integer a generation is written as in this trace (stable while tracing)."""
+    with _lock:
+        return _token(generation)
+
+
 def reserve() -> int:
     """Take the next sequence number now, for an event written later with ``emit(seq=...)``.
 

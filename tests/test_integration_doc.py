@@ -58,6 +58,7 @@ def test_worked_example_survives_a_restart_and_leaves_nothing_behind() -> None:
     port = int(addr.rsplit(":", 1)[1])
     manager = code["make_manager"]()
     run_request = code["run_request"]
+    pages_free = code["pages_free"]
     rooms = iter(range(1, 10_000))
     try:
         for _ in range(5):
@@ -68,14 +69,22 @@ def test_worked_example_survives_a_restart_and_leaves_nothing_behind() -> None:
         prefill = start(port)
         failures: list[BootstrapError] = []
         deadline = time.monotonic() + RECOVERY_LIMIT_S
-        while (failure := run_request(manager, addr, next(rooms), [4, 5])) is not None:
+        failed_rooms = []
+        while (failure := run_request(manager, addr, room := next(rooms), [4, 5])) is not None:
             assert isinstance(failure, BootstrapError)
             failures.append(failure)
+            failed_rooms.append(room)
             assert time.monotonic() < deadline, failures
+        # The failed rooms' pages come free without kv_release_timeout_s (30 s): each was held
+        # only while a rank told its pages could still write (MGR-15).
+        while not all(pages_free(manager, room) for room in failed_rooms):
+            assert time.monotonic() < deadline, manager.kv_holds()
+            time.sleep(0.01)
+        assert manager.kv_holds().released_by_timeout == 0
         for _ in range(3):
             assert run_request(manager, addr, next(rooms), [6]) is None
         stats = manager.stats()
-        assert stats.in_flight == 0
+        assert stats.in_flight == 0 and stats.kv_held == 0
         assert manager.acks is not None and manager.acks.stats().expected == 0
         # Only the new instance's generation is retained; the old ranks' sockets are closed.
         live = {(r.ip, r.port) for g in manager.pool.snapshot().values() for r in g.ranks}

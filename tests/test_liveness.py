@@ -6,7 +6,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statemachine.decode.ranks.liveness import ALIVE, DEAD, EVENTS, Liveness
+from statemachine.decode.ranks.liveness import ALIVE, ATTEMPT_FAILED, DEAD, EVENTS, Liveness
 
 HANDSHAKE = zmq.EVENT_HANDSHAKE_SUCCEEDED
 DISCONNECTED = zmq.EVENT_DISCONNECTED
@@ -85,15 +85,19 @@ EVENT = st.sampled_from(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(EVENT, st.floats(0, 0.2)), max_size=40))
 def test_zmq16_verdicts_alternate_and_follow_the_rule(steps: list[tuple[object, float]]) -> None:
-    """Property over any event sequence: DEAD is reported at most once until the next
-    handshake; every handshake reports ALIVE and clears the verdict; DEAD never comes while a
-    connection is up; a disconnect alone never gives DEAD before the grace has passed."""
+    """Property over any event sequence: DEAD is reported once until the next handshake, or
+    twice when a silent verdict is followed by a failed connect attempt (ZMQ-26: the transport
+    then asks whether the process exited); every handshake reports ALIVE and clears the
+    verdict; DEAD never comes while a connection is up; a disconnect alone never gives DEAD
+    before the grace has passed."""
     live = Liveness(grace_s=0.1)
     now = 0.0
     dead_reported = False
+    upgraded = False
     for event, delay in steps:
         now += delay
         was_connected = live.connected
+        reason_before = live.dead_reason
         if event == "tick":
             verdict = live.tick(now)
         elif event == "send_failed":
@@ -103,9 +107,12 @@ def test_zmq16_verdicts_alternate_and_follow_the_rule(steps: list[tuple[object, 
             verdict = live.on_event(event, now)
         if event == HANDSHAKE:
             assert verdict is ALIVE and live.dead_reason is None
-            dead_reported = False
+            dead_reported = upgraded = False
         elif verdict is DEAD:
-            assert not dead_reported, "DEAD twice without a handshake in between"
+            if dead_reported:
+                assert not upgraded, "DEAD three times without a handshake in between"
+                assert reason_before not in ATTEMPT_FAILED and live.dead_reason in ATTEMPT_FAILED
+                upgraded = True
             assert not was_connected or event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             if event == "tick":
                 assert live.disconnected_at is not None

@@ -559,11 +559,16 @@ def test_mgr_15_reference_ranks_acknowledge_the_timeout_abort_and_release_the_kv
 
 def test_mgr_15_holds_count_only_the_current_generation_and_stay_bounded() -> None:
     from statemachine.decode.holds import AbortHolds
+    from statemachine.pool import Generation
+
+    def ranks(n: int) -> list[tuple[str, Generation]]:
+        told = Generation(())
+        return [(f"tcp://127.0.0.1:{9000 + i}", told) for i in range(n)]
 
     now = [0.0]
     holds = AbortHolds(30.0, lambda: now[0], max_rooms=2)
-    first = holds.hold(1, ranks=2)
-    second = holds.hold(1, ranks=2)  # a new ABORT for the room: a new generation replaces it
+    first = holds.hold(1, ranks(2))
+    second = holds.hold(1, ranks(2))  # a new ABORT for the room: a new generation replaces it
     assert second == first + 1 and holds.generation(1) == second
     assert not holds.acked(AbortAck(1, 0, first))  # the old generation: stale
     assert not holds.acked(AbortAck(1, 0, None))  # a legacy ack names no generation
@@ -571,9 +576,9 @@ def test_mgr_15_holds_count_only_the_current_generation_and_stay_bounded() -> No
     assert not holds.acked(AbortAck(9, 0, second))  # a room not held
     assert holds.acked(AbortAck(1, 0, second)) and not holds.released(1)
     assert holds.acked(AbortAck(1, 1, second)) and holds.released(1)
-    holds.hold(2, ranks=1)
-    holds.hold(3, ranks=1)
-    holds.hold(4, ranks=1)  # past max_rooms: the oldest (room 2) is given up
+    holds.hold(2, ranks(1))
+    holds.hold(3, ranks(1))
+    holds.hold(4, ranks(1))  # past max_rooms: the oldest (room 2) is given up
     assert holds.released(2) and not holds.released(3) and not holds.released(4)
     now[0] = 30.0
     assert holds.released(3)

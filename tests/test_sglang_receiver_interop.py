@@ -33,7 +33,7 @@ from test_sglang_receiver import PLAN2, Prefill, manager_of, prefill_of, pusher
 
 from statemachine.completion import KVPoll
 from statemachine.decode.plan import DecodeLayout, RankPlan
-from statemachine.errors import FailedOnAnotherRank, TransferFailed
+from statemachine.errors import FailedOnAnotherRank, TopologyMismatch, TransferFailed
 
 pytestmark = requires_sglang
 
@@ -395,3 +395,46 @@ def test_a_handshake_never_answered_times_out_with_a_legacy_abort() -> None:
     assert theirs == mine
     assert mine.polls == (int(KVPoll.Bootstrapping), FAILED)
     assert mine.received == ((("bootstrap", room, 4), ("abort", room, 4)),)
+
+
+def test_a_prefill_complete_prefill_fails_a_decode_without_a_layout_at_once() -> None:
+    """Issue 27 item 3 (MGR-16): SGLang's receiver with its default policy (``early``) fails a
+    ``prefill_complete`` prefill in ``init()`` with "Disaggregation decode allocation policy
+    mismatch" (``common/conn.py:2527-2542``), telling no rank anything. A DecodeManager made
+    without a DecodeLayout has that same default and fails the same way at once — it used to
+    accept the prefill and wait out its timeout, since such a prefill answers only decodes that
+    sent BOOTSTRAP — with a TopologyMismatch naming both policies and the setting to change."""
+    room = 109
+    with (
+        prefill_of(tp=1, decode_allocation_policy=POLICY) as prefill,
+        sglang_decode(prefill) as (conn, manager),  # the default policy
+    ):
+        receiver = conn.CommonKVReceiver(manager, prefill.addr, room)
+        receiver.init(0)
+        polls = [_poll(receiver.poll())]
+        try:
+            receiver.failure_exception()
+        except Exception as error:
+            sglang_reason = str(getattr(error, "failure_reason", error))
+        theirs = Outcome(tuple(polls), "policy mismatch", _received(prefill, room))
+    assert "Disaggregation decode allocation policy mismatch" in sglang_reason
+    assert "prefill=prefill_complete, decode=early" in sglang_reason
+
+    with prefill_of(tp=1, decode_allocation_policy=POLICY) as prefill, manager_of() as ours:
+        # No layout, as a new user would start: a plan from plan_for (which fetches the
+        # topology), and the derived plan (init() fetches it).
+        given = ours.receiver(prefill.addr, room + 1, ours.plan_for(prefill.addr))
+        assert _poll(given.init()) == FAILED
+        derived = ours.receiver(prefill.addr, room, prefill_dp_rank=0)
+        polls = [_poll(derived.init())]
+        error = derived.failure
+        label = "policy mismatch" if isinstance(error, TopologyMismatch) else repr(error)
+        mine = Outcome(tuple(polls), label, _received(prefill, room))
+        assert isinstance(given.failure, TopologyMismatch)
+
+    assert theirs == mine
+    assert mine.polls == (FAILED,) and mine.received == ((),)
+    text = str(error)
+    assert "prefill=prefill_complete, decode=early" in text
+    assert "--disaggregation-decode-allocation-policy" in text
+    assert "DecodeManager(layout=DecodeLayout(decode_allocation_policy='prefill_complete'" in text

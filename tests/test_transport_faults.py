@@ -25,7 +25,7 @@ from zmq_support import (
     with_deadline,
 )
 
-from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.decode.ranks.transport import EXIT_PROVEN, ZmqTransport
 from statemachine.errors import SendFailed
 
 # Longer than any verdict takes, so a send that returns well before it did not wait for it.
@@ -67,7 +67,8 @@ def test_zmq16_a_killed_peer_is_reported_dead_and_its_sends_fail_fast() -> None:
         killed = time.monotonic()
         sink.kill()
         reason, at = verdicts.wait_for(endpoint, alive=False, timeout=SLOW_MS / 1000)
-        assert reason == "disconnected, reconnect refused"
+        assert reason == f"disconnected, reconnect refused; {EXIT_PROVEN}"  # ZMQ-26
+        assert transport.stats().exits == 1
         assert at - killed < 2.0
         assert transport.is_down(endpoint)
         stalls = [_timed_send(transport, endpoint) for _ in range(5)]
@@ -110,7 +111,9 @@ def test_zmq19_first_send_to_a_dead_port_fails_on_the_verdict() -> None:
         endpoint = (LOOPBACK, dead_port())
         stall, ok = _timed_send(transport, endpoint)
         assert not ok and stall < 2.0
-        assert verdicts.wait_for(endpoint, alive=False)[0] == "connect refused"
+        # and the probe confirms the refusal: an exit (ZMQ-26)
+        reason = verdicts.wait_for(endpoint, alive=False)[0]
+        assert reason == f"connect refused; {EXIT_PROVEN}"
         # Nobody retains it: closed at once, no reconnect attempts while idle, verdict held.
         assert wait_until(lambda: transport.stats().sockets_open == 0)
         time.sleep(0.05)  # the monitor reads its last event (MONITOR_STOPPED) and closes

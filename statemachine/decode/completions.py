@@ -10,8 +10,8 @@ Messages for rooms not in flight, and stale ABORT_ACKs, are dropped and counted.
 
 Outbound, to the room's prefill ranks: the BOOTSTRAP handshake and the ABORT, told once per
 room (legacy before the metadata, with a generation after it); an ABORT with a generation
-holds the room's KV until every rank acknowledged it or the release timeout passed
-(:mod:`statemachine.decode.holds`, MGR-15).
+holds the room's KV until every rank acknowledged it, every rank is proven gone, or the release
+timeout passed (:mod:`statemachine.decode.holds`, MGR-15).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from statemachine.backend import KVBackend
 from statemachine.completion import AbortAck, KVPoll, PrefillEvent
 from statemachine.decode.fanout import note_evidence
 from statemachine.decode.holds import AbortHolds
-from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
 from statemachine.decode.rooms import InFlight, Rooms
 from statemachine.errors import BootstrapError, SendFailed, TransferFailed
 from statemachine.wire.reference import decode_reply
@@ -111,7 +111,8 @@ class Completions:
         known-dead ones.
 
         ``armed``: the metadata went out, so the prefill may be writing our pages: the ABORT
-        carries a new generation and the room's KV is held until every rank acknowledged it.
+        carries a new generation and the room's KV is held until every rank acknowledged it
+        or is proven gone (``holds.py``).
         Otherwise SGLang's legacy ABORT (no generation), nothing held. Nothing is sent for a
         room that has no ranks yet (before ``init``): returns False.
         """
@@ -119,7 +120,10 @@ class Completions:
         backend = self.backend
         if not ranks or backend is None:
             return False
-        generation_id = self.holds.hold(receiver.room, len(ranks)) if armed else None
+        generation_id = None
+        if armed:
+            writers = [(endpoint_url((rank.ip, rank.port)), g) for g, rank in ranks]
+            generation_id = self.holds.hold(receiver.room, writers)
         for generation, rank in ranks:
             endpoint = (rank.ip, rank.port)
             if self._transport.is_down(endpoint):

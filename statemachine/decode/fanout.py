@@ -8,6 +8,11 @@ generations involved by identity (``spec/manager.md`` MGR-1..6). The fan-out nev
 another thread's receiver: it stores the reason on it (``lose``: one attribute store) and the
 owner's next call fires ``PeerLost``.
 
+The transport's verdicts are also evidence about a failed room's KV (MGR-15): a proven exit
+(ZMQ-26: the port refused a connect) is recorded with the deferred release
+(:meth:`FanOut.process_exited`), so a room whose every writer exited is released at once; any
+other dead verdict is silence and releases nothing (traced as ``SilenceSeen``).
+
 Also here, because they follow the same generations: the keys known dead (a miss on one fails
 at once, :mod:`statemachine.decode.dead_keys`, off unless a recheck time is given), and the
 sockets of the generations this process published, retained in the transport until no pool
@@ -19,8 +24,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
+from statemachine import trace
 from statemachine.decode.dead_keys import DeadKeys
-from statemachine.decode.ranks.transport import Endpoint, ZmqTransport, endpoint_url
+from statemachine.decode.holds import RESET_SEEN, AbortHolds, instance_label
+from statemachine.decode.ranks.exit_probe import connect_refused
+from statemachine.decode.ranks.transport import (
+    EXIT_PROVEN,
+    Endpoint,
+    ZmqTransport,
+    endpoint_url,
+)
 from statemachine.decode.rooms import InFlight, Rooms, entries_of, items_of
 from statemachine.decode.routes import Routes
 from statemachine.decode.source import BootstrapSource
@@ -52,6 +65,7 @@ class FanOut:
         dead_keys: DeadKeys,
         hold_off_dead: bool,
         clock: Callable[[], float],
+        holds: AbortHolds | None = None,
     ) -> None:
         self._rooms = rooms
         self._routes = routes
@@ -63,6 +77,8 @@ class FanOut:
         #: local store costs microseconds to ask and sees a new registration at once)
         self._hold_off_dead = hold_off_dead and source.health_by_probes
         self._clock = clock
+        #: the deferred KV release the transport's exit proofs go to (MGR-15)
+        self._holds = holds
         self._lock = threading.Lock()
         self._retained: dict[Generation, tuple[Endpoint, ...]] = {}
         #: pool entries removed, by what removed them (the lifecycle event or the evidence)
@@ -129,7 +145,42 @@ class FanOut:
         else:
             self.dead_keys.forget_endpoint(endpoint_url(endpoint))
 
+    def process_exited(self, endpoint: Endpoint, reason: str) -> None:
+        """Transport exit listener (ZMQ-26, before the dead verdict): the rank's process at
+        ``endpoint`` is gone, proof for the KV of every room its generations told.
+
+        The other ranks of those generations are asked at once too: ranks that die together
+        (a whole prefill killed) would otherwise race their own verdicts, and the first one
+        ends the requests and closes the others' sockets before theirs arrive, leaving those
+        rooms held until the timeout. A refused connect is the proof either way."""
+        if self._holds is None:
+            return
+        url = endpoint_url(endpoint)
+        generations = self._generations_using(url) | self._holds.generations_at(url)
+        self._holds.proven_gone(url, generations, RESET_SEEN)
+        others = {
+            (rank.ip, rank.port)
+            for generation in generations
+            for rank in generation.ranks
+            if (rank.ip, rank.port) != endpoint
+        }
+        for other in others:
+            if connect_refused(other):
+                other_url = endpoint_url(other)
+                named = self._generations_using(other_url) | self._holds.generations_at(other_url)
+                self._holds.proven_gone(other_url, named, RESET_SEEN)
+
+    def _trace_silence(self, url: str) -> None:
+        """A dead verdict that is not an exit: silence about every process told at ``url``."""
+        named = self._generations_using(url)
+        if self._holds is not None:
+            named |= self._holds.generations_at(url)
+        for generation in named:
+            trace.emit("SilenceSeen", endpoint=url, instance=instance_label(generation))
+
     def endpoint_dead(self, url: str, reason: str) -> int:
+        if trace.ENABLED and EXIT_PROVEN not in reason:
+            self._trace_silence(url)  # a verdict or a failed send that proves no exit
         generations = self._generations_using(url)
         if not generations:
             return 0

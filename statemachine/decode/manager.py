@@ -182,6 +182,7 @@ class DecodeManager:
         except BootstrapError as exc:
             self._close_owned()
             raise ConfigurationError(str(exc)) from exc
+        self.transport.subscribe_exits(self._fanout.process_exited)
         self.transport.subscribe(self._fanout.on_endpoint)
 
     def _build(
@@ -207,9 +208,10 @@ class DecodeManager:
             )
             self._owned.append(transport.close)
         self.transport: ZmqTransport = transport
+        kv_holds = holds.AbortHolds(config.kv_release_timeout_s, config.clock)
         self._completions = Completions(
             rooms=self._rooms,
-            holds=holds.AbortHolds(config.kv_release_timeout_s, config.clock),
+            holds=kv_holds,
             transport=self.transport,
             prefill_complete=config.prefill_complete,
             clock=config.clock,
@@ -255,6 +257,7 @@ class DecodeManager:
             dead_keys=self.dead_keys,
             hold_off_dead=config.dead_recheck_s is not None,
             clock=config.clock,
+            holds=kv_holds,
         )
         self.health: HealthMonitor | None = None
         # A source that finds dead prefills itself (etcd: the watch and the leases) needs no
@@ -395,8 +398,11 @@ class DecodeManager:
         A room whose ABORT carried a generation (sent after its metadata: on the waiting
         timeout, on any failure, on abort) is *held*: the prefill may still be writing into its
         pages. It may be freed once every rank it was sent to acknowledged that generation
-        (ABORT_ACK), or ``kv_release_timeout_s`` after the ABORT, whichever comes first; a room
-        that was never held may be freed at once. Memory is bounded (MGR-15).
+        (ABORT_ACK), once every one of them is proven gone (its port refused a connect: the
+        process exited, ZMQ-26), or ``kv_release_timeout_s`` after the ABORT, whichever comes
+        first; silence (a hang, a partition) is no proof. A room that was never held may be
+        freed at once. Ask after a request fails, before reusing its pages; memory is bounded
+        (MGR-15).
         """
         return self._completions.holds.released(room)
 

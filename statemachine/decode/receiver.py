@@ -334,6 +334,8 @@ class BootstrapReceiver:
                 else:
                     with self.window():
                         routes.check_prefill(self.addr)
+            else:  # no layout: SGLang's default policy, once the topology is known
+                routes.check_known(self.addr)
             if dp_rank is None:
                 dp_rank = self._resolve_dp_rank()
                 if dp_rank is None:

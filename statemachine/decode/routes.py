@@ -27,6 +27,10 @@ from statemachine.validation import Topology
 
 __all__ = ["AddressPlan", "Routes"]
 
+#: What a manager without a layout is, for the checks of MGR-16: SGLang's defaults (policy
+#: unset = ``early``, tp 1).
+_DEFAULT_LAYOUT = DecodeLayout()
+
 
 @dataclass(frozen=True, slots=True)
 class AddressPlan:
@@ -59,8 +63,11 @@ class Routes:
         self.layout = layout
         self._staging = staging
         self._background = background
-        #: init() runs :meth:`check_prefill` on a given plan (a layout is known)
+        #: init() runs :meth:`check_prefill` on a given plan, fetching the topology if needed
+        #: (a layout is known); without one, :meth:`check_known` checks once it is known
         self.policy_checked = layout is not None
+        #: per address, the topology a manager without a layout last checked (MGR-16)
+        self._checked: dict[str, Topology] = {}
         self._lock = threading.Lock()
         self._topologies: dict[str, Topology] = {}
         self._plans: dict[str, RankPlan] = {}
@@ -107,8 +114,7 @@ class Routes:
             return known
         topology = self.topology(addr)
         plan = self.plan_for(addr)
-        if self.policy_checked:
-            self.check_prefill(addr)
+        self.check_prefill(addr)  # with or without a layout (MGR-16)
         keys = {dp: plan.keys_for(addr, dp) for dp in range(topology.dp_size)}
         known = AddressPlan(plan, plan.required_prefill_response_num, keys)
         with self._lock:
@@ -125,6 +131,7 @@ class Routes:
         with self._lock:
             if topology is None or self._topologies.get(addr) is topology:
                 self._topologies.pop(addr, None)
+                self._checked.pop(addr, None)
                 self._plans.pop(addr, None)
                 self.known.pop(addr, None)
 
@@ -143,8 +150,8 @@ class Routes:
     def check_prefill(self, addr: str) -> None:
         """SGLang 0.5.23's ``init()`` checks (MGR-16, MGR-17): this decode's allocation policy
         equals the prefill's, ``prefill_complete`` needs a prefill of attn tp, cp and pp 1, and
-        staging (not implemented here) is refused where it would be used."""
-        assert self.layout is not None  # policy_checked implies a layout
+        staging (not implemented here) is refused where it would be used. Without a layout
+        the decode's policy is SGLang's default, ``early``."""
         topology = self.topology(addr)
         try:
             self._check_policy(addr, topology, self.layout)
@@ -152,7 +159,22 @@ class Routes:
             self.forget(addr, topology)  # not remembered past its deployment
             raise
 
-    def _check_policy(self, addr: str, topology: Topology, layout: DecodeLayout) -> None:
+    def check_known(self, addr: str) -> None:
+        """A given plan in a manager without a layout: the checks of :meth:`check_prefill`
+        once ``addr``'s topology is known (``plan_for``, ``prepare``, ``topology`` or a
+        derived plan fetched it), once per topology passed; never a fetch of its own
+        (MGR-16)."""
+        topology = self._topologies.get(addr)
+        if topology is None or self._checked.get(addr) is topology:
+            return
+        # Not forgotten on a refusal (as check_prefill does): the plan came from this
+        # topology, and the next request is refused without a fetch.
+        self._check_policy(addr, topology, self.layout)
+        self._checked[addr] = topology
+
+    def _check_policy(self, addr: str, topology: Topology, layout: DecodeLayout | None) -> None:
+        if layout is None:
+            layout = _DEFAULT_LAYOUT  # SGLang's default policy; tp 1, as PLAN-9 plans it
         if self._staging and topology.attn_tp_size != layout.tp_size:
             raise TopologyMismatch(
                 f"{addr}: prefill attn tp size {topology.attn_tp_size} differs from this "
@@ -169,12 +191,21 @@ class Routes:
                 return  # unset here: SGLang's default, early, which needs nothing
             # Such a prefill sends its statuses only to decodes that sent BOOTSTRAP: without
             # the handshake this request would wait out its timeout.
-            mine = "early (DecodeLayout.decode_allocation_policy unset)"
+            mine = (
+                "early (DecodeLayout.decode_allocation_policy unset)"
+                if self.layout is not None
+                else "early (no DecodeLayout given: SGLang's default policy)"
+            )
         if theirs != mine:
+            here = (
+                "DecodeLayout.decode_allocation_policy here"
+                if self.layout is not None
+                else f"here: DecodeManager(layout=DecodeLayout(decode_allocation_policy="
+                f"{theirs!r}, ...)), with this decode rank's tp"
+            )
             raise TopologyMismatch(
                 f"{addr}: decode allocation policy mismatch: prefill={theirs}, decode={mine}; "
-                "set --disaggregation-decode-allocation-policy identically on both roles "
-                "(DecodeLayout.decode_allocation_policy here)"
+                f"set --disaggregation-decode-allocation-policy identically on both roles ({here})"
             )
         if mine == PREFILL_COMPLETE and (
             topology.attn_tp_size,

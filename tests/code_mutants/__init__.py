@@ -74,6 +74,7 @@ ACKS = "statemachine/decode/ranks/acks.py"
 CHANGES = "statemachine/discovery/changes.py"
 ETCD = "statemachine/discovery/etcd_source.py"
 SERVER = "statemachine/prefill/server.py"
+HOLDS = "statemachine/decode/holds.py"
 
 T_MANAGER = "tests/test_manager.py::"
 T_KILL = T_MANAGER + "test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it"
@@ -544,6 +545,36 @@ MUTANTS: tuple[CodeMutant, ...] = (
         ),
         "a request that meets ranks known dead fails with SendFailed (not retryable) on etcd "
         "where HTTP retries (MGR-19)",
+    ),
+    # --- KV release of failed rooms (MGR-15, ZMQ-26) ---------------------------------------------
+    CodeMutant(
+        "release_on_silence",
+        TRANSPORT,
+        (
+            (
+                "exited = not entry.exited and reason in ATTEMPT_FAILED and connect_refused(endpoint)",
+                "exited = not entry.exited",
+            ),
+        ),
+        (
+            "tests/test_kv_release.py::"
+            "test_mgr_15_a_silence_verdict_is_no_proof_the_room_waits_for_the_timeout",
+        ),
+        "every dead verdict counts as the rank's exit: a heartbeat expiry of a stopped rank "
+        "releases its rooms' KV while it may still resume and write (the model's ReleaseOnSilence)",
+    ),
+    CodeMutant(
+        "release_on_one_rank_gone",
+        HOLDS,
+        (
+            (
+                "elif all(writer in self._proofs for writer in hold.writers):",
+                "elif any(writer in self._proofs for writer in hold.writers):",
+            ),
+        ),
+        ("tests/test_kv_release.py::test_mgr_15_one_live_rank_keeps_the_room_held",),
+        "one rank of the room proven gone releases it while another still runs and may write "
+        "(the model's ReleaseOnOneRankGone)",
     ),
     # --- server validation ----------------------------------------------------------------------
     CodeMutant(

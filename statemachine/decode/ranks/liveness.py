@@ -50,6 +50,15 @@ _HANDSHAKE_FAILED = (
 DEAD = False
 ALIVE = True
 
+#: The verdicts of a connection *attempt* that failed while no connection was up
+#: (``EVENT_CLOSED``): on loopback and a LAN that is a refusal — nothing listens there, the
+#: process exited — but libzmq gives no errno, and an attempt that timed out
+#: (``CONNECT_TIMEOUT`` into a cut path) or met an unreachable route reports the same event.
+#: The transport asks the kernel itself before it calls such a verdict an exit (ZMQ-26).
+RECONNECT_REFUSED = "disconnected, reconnect refused"
+CONNECT_REFUSED = "connect refused"
+ATTEMPT_FAILED = frozenset({RECONNECT_REFUSED, CONNECT_REFUSED})
+
 
 class Liveness:
     """Verdict state of one endpoint. ``dead_reason`` is ``None`` unless it is judged dead."""
@@ -78,8 +87,8 @@ class Liveness:
             return None
         if event == zmq.EVENT_CLOSED and not self.connected:
             if self.ever_connected:
-                return self._die("disconnected, reconnect refused")
-            return self._die("connect refused")
+                return self._die(RECONNECT_REFUSED)
+            return self._die(CONNECT_REFUSED)
         if event & _HANDSHAKE_FAILED:
             self.connected = False
             return self._die("handshake failed: not a ZMQ peer of this protocol")
@@ -110,6 +119,11 @@ class Liveness:
 
     def _die(self, reason: str) -> bool | None:
         if self.dead_reason is not None:
+            if reason in ATTEMPT_FAILED and self.dead_reason not in ATTEMPT_FAILED:
+                # Judged silent, and now an attempt failed: maybe the silent process exited
+                # (a stopped rank killed). Told again so the transport can ask (ZMQ-26).
+                self.dead_reason = reason
+                return DEAD
             return None
         self.dead_reason = reason
         return DEAD

@@ -24,6 +24,11 @@ In the default mode (``mode="immediate"``, ``monitor=True``):
   long a reconnect attempt into a cut lasts and how long the next waits, so the first
   handshake after the path returns follows within their sum.
   :mod:`statemachine.decode.liveness_bound` derives all of them from one bound.
+* **Exit or silence (ZMQ-26).** A dead verdict is an *exit* only when the rank's port refuses
+  a connect (:mod:`statemachine.decode.ranks.exit_probe` reads the errno the monitor does not
+  give); listeners registered with :meth:`ZmqTransport.subscribe_exits` hear it, before the
+  verdict itself. Every other dead verdict (a heartbeat expiry, no reconnect within the grace,
+  a send that found no connection) is silence: the process may still run and write.
 * **Resources follow generations (ZMQ-20).** :meth:`ZmqTransport.retain` / :meth:`release`
   count the live generations that use an endpoint; at zero its socket and monitor are closed.
   A dead endpoint nobody retains is closed at once (no reconnect attempts while idle); its
@@ -57,7 +62,8 @@ from statemachine.decode.ranks.endpoints import (
     endpoint_address,
     generation_endpoints,
 )
-from statemachine.decode.ranks.liveness import EVENTS, Liveness
+from statemachine.decode.ranks.exit_probe import connect_refused
+from statemachine.decode.ranks.liveness import ATTEMPT_FAILED, EVENTS, Liveness
 from statemachine.decode.ranks.monitor import SocketMonitor
 from statemachine.errors import SendFailed
 from statemachine.pool import Generation
@@ -66,8 +72,10 @@ from statemachine.wire.endpoint import Endpoint, endpoint_url
 from statemachine.wire.metadata import MetadataRequest
 
 __all__ = [
+    "EXIT_PROVEN",
     "Endpoint",
     "EndpointListener",
+    "ExitListener",
     "Mode",
     "TransportStats",
     "ZmqTransport",
@@ -78,6 +86,10 @@ __all__ = [
 Mode = Literal["immediate", "queueing"]
 #: ``(endpoint, alive, reason)``, called on the transport's monitor thread.
 EndpointListener = Callable[[Endpoint, bool, str], None]
+#: ``(endpoint, reason)``: the rank's process at ``endpoint`` is proven exited (ZMQ-26).
+ExitListener = Callable[[Endpoint, str], None]
+#: Ends the reason of a dead verdict proven to be an exit (what ``subscribe`` listeners hear).
+EXIT_PROVEN = "the port refuses connections: the process exited"
 
 #: libzmq's default send high-water mark, set explicitly so "queueing" means what SGLang has.
 QUEUEING_SNDHWM = 1000
@@ -128,6 +140,7 @@ class TransportStats:
     lru_evictions: int = 0  # unretained sockets closed to stay within max_sockets
     listener_errors: int = 0  # exceptions raised by subscribed listeners (contained)
     monitor_events: int = 0  # ZMQ monitor events read
+    exits: int = 0  # dead verdicts proven to be a process exit (a refused connect, ZMQ-26)
 
 
 class _Tombstone(NamedTuple):
@@ -150,6 +163,7 @@ class _Entry:
         "doomed",
         "down",
         "endpoint",
+        "exited",
         "failed",
         "last_used",
         "lock",
@@ -172,6 +186,7 @@ class _Entry:
         self.doomed = False
         self.down: str | None = None
         self.reported_dead = False
+        self.exited = False  # the dead verdict was proven an exit (ZMQ-26)
         self.sends = 0
         self.last_used = 0
 
@@ -256,6 +271,8 @@ class ZmqTransport:
         self._refs: dict[Endpoint, int] = {}
         self._down: dict[Endpoint, _Tombstone] = {}
         self._listeners: tuple[EndpointListener, ...] = ()
+        self._exit_listeners: tuple[ExitListener, ...] = ()
+        self._exits = 0
         self._closed = False
         self._open_sockets = 0
         self._retired_sends = 0
@@ -286,6 +303,15 @@ class ZmqTransport:
             raise TypeError("listener must be callable")
         with self._lock:
             self._listeners = (*self._listeners, listener)
+
+    def subscribe_exits(self, listener: ExitListener) -> None:
+        """Call ``listener(endpoint, reason)`` on the monitor thread when a dead verdict is
+        proven to be the rank's process exiting (its port refused a connect, ZMQ-26), before
+        the ``subscribe`` listeners hear the verdict. Contained like those."""
+        if not callable(listener):
+            raise TypeError("listener must be callable")
+        with self._lock:
+            self._exit_listeners = (*self._exit_listeners, listener)
 
     def is_down(self, endpoint: Endpoint) -> bool:
         """True while sends to ``endpoint`` fail in microseconds (the circuit is open)."""
@@ -544,6 +570,7 @@ class ZmqTransport:
                 lru_evictions=self._lru_evictions,
                 listener_errors=self._listener_errors,
                 monitor_events=monitor.events if monitor is not None else 0,
+                exits=self._exits,
             )
 
     # --- internals ----------------------------------------------------------------------------
@@ -709,13 +736,19 @@ class ZmqTransport:
             if not entry.reported_dead:
                 return  # not a change anyone was told about (a first connect, a slow peer)
             entry.reported_dead = False
+            entry.exited = False
             with self._lock:
                 self._reconnects += 1
                 self._down.pop(endpoint, None)
         else:
             entry.down = f"peer at {entry.url} is down ({reason}); {NEXT_STEP}"
+            exited = not entry.exited and reason in ATTEMPT_FAILED and connect_refused(endpoint)
+            if exited:
+                entry.exited = True
+                self._exited(endpoint, reason)
+                reason = f"{reason}; {EXIT_PROVEN}"
             if entry.reported_dead:
-                return
+                return  # silence judged earlier, now (maybe) an exit: told above if so
             entry.reported_dead = True
             retire = False
             with self._lock:
@@ -733,6 +766,17 @@ class ZmqTransport:
                 with self._lock:
                     self._listener_errors += 1
                 _log.exception("endpoint listener raised; other listeners still run")
+
+    def _exited(self, endpoint: Endpoint, reason: str) -> None:
+        with self._lock:
+            self._exits += 1
+        for listener in self._exit_listeners:
+            try:
+                listener(endpoint, f"{reason}; {EXIT_PROVEN}")
+            except Exception:
+                with self._lock:
+                    self._listener_errors += 1
+                _log.exception("exit listener raised; other listeners still run")
 
 
 def _heartbeat_options(
