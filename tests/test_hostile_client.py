@@ -27,6 +27,7 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import (
+    InvalidArgument,
     MalformedReply,
     NotFound,
     RequestRejected,
@@ -34,7 +35,7 @@ from statemachine.errors import (
     UnknownRoom,
 )
 from statemachine.prefill.registration import register_rank
-from statemachine.validation import InvalidArgument, is_rank_ip, parse_addr, rank_ip_problem
+from statemachine.validation import is_rank_ip, parse_addr, rank_ip_problem
 from statemachine.wire.reference import SimpleBackend
 
 TOKEN = "hostile-client-token"

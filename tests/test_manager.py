@@ -34,7 +34,6 @@ from statemachine import lifecycle as life
 from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
-from statemachine.decode.parts import Decode
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
@@ -993,12 +992,7 @@ def test_bad_rooms_and_parts_are_rejected_at_construction_with_typed_errors() ->
         with pytest.raises(ConfigurationError):
             DecodeManager(health_interval_s=None, **bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="pool must be a BootstrapPool"):
-        Decode(
-            pool=None,  # type: ignore[arg-type]
-            client=BootstrapClient(),
-            transport=ZmqTransport(),
-            backend=SimpleBackend("127.0.0.1", 1, "s"),
-        )
+        DecodeManager(pool=object(), health_interval_s=None)  # type: ignore[arg-type]
     assert issubclass(ConfigurationError, BootstrapError)
 
 
@@ -1134,11 +1128,11 @@ def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
 def test_mgr_5_6_frames_carry_the_dummy_flag_and_abort_parses_strictly() -> None:
     """MGR-5/MGR-6 frame layouts: the dummy flag is the last frame of register and metadata
     (b"0"/b"1", nothing else); the abort message is [abort, room, session, pp rank]."""
+    from statemachine.errors import MalformedFrames
     from statemachine.wire.reference import (
         ABORT_FRAMES,
         METADATA_FRAMES,
         REGISTER_FRAMES,
-        MalformedFrames,
         parse_abort,
         parse_register,
     )

@@ -33,13 +33,12 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
-from statemachine.errors import ConfigurationError, WaitingTimeout
+from statemachine.errors import ConfigurationError, PrefillRankStartFailed, WaitingTimeout
 from statemachine.model.validate import main as validate_main
 from statemachine.model.validate import read_trace, validate
 from statemachine.pool import RankInfo
 from statemachine.prefill.rank import (
     PrefillRankProcess,
-    PrefillRankStartFailed,
     _Rank,
     parse_args,
 )

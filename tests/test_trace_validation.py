@@ -20,7 +20,8 @@ from statemachine import lifecycle as life
 from statemachine import pool as pool_module
 from statemachine import trace
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.model.validate import TraceFormatError, main, read_trace, validate
+from statemachine.errors import TraceFormatError
+from statemachine.model.validate import main, read_trace, validate
 from statemachine.pool import Generation, PoolKey
 
 K = ["h:80", 0, 0, 0]

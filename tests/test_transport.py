@@ -27,13 +27,12 @@ from zmq_support import (
 
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
-from statemachine.errors import BootstrapError, SendFailed
+from statemachine.errors import BootstrapError, MalformedFrames, SendFailed
 from statemachine.pool import Generation, RankInfo
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import (
     METADATA_FRAMES,
     REGISTER_FRAMES,
-    MalformedFrames,
     SimpleBackend,
     ack_frames,
     parse_ack,

@@ -1,12 +1,13 @@
 """Deferred KV release: rooms whose pages the prefill may still be writing after an ABORT.
 
-SGLang 0.5.23 (``common/conn.py:979-1019``, ``decode.py:2996-3108``) arms a new *generation*
-for a room when it sends an ABORT after the room's metadata went out, and keeps the room's KV
-pages until every prefill rank it told acknowledged that generation (ABORT_ACK) or a timeout
-(30 s by default) passed: a rank may be mid-write into those pages, and freeing them early lets
-the next request's KV be overwritten. :class:`AbortHolds` is that bookkeeping for one manager:
-``hold`` arms a generation, ``acked`` records an ABORT_ACK of the current generation (any other
-is stale and ignored), ``released`` answers whether the pages may be freed now.
+SGLang 0.5.23 (``common/conn.py:979-1019``, ``decode.py:2996-3108``) arms a new abort sequence
+number (its code calls it the *generation*) for a room when it sends an ABORT after the room's
+metadata went out, and keeps the room's KV pages until every prefill rank it told acknowledged
+that number (ABORT_ACK) or a timeout (30 s by default) passed: a rank may be mid-write into
+those pages, and freeing them early lets the next request's KV be overwritten.
+:class:`AbortHolds` is that bookkeeping for one manager: ``hold`` arms a sequence number,
+``acked`` records an ABORT_ACK of the current one (any other is stale and ignored),
+``released`` answers whether the pages may be freed now.
 
 Bounded: at most ``max_rooms`` rooms are held; past it the oldest hold is given up (its room
 counts as released, as after its timeout) and counted in ``evicted``. A released room is
@@ -27,10 +28,10 @@ MAX_HELD_ROOMS = 65536
 
 
 class _Hold:
-    __slots__ = ("acked", "deadline", "generation", "ranks")
+    __slots__ = ("abort_seq", "acked", "deadline", "ranks")
 
-    def __init__(self, generation: int, ranks: int, deadline: float) -> None:
-        self.generation = generation
+    def __init__(self, abort_seq: int, ranks: int, deadline: float) -> None:
+        self.abort_seq = abort_seq
         self.ranks = ranks
         self.deadline = deadline
         self.acked: set[int] = set()
@@ -42,7 +43,7 @@ class HoldStats:
     released_by_acks: int
     released_by_timeout: int
     evicted: int  # holds given up at the size bound
-    stale_acks: int  # acks of another generation, of a room not held, or naming no rank
+    stale_acks: int  # acks of another abort sequence number, of a room not held, or naming no rank
 
 
 class AbortHolds:
@@ -61,31 +62,32 @@ class AbortHolds:
         self._lock = threading.Lock()
         self._holds: dict[int, _Hold] = {}
         # One counter per manager, from 1, a new value per armed ABORT (as SGLang's).
-        self._generations = itertools.count(1)
+        self._abort_seqs = itertools.count(1)
         self._by_acks = 0
         self._by_timeout = 0
         self._evicted = 0
         self._stale = 0
 
     def hold(self, room: int, ranks: int) -> int:
-        """Arm a new generation for ``room``, told to ``ranks`` prefill ranks; return it."""
+        """Arm a new abort sequence number for ``room``, told to ``ranks`` prefill ranks;
+        return it."""
         with self._lock:
-            generation = next(self._generations)
-            self._holds.pop(room, None)  # a new generation replaces the old one
+            abort_seq = next(self._abort_seqs)
+            self._holds.pop(room, None)  # a new sequence number replaces the old one
             while len(self._holds) >= self._max_rooms:
                 del self._holds[next(iter(self._holds))]  # the oldest hold
                 self._evicted += 1
-            self._holds[room] = _Hold(generation, ranks, self._clock() + self.timeout_s)
-            return generation
+            self._holds[room] = _Hold(abort_seq, ranks, self._clock() + self.timeout_s)
+            return abort_seq
 
     def acked(self, ack: AbortAck) -> bool:
-        """Record an ABORT_ACK; False if it is stale (not the room's current generation)."""
+        """Record an ABORT_ACK; False if it is stale (not the room's current sequence number)."""
         with self._lock:
             hold = self._holds.get(ack.room)
             if (
                 hold is None
-                or ack.generation is None  # a legacy ack says nothing about a generation
-                or ack.generation != hold.generation
+                or ack.abort_seq is None  # a legacy ack names no sequence number
+                or ack.abort_seq != hold.abort_seq
                 or ack.prefill_rank is None
             ):
                 self._stale += 1
@@ -108,11 +110,11 @@ class AbortHolds:
             del self._holds[room]
             return True
 
-    def generation(self, room: int) -> int | None:
-        """The generation ``room`` is held for, or None."""
+    def abort_seq(self, room: int) -> int | None:
+        """The abort sequence number ``room`` is held for, or None."""
         with self._lock:
             hold = self._holds.get(room)
-            return None if hold is None else hold.generation
+            return None if hold is None else hold.abort_seq
 
     def stats(self) -> HoldStats:
         with self._lock:

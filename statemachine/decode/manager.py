@@ -302,7 +302,7 @@ class DecodeManager:
             fetcher=fetcher,
             completions=self._completions,
             prefill_complete=config.prefill_complete,
-            watermarked=bool(self.source.marks_generations),
+            checks_stale_marks=bool(self.source.marks_generations),
         )
 
     def close_with(self, closer: Callable[[], None]) -> None:

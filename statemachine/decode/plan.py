@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from statemachine.errors import TopologyMismatch
+from statemachine.errors import InvalidArgument, TopologyMismatch
 from statemachine.pool import EVERY_TP_RANK, PoolKey
-from statemachine.validation import InvalidArgument, Topology
+from statemachine.validation import Topology
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ from statemachine.decode.ranks.transport import TransportStats, ZmqTransport
 from statemachine.decode.receiver import RankPlan
 from statemachine.decode.source import BootstrapSource
 from statemachine.demo.baselines import manager_class
-from statemachine.demo.cluster import HOST, ClusterError, PrefillInstance
+from statemachine.demo.cluster import HOST, PrefillInstance
 from statemachine.demo.loops import Outcome, RequestLoops
 from statemachine.demo.modes import OURS, ModeConfig, make_pool
 from statemachine.demo.sampling import socket_counts
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
-from statemachine.errors import BootstrapError
+from statemachine.errors import BootstrapError, ClusterError
 from statemachine.pool import PoolStats
 from statemachine.wire.reference import SimpleBackend
 

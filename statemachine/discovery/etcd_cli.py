@@ -18,7 +18,8 @@ from types import FrameType
 
 from statemachine import cli_help
 from statemachine.discovery.layout import DEFAULT_PREFIX
-from statemachine.discovery.local_server import EtcdServer, EtcdStartFailed, find_etcd_binary
+from statemachine.discovery.local_server import EtcdServer, find_etcd_binary
+from statemachine.errors import EtcdStartFailed
 from statemachine.progname import prog
 
 NO_BINARY = (

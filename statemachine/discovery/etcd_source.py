@@ -80,6 +80,7 @@ from statemachine.discovery.layout import (
 from statemachine.errors import (
     BootstrapError,
     DiscoveryError,
+    InvalidArgument,
     NotFound,
     NotReady,
     PeerLost,
@@ -87,7 +88,6 @@ from statemachine.errors import (
 )
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import (
-    InvalidArgument,
     RouteReply,
     Topology,
     parse_addr,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from statemachine import cli_help
-from statemachine.model.cfg import Cfg, CfgError, CfgValue, ModelValue, read_cfg
+from statemachine.errors import CfgError
+from statemachine.model.cfg import Cfg, CfgValue, ModelValue, read_cfg
 from statemachine.model.checker import Result, check, format_counterexample
 from statemachine.model.spec import (
     ACTION_PROPERTIES,

@@ -223,7 +223,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     CodeMutant(
         "mark_not_checked_at_start",
         RECEIVER,
-        (("        if parts.watermarked:\n", "        if False:\n"),),
+        (("        if parts.checks_stale_marks:\n", "        if False:\n"),),
         (T_ETCD + "test_a_marked_generation_fails_its_holder_at_start",),
         "a request starts a transfer on a generation the watch marked (NoStaleStart)",
     ),

@@ -59,9 +59,8 @@ from statemachine.decode.ranks.endpoints import (
 )
 from statemachine.decode.ranks.liveness import EVENTS, Liveness
 from statemachine.decode.ranks.monitor import SocketMonitor
-from statemachine.errors import SendFailed
+from statemachine.errors import InvalidArgument, SendFailed
 from statemachine.pool import Generation
-from statemachine.validation import InvalidArgument
 from statemachine.wire.endpoint import Endpoint, endpoint_url
 from statemachine.wire.metadata import MetadataRequest
 
