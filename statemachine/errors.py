@@ -294,8 +294,10 @@ class WatchIdle(EtcdUnavailable):
 class SendFailed(TransportError):
     """A ZMQ send to a prefill rank failed (dead peer with IMMEDIATE, or send timeout).
 
-    Not retryable as such: the rank is gone, and a request issued again before the prefill
-    registers anew fails with :class:`RanksUnreachable` (which is)."""
+    Retryable: the pool entry holding the rank was dropped, so the retry fetches the prefill's
+    current ranks (and fails fast with :class:`RanksUnreachable` while none is live)."""
+
+    retryable = True
 
     def __init__(self, message: str, *, endpoint: str) -> None:
         super().__init__(message)
@@ -319,7 +321,11 @@ class RanksUnreachable(TransportError):
 
 
 class WaitingTimeout(TransportError):
-    """No transfer completed within the waiting timeout after the metadata was sent."""
+    """No transfer completed within the waiting timeout after the metadata was sent.
+
+    Retryable: the prefill was slow or lost the request; a retry starts it again."""
+
+    retryable = True
 
 
 class MalformedFrames(TransportError, ValueError):

@@ -6,7 +6,7 @@ ranks' leases expire, by a bootstrap server that outlived its ranks until they r
 A request started then never reaches a live prefill: on both sources it fails with the same
 retryable, typed error (``RanksUnreachable``, ``retryable`` True) without sending anything, and the
 first request after the prefill registers again succeeds. Before, on etcd every such request
-took the dead ranks and failed with a non-retryable ``SendFailed``.
+took the dead ranks and failed with ``SendFailed`` after trying to send.
 """
 
 from __future__ import annotations
