@@ -35,8 +35,8 @@ from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
-from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
+from statemachine.demo.baselines import UnmonitoredTransport
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -260,7 +260,7 @@ def test_mgr_1_a_failed_send_fails_every_request_in_flight_on_that_rank(
     Until libzmq has seen the dead rank's connection close, a send to it is still taken (and
     lost); so requests are started until one's send fails - the event, not a time - and every
     one started before it is a victim too. Catches a failed send that fans out nothing."""
-    transport = ZmqTransport(monitor=False, send_timeout_ms=300)
+    transport = UnmonitoredTransport(send_timeout_ms=300)
     try:
         with manager_for(transport=transport, waiting_timeout_s=300.0) as manager:
             victims = in_flight_waiting(manager, slow_prefill, range(1, 5))
@@ -379,7 +379,7 @@ def test_mgr_1_a_fetch_answered_by_a_new_instance_retires_the_old_one() -> None:
     finder failing itself (its own exclusion dropped), and the stale key not refetched (the
     finder would start a transfer on A's ports)."""
     first = start_prefill(ack_delay_ms=SLOW_ACK_MS)
-    transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+    transport = UnmonitoredTransport(send_timeout_ms=500)
     server: BootstrapServer | None = None
     try:
         with manager_for(transport=transport) as manager:
@@ -421,7 +421,7 @@ def test_mgr_1_a_restart_notice_leaves_requests_on_the_new_instance_alone() -> N
     thread probes once an hour here), so the notice comes exactly when the test says.
     Catches a restart fan-out that fails every request bound to the address."""
     first = start_prefill(ack_delay_ms=SLOW_ACK_MS)
-    transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+    transport = UnmonitoredTransport(send_timeout_ms=500)
     server: BootstrapServer | None = None
     try:
         with manager_for(
