@@ -221,6 +221,13 @@ def main(argv: list[str]) -> int:
     violation = result.first_violation()
     if violation is None:
         return 0
+    variant = loaded.model.variant
+    if variant != "Correct":
+        print(
+            f"expected: this cfg runs the bug variant {variant!r} (Variant in the cfg), which "
+            "the model must catch; VIOLATED is this cfg's expected result (exit 1). The "
+            "'Correct' cfgs (MCSmall, the default) are the ones that must hold."
+        )
     print()
     print(format_counterexample(loaded.model, violation))
     return 1
