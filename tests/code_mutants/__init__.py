@@ -349,7 +349,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     CodeMutant(
         "no_immediate",
         TRANSPORT,
-        (("                socket.setsockopt(zmq.IMMEDIATE, 1)\n", "                pass\n"),),
+        (("        socket.setsockopt(zmq.IMMEDIATE, 1)\n", "        pass\n"),),
         (
             "tests/test_transport.py::test_zmq2_immediate_first_send_to_dead_endpoint_fails_and_evicts",
         ),
