@@ -439,9 +439,9 @@ def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, di
     else:
         transport = None
         if kind == "etcd-nomon":  # only the watch can find the restart
-            from statemachine.decode.ranks.transport import ZmqTransport
+            from statemachine.demo.baselines import UnmonitoredTransport
 
-            transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+            transport = UnmonitoredTransport(send_timeout_ms=500)
         manager = manager_on_etcd(
             endpoint,
             prefix=prefix,

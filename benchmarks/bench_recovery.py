@@ -93,7 +93,6 @@ def in_flight_at_kill(
             rank.start()
         manager = manager_class(mode)(
             source=client,
-            transport_mode=mode.zmq_mode,
             send_timeout_ms=send_timeout_ms,
             waiting_timeout_s=waiting_timeout_s,
             health_interval_s=1.0,  # the demo's heartbeat
@@ -138,7 +137,6 @@ def rank_outage(
             rank.start()
         manager = manager_class(mode)(
             source=client,
-            transport_mode=mode.zmq_mode,
             send_timeout_ms=send_timeout_ms,
             waiting_timeout_s=waiting_timeout_s,
             health_interval_s=None,

@@ -2,7 +2,7 @@
 
 Three transports, measured in the same run against real peer processes on 127.0.0.1:
 
-* ``sglang``: SGLang's options (``mode="queueing"``: no IMMEDIATE, SNDHWM=1000, no monitor);
+* ``sglang``: SGLang's options (``QueueingTransport``: no IMMEDIATE, SNDHWM=1000, no monitor);
 * ``previous``: immediate mode without the monitor (a failed send closes the socket);
 * ``ours``: immediate mode with the socket monitor, circuit breaker and retain/release.
 
@@ -42,15 +42,15 @@ import zmq
 
 from benchmarks.zmq_peer import LOOPBACK, PeerProcess, fd_count
 from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.demo.baselines import QueueingTransport, UnmonitoredTransport
 from statemachine.errors import SendFailed
 
 MODES = ("sglang", "previous", "ours")
 
 
 def _transport(mode: str, send_timeout_ms: int) -> ZmqTransport:
-    if mode == "sglang":
-        return ZmqTransport(mode="queueing", send_timeout_ms=send_timeout_ms)
-    return ZmqTransport(send_timeout_ms=send_timeout_ms, monitor=mode == "ours")
+    kind = {"sglang": QueueingTransport, "previous": UnmonitoredTransport, "ours": ZmqTransport}
+    return kind[mode](send_timeout_ms=send_timeout_ms)
 
 
 def _median(values: list[float]) -> float:

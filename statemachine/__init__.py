@@ -29,6 +29,7 @@ from statemachine.errors import (
     BootstrapTimeout,
     ConfigurationError,
     FetchWaitTimeout,
+    InvalidArgument,
     InvalidKVIndices,
     InvalidRoom,
     InvalidTransition,
@@ -44,15 +45,19 @@ from statemachine.errors import (
     RanksUnreachable,
     RequestRejected,
     SendFailed,
+    SetupError,
+    SourceError,
     TopologyMismatch,
     TransferFailed,
+    TransportError,
     TransportFailure,
     UnknownRoom,
+    UsageError,
     WaitingTimeout,
 )
 from statemachine.lifecycle import Lifecycle
 from statemachine.pool import BootstrapPool, Generation, PoolKey, PoolStats, RankInfo
-from statemachine.validation import InvalidArgument, RouteReply, Topology
+from statemachine.validation import RouteReply, Topology
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import SimpleBackend
 
@@ -64,7 +69,6 @@ if TYPE_CHECKING:
     from statemachine.decode.config import DecodeConfig
     from statemachine.decode.health import HealthMonitor
     from statemachine.decode.manager import DecodeManager
-    from statemachine.decode.parts import Decode
     from statemachine.decode.plan import DecodeLayout, RankPlan
     from statemachine.decode.ranks.acks import AckListener
     from statemachine.decode.ranks.transport import ZmqTransport
@@ -81,7 +85,6 @@ _LAZY = {
     "BootstrapClient": "statemachine.decode.client",
     "BootstrapReceiver": "statemachine.decode.receiver",
     "BootstrapServer": "statemachine.prefill.server",
-    "Decode": "statemachine.decode.parts",
     "DecodeConfig": "statemachine.decode.config",
     "DecodeLayout": "statemachine.decode.plan",
     "DecodeManager": "statemachine.decode.manager",
@@ -112,7 +115,6 @@ __all__ = [
     "BootstrapServer",
     "BootstrapTimeout",
     "ConfigurationError",
-    "Decode",
     "DecodeConfig",
     "DecodeLayout",
     "DecodeManager",
@@ -144,12 +146,16 @@ __all__ = [
     "RequestRejected",
     "RouteReply",
     "SendFailed",
+    "SetupError",
     "SimpleBackend",
+    "SourceError",
     "Topology",
     "TopologyMismatch",
     "TransferFailed",
+    "TransportError",
     "TransportFailure",
     "UnknownRoom",
+    "UsageError",
     "WaitingTimeout",
     "ZmqTransport",
     "route_payload",

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
+    except KeyboardInterrupt:  # Ctrl-C while the command's modules load: nothing to clean up
+        print(f"interrupted: {prog(name)} stopped before it started", file=sys.stderr)
+        return 130
     except MissingExtra as exc:
         if "-h" in rest or "--help" in rest:
             # Its options live in the module that needs the extra: say what the command is
@@ -56,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result: int = module.main(rest)
+    except KeyboardInterrupt:  # Ctrl-C outside the command's own handler: one line, no traceback
+        print(f"interrupted: {prog(name)} stopped", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `pd-bootstrap table | head`: the reader left, which is no error
         # Python would report the pipe again when it flushes stdout at exit: point it elsewhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

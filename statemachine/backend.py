@@ -49,13 +49,14 @@ class KVBackend(Protocol):
         room: int,
         *,
         instance_id: str | None = None,
-        generation: int | None = None,
+        abort_seq: int | None = None,
     ) -> list[bytes]:
         """The room was aborted: the prefill rank may free its slot. Sent once per rank.
 
-        ``generation`` None is SGLang's legacy abort (sent by ``abort()`` before the metadata:
-        nothing to acknowledge); an int is the abort generation sent after the metadata, on the
-        waiting timeout or on a failure, which the prefill echoes in its :class:`AbortAck` once
+        ``abort_seq`` None is SGLang's legacy abort (sent by ``abort()`` before the metadata:
+        nothing to acknowledge); an int is the abort sequence number (SGLang's abort counter,
+        which its code calls the generation) sent after the metadata, on the waiting timeout
+        or on a failure, which the prefill echoes in its :class:`AbortAck` once
         the room's transfers drained.
         """
         ...

@@ -52,13 +52,13 @@ class PrefillStatus:
 class AbortAck:
     """A prefill rank drained an aborted room (SGLang's deferred KV release).
 
-    ``generation`` echoes the abort notice's generation (None from a prefill that sends the
+    ``abort_seq`` echoes the abort notice's sequence number (None from a prefill that sends the
     legacy two-frame form); ``prefill_rank`` is None when the sender did not name itself.
     """
 
     room: int
     prefill_rank: int | None
-    generation: int | None
+    abort_seq: int | None
 
 
 #: What a backend's message decoder yields for one multipart message.

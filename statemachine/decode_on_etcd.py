@@ -35,9 +35,12 @@ def manager_on_etcd(
     """A manager whose bootstrap source is an etcd watch (docs/etcd.md).
 
     ``endpoints``: etcd client URLs (a list, or comma-separated). Makes, starts and (when the
-    manager closes, after its other parts) closes the :class:`EtcdBootstrapSource`; waits up to
-    ``sync_timeout_s`` for its first list (not synced by then: requests get ``NotReady`` until
-    it is, and the source keeps retrying). ``kwargs`` go to the manager's constructor.
+    manager closes, after its other parts) closes the :class:`EtcdBootstrapSource`; waits for
+    its first list to succeed or fail, at most ``sync_timeout_s`` (one failed attempt ends the
+    wait at once: etcd refused, or gave no answer within the gateway's connect and read
+    timeouts). Not synced then: requests get ``NotReady`` naming the cause (``connection
+    refused``...) until it is, and the source keeps retrying. ``kwargs`` go to the manager's
+    constructor.
     """
     urls = (
         [url.strip() for url in endpoints.split(",") if url.strip()]
@@ -53,5 +56,5 @@ def manager_on_etcd(
         raise
     manager.close_with(source.close)  # closed last: after the health and transport
     source.start()
-    source.wait_synced(sync_timeout_s)
+    source.wait_first_list(sync_timeout_s)
     return manager

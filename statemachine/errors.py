@@ -1,22 +1,87 @@
-"""Typed errors a caller can branch on.
+"""Every typed error the library raises, grouped by the channel that failed.
 
-Every failure the library reports is a subclass of :class:`BootstrapError`, so a decode worker
-can catch one family and still tell a retryable condition (:class:`NotReady`) from a permanent
-one (:class:`MalformedReply`) or a dead peer (:class:`TransportFailure`, :class:`SendFailed`,
-:class:`PeerLost`). Every message says what to do next.
+Every error is a :class:`BootstrapError`. Each belongs to one family, named for where it
+failed, so a caller can catch a channel:
+
+==============================  ==============================================================
+family                          channel
+==============================  ==============================================================
+:class:`SourceError`            the bootstrap source: the bootstrap server over HTTP
+                                (:class:`BootstrapHTTPError`) or etcd (:class:`DiscoveryError`)
+:class:`TransportError`         ZMQ to the prefill ranks (sends, frames, the transfer wait)
+:class:`PeerLost`               a prefill rank or instance this request used is dead, restarted,
+                                retired or reported the transfer failed
+:class:`UsageError`             the caller's own mistake or decision (bad argument, wrong state,
+                                abort, a closed manager): refused locally, nothing sent
+:class:`SetupError`             configuration: wrong parts, layouts that do not match, a
+                                missing extra; retrying does not help
+:class:`ToolError`              the tools beside the library: model-check inputs, and the
+                                processes tests and the demo start (etcd, prefill ranks)
+==============================  ==============================================================
+
+Whether a retry of the same request can succeed is the class attribute
+:attr:`BootstrapError.retryable`, not a base class: ``if error.retryable: retry()``.
+Every message says what to do next.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 
 class BootstrapError(Exception):
     """Base class of every error raised by this library."""
 
+    #: True when the same request, issued again, can succeed without anyone changing anything
+    #: (the condition is transient or the retry fetches fresh state); False when the caller or
+    #: the deployment must change something first.
+    retryable: ClassVar[bool] = False
 
-# --- lifecycle -------------------------------------------------------------------------------
+
+# --- families ------------------------------------------------------------------------------
 
 
-class InvalidTransition(BootstrapError):
+class SourceError(BootstrapError):
+    """The bootstrap source (the bootstrap server over HTTP, or etcd) gave no usable answer."""
+
+
+class TransportError(BootstrapError):
+    """ZMQ to the prefill ranks failed: a send, a frame layout, or the wait for the transfer."""
+
+
+class PeerLost(BootstrapError):
+    """A prefill rank or instance this request depended on is known dead or restarted.
+
+    The request cannot complete: retry it; the retry fetches the prefill's current ranks
+    (the pool entries this request used were dropped). Also raised, with a generic message,
+    by ``failure_exception()`` on a receiver that recorded no reason itself.
+    """
+
+    retryable = True
+
+    def __init__(self, message: str, *, addr: str | None = None) -> None:
+        super().__init__(message)
+        self.addr = addr
+        #: ``time.monotonic()`` when the manager got the evidence (None: no evidence, generic)
+        self.evidence_at: float | None = None
+
+
+class UsageError(BootstrapError):
+    """The caller's own mistake or decision: refused (or ended) locally, nothing was sent."""
+
+
+class SetupError(BootstrapError):
+    """The configuration: a wrong part, layouts that do not match, a missing extra."""
+
+
+class ToolError(BootstrapError):
+    """A tool beside the library failed: a model-check input, or a process it starts."""
+
+
+# --- usage ---------------------------------------------------------------------------------
+
+
+class InvalidTransition(UsageError):
     """A receiver method (or a lifecycle event) was used in a state that does not allow it.
 
     A programming error in the caller: the message names the method called (or, for a raw
@@ -45,50 +110,94 @@ class InvalidTransition(BootstrapError):
         self.requires = requires
 
 
-class InvalidRoom(BootstrapError, ValueError):
+class InvalidArgument(UsageError, ValueError):
+    """The caller passed a bad address, rank or room: rejected before anything is sent."""
+
+
+class InvalidRoom(UsageError, ValueError):
     """A bootstrap room must be an int in [0, 2**64): SGLang's rooms are unsigned 64-bit."""
 
 
-class ConfigurationError(BootstrapError, TypeError):
-    """A decode manager (or ``Decode`` bundle) was built with a missing or wrong-typed part."""
-
-
-class InvalidKVIndices(BootstrapError, TypeError, ValueError):
+class InvalidKVIndices(UsageError, TypeError, ValueError):
     """``send_metadata`` was given page indices it cannot send (not ints, not 1-d, outside
     int32). Raised before anything is sent: the request is unchanged, call again with the
     request's page indices. A ``TypeError`` and a ``ValueError`` too, as before."""
 
 
-# --- HTTP to the bootstrap server ------------------------------------------------------------
+class Aborted(UsageError):
+    """The request was aborted by its owner (``abort()``, or ``clear()`` before it ended)."""
 
 
-class BootstrapHTTPError(BootstrapError):
+class ManagerClosed(UsageError):
+    """The decode manager was closed: create a new one to serve more requests."""
+
+
+# --- configuration -------------------------------------------------------------------------
+
+
+class ConfigurationError(SetupError, TypeError):
+    """A decode manager was built with a missing or wrong-typed part."""
+
+
+class TopologyMismatch(SetupError):
+    """The prefill's layout cannot serve this decode (page size, KV dtype or tp sizes differ).
+
+    A deployment error, not a transient one: fix the decode's ``DecodeLayout`` or the
+    prefill's configuration; retrying does not help.
+    """
+
+
+class MissingExtra(SetupError, ImportError):
+    """An optional part was used without the extra that installs its dependency.
+
+    An ``ImportError`` too, so ``except ImportError`` around an optional import still works.
+    """
+
+    def __init__(self, extra: str, what: str, module: str) -> None:
+        super().__init__(
+            f"{what} needs {module}, which the {extra!r} extra installs: "
+            f"pip install 'pd-bootstrap-statemachine[{extra}]'",
+            name=module,
+        )
+        self.extra = extra
+        self.module = module
+
+
+# --- source: the bootstrap server over HTTP ------------------------------------------------
+
+
+class BootstrapHTTPError(SourceError):
     """The bootstrap server could not give a usable answer."""
 
     def __init__(self, message: str, *, addr: str, status: int | None = None) -> None:
         super().__init__(message)
         self.addr = addr
+        #: the HTTP status of the answer; None when there was none to blame (no answer, or a
+        #: 200 whose content was unusable)
         self.status = status
 
 
 class NotReady(BootstrapHTTPError):
     """503: not every prefill rank has registered yet. Retryable."""
 
-
-class RanksUnreachable(NotReady):
-    """The prefill's registered ranks cannot be reached and no newer registration is visible
-    yet: the transport already judged an endpoint dead (its socket monitor), or registering
-    with a rank failed. Nothing of this request was sent to a prefill. Retryable, as any
-    ``NotReady``: the first request after the prefill registers again (new ports, or its
-    ranks back) gets through. The same error on every source (HTTP and etcd alike)."""
-
-    def __init__(self, message: str, *, addr: str, endpoint: str) -> None:
-        super().__init__(message, addr=addr)
-        self.endpoint = endpoint
+    retryable = True
 
 
 class NotFound(BootstrapHTTPError):
     """404: the server does not know the requested rank."""
+
+
+class UnknownRoom(NotFound):
+    """The bootstrap server knows no dp rank for this room (yet): ``POST /query_dp_ranks``
+    answered (200) without it, so ``status`` is None. The prefill registers a room's dp rank
+    when the request reaches it, so this can be temporary: ask again, or pass the dp rank
+    explicitly. A :class:`NotFound` (the server does not know it), unlike one retryable."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, addr: str, room: int) -> None:
+        super().__init__(message, addr=addr)
+        self.room = room
 
 
 class RequestRejected(BootstrapHTTPError):
@@ -102,72 +211,132 @@ class MalformedReply(BootstrapHTTPError):
 class TransportFailure(BootstrapHTTPError):
     """Connection refused or reset, timeout, or an unexpected 5xx status."""
 
-
-# --- ZMQ to the prefill ranks ----------------------------------------------------------------
-
-
-class SendFailed(BootstrapError):
-    """A ZMQ send to a prefill rank failed (dead peer with IMMEDIATE, or send timeout)."""
-
-    def __init__(self, message: str, *, endpoint: str) -> None:
-        super().__init__(message)
-        self.endpoint = endpoint
+    retryable = True
 
 
-# --- receiver --------------------------------------------------------------------------------
-
-
-class WaitingTimeout(BootstrapError):
-    """No transfer completed within the waiting timeout after the metadata was sent."""
-
-
-class Aborted(BootstrapError):
-    """The request was aborted by its owner (``abort()``, or ``clear()`` before it ended)."""
-
-
-class BootstrapTimeout(BootstrapError):
+class BootstrapTimeout(SourceError):
     """The prefill dp rank of a room stayed unknown past the bootstrap timeout.
 
     The bootstrap server never learned which dp rank serves the room (the prefill did not
     register it): retry the request, or route it with an explicit ``prefill_dp_rank``.
     """
 
+    retryable = True
 
-class FetchWaitTimeout(BootstrapError):
+
+class FetchWaitTimeout(SourceError):
     """This request waited for another request's fetch of the same key past its deadline.
 
     The fetch in flight is slow (a slow or dying bootstrap server): retry the request.
     """
 
+    retryable = True
 
-class TopologyMismatch(BootstrapError):
-    """The prefill's layout cannot serve this decode (page size, KV dtype or tp sizes differ).
 
-    A deployment error, not a transient one: fix the decode's ``DecodeLayout`` or the
-    prefill's configuration; retrying does not help.
+# --- source: etcd --------------------------------------------------------------------------
+
+
+class DiscoveryError(SourceError):
+    """An etcd discovery call could not be completed."""
+
+
+class EtcdUnavailable(DiscoveryError):
+    """No etcd endpoint answered within the call's timeout (refused, reset, timed out, 5xx).
+
+    Retry with back-off; the decode side keeps serving its local store meanwhile.
+    """
+
+    retryable = True
+
+
+class EtcdRequestFailed(DiscoveryError):
+    """etcd answered, but refused the request (lease not found, bad argument, auth)."""
+
+    def __init__(self, message: str, *, status: int, code: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class WatchCompacted(DiscoveryError):
+    """The watch's start revision was compacted away: the watcher must re-list."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, compact_revision: int) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+class EtcdBadReply(EtcdUnavailable):
+    """An endpoint answered what etcd never sends (a reply without a header, not JSON, too
+    large): a broken gateway or proxy between us and etcd. Retried with back-off like an
+    unreachable etcd; check what sits in front of the endpoint."""
+
+
+class EtcdReplyTooLarge(EtcdBadReply):
+    """A reply or watch message longer than its cap (``max_reply_bytes``,
+    ``max_watch_message_bytes``): refused before it was read to its end."""
+
+
+class WatchIdle(EtcdUnavailable):
+    """The watch stream sent no complete message for its idle timeout (bytes trickling in do
+    not count): re-open it from revision + 1.
+
+    Not a failure by itself (a quiet prefix is silent): re-opening is how a half-open
+    connection to a dead etcd is found without waiting for TCP to notice.
     """
 
 
-class ManagerClosed(BootstrapError):
-    """The decode manager was closed: create a new one to serve more requests."""
+# --- transport: ZMQ to the prefill ranks ---------------------------------------------------
 
 
-# --- failure fan-out (the manager) -----------------------------------------------------------
+class SendFailed(TransportError):
+    """A ZMQ send to a prefill rank failed (dead peer with IMMEDIATE, or send timeout).
+
+    Retryable: the pool entry holding the rank was dropped, so the retry fetches the prefill's
+    current ranks (and fails fast with :class:`RanksUnreachable` while none is live)."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, endpoint: str) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
 
 
-class PeerLost(BootstrapError):
-    """A prefill rank or instance this request depended on is known dead or restarted.
+class RanksUnreachable(TransportError):
+    """The prefill's registered ranks cannot be reached and no newer registration is visible
+    yet: the transport already judged an endpoint dead (its socket monitor), or registering
+    with a rank failed. Nothing of this request was sent to a prefill. Retryable: the first
+    request after the prefill registers again (new ports, or its ranks back) gets through.
+    The same error on every source (HTTP and etcd alike): a transport error, not the
+    source's. ``addr`` is the prefill's bootstrap address, ``endpoint`` the dead rank's."""
 
-    The request cannot complete: retry it; the retry fetches the prefill's current ranks
-    (the generations this request used were dropped from the pool). Also raised, with a
-    generic message, by ``failure_exception()`` on a receiver that recorded no reason itself.
-    """
+    retryable = True
 
-    def __init__(self, message: str, *, addr: str | None = None) -> None:
+    def __init__(self, message: str, *, addr: str, endpoint: str) -> None:
         super().__init__(message)
         self.addr = addr
-        #: ``time.monotonic()`` when the manager got the evidence (None: no evidence, generic)
-        self.evidence_at: float | None = None
+        self.endpoint = endpoint
+
+
+class WaitingTimeout(TransportError):
+    """No transfer completed within the waiting timeout after the metadata was sent.
+
+    Retryable: the prefill was slow or lost the request; a retry starts it again."""
+
+    retryable = True
+
+
+class MalformedFrames(TransportError, ValueError):
+    """A ZMQ message did not have the layout its kind requires. Nothing was acted on."""
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# --- peer lost (the failure fan-out) -------------------------------------------------------
 
 
 class RankDead(PeerLost):
@@ -222,75 +391,50 @@ class FailedOnAnotherRank(PeerLost):
 
     is_from_another_rank = True
 
-    """The request was aborted by its owner."""
+
+class RankRetired(PeerLost):
+    """A prefill rank's registration changed or vanished in etcd after this request's pool
+    entry was fetched: the request fails; a retry fetches the new registration.
+
+    Learnt from etcd's watch, but a :class:`PeerLost` (the manager's fan-out reason, counted
+    with the others), not a :class:`DiscoveryError`: etcd answered fine."""
 
 
-# --- packaging ------------------------------------------------------------------------------------
+# --- tools ---------------------------------------------------------------------------------
 
 
-class MissingExtra(BootstrapError, ImportError):
-    """An optional part was used without the extra that installs its dependency.
+class CfgError(ToolError):
+    """A .cfg file that cannot be read, or that the mirror cannot check exactly."""
 
-    An ``ImportError`` too, so ``except ImportError`` around an optional import still works.
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+
+
+class DumpError(ToolError):
+    """TLC's state dump holds something this reader does not know; compare by counts only."""
+
+
+class TraceFormatError(ToolError):
+    """The trace is not well-formed (not JSON, missing or mistyped fields)."""
+
+
+class EtcdStartFailed(ToolError):
+    """The etcd binary exited, or did not serve within ``ready_timeout``."""
+
+
+class PrefillRankStartFailed(ToolError):
+    """The prefill rank process exited or stayed silent before printing ``READY``.
+
+    ``stderr_tail`` holds the child's last stderr lines (also in the message): the reason.
     """
 
-    def __init__(self, extra: str, what: str, module: str) -> None:
-        super().__init__(
-            f"{what} needs {module}, which the {extra!r} extra installs: "
-            f"pip install 'pd-bootstrap-statemachine[{extra}]'",
-            name=module,
-        )
-        self.extra = extra
-        self.module = module
-
-
-# --- bootstrap HTTP: rooms ------------------------------------------------------------------------
-
-
-class UnknownRoom(NotFound):
-    """The bootstrap server knows no dp rank for this room (yet): ``POST /query_dp_ranks``
-    answered without it. The prefill registers a room's dp rank when the request reaches it,
-    so this can be temporary: ask again, or pass the dp rank explicitly."""
-
-    def __init__(self, message: str, *, addr: str, room: int) -> None:
-        super().__init__(message, addr=addr, status=200)
-        self.room = room
-
-
-# --- etcd discovery --------------------------------------------------------------------------
-
-
-class DiscoveryError(BootstrapError):
-    """An etcd discovery call could not be completed."""
-
-
-class EtcdUnavailable(DiscoveryError):
-    """No etcd endpoint answered within the call's timeout (refused, reset, timed out, 5xx).
-
-    Retry with back-off; the decode side keeps serving its local store meanwhile.
-    """
-
-
-class EtcdRequestFailed(DiscoveryError):
-    """etcd answered, but refused the request (lease not found, bad argument, auth)."""
-
-    def __init__(self, message: str, *, status: int, code: int | None = None) -> None:
+    def __init__(self, message: str, stderr_tail: str = "") -> None:
+        if stderr_tail:
+            message = f"{message}; its last stderr lines:\n{stderr_tail}"
         super().__init__(message)
-        self.status = status
-        self.code = code
+        self.stderr_tail = stderr_tail
 
 
-class WatchCompacted(DiscoveryError):
-    """The watch's start revision was compacted away: the watcher must re-list."""
-
-    def __init__(self, message: str, *, compact_revision: int) -> None:
-        super().__init__(message)
-        self.compact_revision = compact_revision
-
-
-class RankRetired(PeerLost, DiscoveryError):
-    """A prefill rank's registration changed or vanished in etcd after this request's
-    generation was fetched: the request fails; a retry fetches the new registration.
-
-    A :class:`PeerLost` (the manager's fan-out reason, counted with the others) learnt from
-    etcd's watch."""
+class ClusterError(ToolError):
+    """A prefill process did not start (or did not say where it listens) in time."""

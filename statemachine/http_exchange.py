@@ -49,8 +49,9 @@ from statemachine.validation import MAX_REPLY_BYTES
 
 #: Default wall-clock bound on one exchange: connect + send + read of the whole reply (HTTP-35).
 DEFAULT_DEADLINE = 5.0
-#: Longest piece of a server's error text quoted in an exception message.
-MAX_QUOTED_ERROR = 200
+#: Longest piece of a server's error text quoted in an exception message; a longer one loses
+#: its middle (its end says what to do).
+MAX_QUOTED_ERROR = 400
 
 # --- the deadline of one exchange ----------------------------------------------------------------
 
@@ -306,7 +307,8 @@ def transport_reason(
 
 def quoted_error(body: bytes) -> str:
     """The server's reason from an error body: its JSON ``error`` text, else the text itself;
-    bounded and printable."""
+    bounded and printable. A reason longer than the bound loses its middle, not its end: a
+    server's message ends with what to do, which is the part the reader needs."""
     text = body[: 4 * MAX_QUOTED_ERROR].decode("utf-8", "replace")
     try:
         obj = json.loads(body) if len(body) <= 4096 else None
@@ -316,7 +318,8 @@ def quoted_error(body: bytes) -> str:
         text = obj["error"]
     text = "".join(c if c.isprintable() else " " for c in text).strip()
     if len(text) > MAX_QUOTED_ERROR:
-        text = text[:MAX_QUOTED_ERROR] + "..."
+        head = MAX_QUOTED_ERROR // 2 - 3
+        text = f"{text[:head]} ... {text[len(text) - (MAX_QUOTED_ERROR - head - 5) :]}"
     return text
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import NamedTuple
 
-from statemachine.errors import BootstrapError
+from statemachine.errors import InvalidArgument
 
 #: Largest reply body the client reads; anything larger is a malformed reply (HTTP-24).
 MAX_REPLY_BYTES = 1 << 20
@@ -52,10 +52,6 @@ INT64_MAX = 2**63 - 1
 _LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
 _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?", re.ASCII)
 _ALL_DIGITS = re.compile(r"[0-9]+", re.ASCII)
-
-
-class InvalidArgument(BootstrapError, ValueError):
-    """The caller passed a bad address, rank or room: rejected before anything is sent."""
 
 
 class RouteReply(NamedTuple):

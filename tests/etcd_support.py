@@ -17,10 +17,10 @@ import pytest
 
 from statemachine.discovery.local_server import (
     EtcdServer,
-    EtcdStartFailed,
     find_etcd_binary,
     free_port,
 )
+from statemachine.errors import EtcdStartFailed
 
 __all__ = ["EtcdServer", "TcpForwarder", "free_port", "running_etcd", "wait_until"]
 

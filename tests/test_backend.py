@@ -24,7 +24,7 @@ from statemachine.completion import (
 )
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.errors import ConfigurationError
+from statemachine.errors import ConfigurationError, MalformedFrames
 from statemachine.pool import RankInfo
 from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
@@ -34,7 +34,6 @@ from statemachine.wire.reference import (
     ABORT_GENERATION_FRAMES,
     BOOTSTRAP_FRAMES,
     MAX_REASON_BYTES,
-    MalformedFrames,
     SimpleBackend,
     abort_ack_frames,
     ack_frames,
@@ -180,19 +179,19 @@ def test_zmq22_legacy_abort_is_unchanged() -> None:
     frames = BACKEND.abort_frames(RANK, 7)
     assert frames == [b"abort", b"7", b"session-d", b"1"]
     assert len(frames) == ABORT_FRAMES
-    assert parse_abort(frames).generation is None
+    assert parse_abort(frames).abort_seq is None
 
 
 def test_zmq22_abort_with_a_generation() -> None:
-    frames = BACKEND.abort_frames(RANK, 7, generation=3)
+    frames = BACKEND.abort_frames(RANK, 7, abort_seq=3)
     assert frames == [b"abort", b"7", b"session-d", b"1", b"", b"3"]
     assert len(frames) == ABORT_GENERATION_FRAMES
     parsed = parse_abort(frames)
-    assert (parsed.room, parsed.generation, parsed.instance_id) == (7, 3, None)
-    targeted = parse_abort(BACKEND.abort_frames(RANK, 7, instance_id="inst", generation=0))
-    assert (targeted.generation, targeted.instance_id) == (0, "inst")
+    assert (parsed.room, parsed.abort_seq, parsed.instance_id) == (7, 3, None)
+    targeted = parse_abort(BACKEND.abort_frames(RANK, 7, instance_id="inst", abort_seq=0))
+    assert (targeted.abort_seq, targeted.instance_id) == (0, "inst")
     with pytest.raises(ValueError):
-        BACKEND.abort_frames(RANK, 7, generation=-1)
+        BACKEND.abort_frames(RANK, 7, abort_seq=-1)
     for bad in (b"", b"x", b"-1", b" 3"):
         with pytest.raises(MalformedFrames):
             parse_abort([*frames[:5], bad])
@@ -287,7 +286,7 @@ class _NoBootstrap:
         room: int,
         *,
         instance_id: str | None = None,
-        generation: int | None = None,
+        abort_seq: int | None = None,
     ) -> list[bytes]:
         return []
 
@@ -303,7 +302,7 @@ class _AbortWithoutGeneration(SimpleBackend):
     ("backend", "match"),
     [
         (_NoBootstrap(), r"KVBackend with bootstrap_frames\(\)"),
-        (_AbortWithoutGeneration(LOOPBACK, 5555, "s"), r"abort_frames\(\) .*generation"),
+        (_AbortWithoutGeneration(LOOPBACK, 5555, "s"), r"abort_frames\(\) .*abort_seq"),
     ],
 )
 def test_zmq22_a_backend_without_the_new_methods_is_a_configuration_error(
@@ -349,11 +348,11 @@ def test_zmq22_reference_rank_answers_bootstrap_and_an_abort_with_a_generation(
             )
             # A legacy abort is not acknowledged: the next reply is the generation's ack.
             transport.send(endpoint, backend.abort_frames(target, 11))
-            transport.send(endpoint, backend.abort_frames(target, 11, generation=2))
+            transport.send(endpoint, backend.abort_frames(target, 11, abort_seq=2))
             assert backend.decode_message(_receive(replies)) == AbortAck(11, sender, 2)
             # An abort from a session that never registered has no endpoint to ack to.
             stranger = SimpleBackend(LOOPBACK, port, "stranger")
-            transport.send(endpoint, stranger.abort_frames(target, 12, generation=1))
+            transport.send(endpoint, stranger.abort_frames(target, 12, abort_seq=1))
             # A BOOTSTRAP for another pp rank is misaddressed; this one is served.
             transport.send(endpoint, backend.bootstrap_frames(RankInfo(LOOPBACK, 1, 1), 13))
             transport.send(endpoint, backend.bootstrap_frames(target, 14))

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from statemachine.demo.cli import opening, parse_args
-from statemachine.demo.cluster import ClusterError, _Child
+from statemachine.demo.cluster import _Child
 from statemachine.demo.loops import Outcome
 from statemachine.demo.modes import PRESETS
 from statemachine.demo.status import StatusLine
+from statemachine.errors import ClusterError
 from statemachine.pool import BootstrapPool, PoolStats
 
 RUN_TIMEOUT_S = 90

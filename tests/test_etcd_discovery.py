@@ -33,9 +33,8 @@ from statemachine.discovery.layout import (
     rank_key,
 )
 from statemachine.discovery.registrar import EtcdRegistrar
-from statemachine.errors import BootstrapError, EtcdUnavailable, NotFound, NotReady
+from statemachine.errors import BootstrapError, EtcdUnavailable, InvalidArgument, NotFound, NotReady
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
-from statemachine.validation import InvalidArgument
 from statemachine.wire.http import route_payload
 from tests.etcd_support import EtcdServer, free_port, running_etcd, wait_until
 

@@ -24,10 +24,9 @@ from statemachine import lifecycle as life
 from statemachine.completion import KVPoll
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
-from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.decode_on_etcd import manager_on_etcd
-from statemachine.demo.baselines import FetchPerMissManager
+from statemachine.demo.baselines import FetchPerMissManager, UnmonitoredTransport
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.errors import NotReady, PeerLost, RankRetired
 from statemachine.pool import PoolKey
@@ -205,7 +204,7 @@ def test_graceful_restart_fails_no_request_started_after_the_new_registration(
     prefix, addr, _ = cluster
     # Socket monitor off: a terminated rank's disconnect would otherwise race the lease
     # revocation to drop the entry, and the watch (what this test is about) could find it gone.
-    transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+    transport = UnmonitoredTransport(send_timeout_ms=500)
     manager = manager_for(etcd, prefix, transport=transport)
     source = manager.source
     assert isinstance(source, EtcdBootstrapSource)
@@ -266,7 +265,7 @@ def test_sigkill_is_retired_by_lease_expiry(
     """Socket monitor off: only the lease's expiry (etcd's delete) can retire the entry."""
     prefix, addr, _ = cluster
     ttl = 3  # keep-alive every 1.5 s: a loaded machine cannot starve it into an early expiry
-    transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+    transport = UnmonitoredTransport(send_timeout_ms=500)
     manager = manager_for(etcd, prefix, transport=transport)
     source = manager.source
     assert isinstance(source, EtcdBootstrapSource)

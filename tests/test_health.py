@@ -15,9 +15,9 @@ import pytest
 
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.health import HealthMonitor
+from statemachine.errors import InvalidArgument
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.prefill.server import BootstrapServer
-from statemachine.validation import InvalidArgument
 
 
 def generation(instance_id: str | None) -> Generation:

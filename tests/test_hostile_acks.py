@@ -21,7 +21,7 @@ from zmq_support import AckRecorder
 
 from statemachine.completion import PrefillEvent, PrefillStatus
 from statemachine.decode.ranks.acks import EVICT_GRACE, MAX_FRAME_BYTES, AckListener
-from statemachine.validation import InvalidArgument
+from statemachine.errors import InvalidArgument
 from statemachine.wire.reference import ack_frames
 
 

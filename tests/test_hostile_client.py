@@ -27,14 +27,16 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import (
+    InvalidArgument,
     MalformedReply,
     NotFound,
     RequestRejected,
     TransportFailure,
     UnknownRoom,
 )
+from statemachine.http_exchange import MAX_QUOTED_ERROR
 from statemachine.prefill.registration import register_rank
-from statemachine.validation import InvalidArgument, is_rank_ip, parse_addr, rank_ip_problem
+from statemachine.validation import is_rank_ip, parse_addr, rank_ip_problem
 from statemachine.wire.reference import SimpleBackend
 
 TOKEN = "hostile-client-token"
@@ -178,7 +180,10 @@ def test_http36_read_timeout_says_after_how_long() -> None:
 def test_http36_4xx_quotes_the_servers_reason() -> None:
     with running_server(token=TOKEN) as server, pytest.raises(RequestRejected) as caught:
         register_rank(server.address, "wrong-token", {"attn_tp_size": 1})
-    assert str(caught.value).endswith("PUT /route answered HTTP 401: missing or wrong bearer token")
+    assert (
+        "PUT /route answered HTTP 401: missing or wrong bearer token: start the prefill rank "
+        in (str(caught.value))
+    )
 
 
 def test_http36_quoted_reason_is_bounded_and_printable() -> None:
@@ -188,7 +193,7 @@ def test_http36_quoted_reason_is_bounded_and_printable() -> None:
             BootstrapClient().get_topology(server.address)
         text = str(caught.value)
         assert "\x1b" not in text and "\n" not in text
-        assert len(text) < 400 and text.endswith("...")
+        assert len(text) < MAX_QUOTED_ERROR + 100 and " ... " in text and text.endswith("xxx")
         server.set(404, b"no such thing")  # plain text is quoted as it is
         with pytest.raises(NotFound, match=r"answered HTTP 404: no such thing$"):
             BootstrapClient().get_topology(server.address)

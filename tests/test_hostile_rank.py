@@ -14,8 +14,9 @@ from zmq_support import LOOPBACK, AckRecorder
 
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.errors import PrefillRankStartFailed
 from statemachine.pool import Generation, RankInfo
-from statemachine.prefill.rank import PrefillRankProcess, PrefillRankStartFailed
+from statemachine.prefill.rank import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import SimpleBackend

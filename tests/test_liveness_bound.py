@@ -22,9 +22,8 @@ from statemachine.decode.liveness_bound import (
     LivenessBound,
 )
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.errors import SendFailed
+from statemachine.errors import InvalidArgument, SendFailed
 from statemachine.pool import BootstrapPool
-from statemachine.validation import InvalidArgument
 
 LOAD_MARGIN_S = 0.5  # what a loaded 2-core machine may add to a deadline
 

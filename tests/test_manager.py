@@ -34,10 +34,9 @@ from statemachine import lifecycle as life
 from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
-from statemachine.decode.parts import Decode
 from statemachine.decode.plan import DecodeLayout, RankPlan, derive_plan
-from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
+from statemachine.demo.baselines import UnmonitoredTransport
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -261,7 +260,7 @@ def test_mgr_1_a_failed_send_fails_every_request_in_flight_on_that_rank(
     Until libzmq has seen the dead rank's connection close, a send to it is still taken (and
     lost); so requests are started until one's send fails - the event, not a time - and every
     one started before it is a victim too. Catches a failed send that fans out nothing."""
-    transport = ZmqTransport(monitor=False, send_timeout_ms=300)
+    transport = UnmonitoredTransport(send_timeout_ms=300)
     try:
         with manager_for(transport=transport, waiting_timeout_s=300.0) as manager:
             victims = in_flight_waiting(manager, slow_prefill, range(1, 5))
@@ -380,7 +379,7 @@ def test_mgr_1_a_fetch_answered_by_a_new_instance_retires_the_old_one() -> None:
     finder failing itself (its own exclusion dropped), and the stale key not refetched (the
     finder would start a transfer on A's ports)."""
     first = start_prefill(ack_delay_ms=SLOW_ACK_MS)
-    transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+    transport = UnmonitoredTransport(send_timeout_ms=500)
     server: BootstrapServer | None = None
     try:
         with manager_for(transport=transport) as manager:
@@ -422,7 +421,7 @@ def test_mgr_1_a_restart_notice_leaves_requests_on_the_new_instance_alone() -> N
     thread probes once an hour here), so the notice comes exactly when the test says.
     Catches a restart fan-out that fails every request bound to the address."""
     first = start_prefill(ack_delay_ms=SLOW_ACK_MS)
-    transport = ZmqTransport(monitor=False, send_timeout_ms=500)
+    transport = UnmonitoredTransport(send_timeout_ms=500)
     server: BootstrapServer | None = None
     try:
         with manager_for(
@@ -993,12 +992,7 @@ def test_bad_rooms_and_parts_are_rejected_at_construction_with_typed_errors() ->
         with pytest.raises(ConfigurationError):
             DecodeManager(health_interval_s=None, **bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="pool must be a BootstrapPool"):
-        Decode(
-            pool=None,  # type: ignore[arg-type]
-            client=BootstrapClient(),
-            transport=ZmqTransport(),
-            backend=SimpleBackend("127.0.0.1", 1, "s"),
-        )
+        DecodeManager(pool=object(), health_interval_s=None)  # type: ignore[arg-type]
     assert issubclass(ConfigurationError, BootstrapError)
 
 
@@ -1134,11 +1128,11 @@ def test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint(
 def test_mgr_5_6_frames_carry_the_dummy_flag_and_abort_parses_strictly() -> None:
     """MGR-5/MGR-6 frame layouts: the dummy flag is the last frame of register and metadata
     (b"0"/b"1", nothing else); the abort message is [abort, room, session, pp rank]."""
+    from statemachine.errors import MalformedFrames
     from statemachine.wire.reference import (
         ABORT_FRAMES,
         METADATA_FRAMES,
         REGISTER_FRAMES,
-        MalformedFrames,
         parse_abort,
         parse_register,
     )

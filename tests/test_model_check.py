@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from statemachine.model.cfg import CfgError, parse_cfg, read_cfg, recorded_states
+from statemachine.errors import CfgError
+from statemachine.model.cfg import parse_cfg, read_cfg, recorded_states
 from statemachine.model.check import load, run
 from statemachine.model.checker import Counterexample, Result, format_counterexample
 from statemachine.model.spec import BootstrapCache

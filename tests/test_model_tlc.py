@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from statemachine.errors import DumpError
 from statemachine.model.check import TLA_DIR, load
 from statemachine.model.checker import explore
 from statemachine.model.tlc import (
@@ -23,7 +24,7 @@ from statemachine.model.tlc import (
     jar_from_environment,
     parse_output,
 )
-from statemachine.model.tlcdump import DumpError, parse_value, read_dump, to_state
+from statemachine.model.tlcdump import parse_value, read_dump, to_state
 
 
 def test_parse_output_reads_every_violation_form() -> None:

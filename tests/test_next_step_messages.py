@@ -20,10 +20,10 @@ from statemachine import DecodeManager
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.discovery.gateway import EtcdGateway
-from statemachine.errors import EtcdUnavailable, NotFound, NotReady, SendFailed
+from statemachine.errors import EtcdUnavailable, InvalidArgument, NotFound, NotReady, SendFailed
 from statemachine.prefill.readiness import read_prefixed_line
 from statemachine.prefill.registration import register_rank
-from statemachine.validation import InvalidArgument, parse_addr
+from statemachine.validation import parse_addr
 
 TOKEN = "next-step-token"
 

@@ -14,9 +14,9 @@ from zmq_support import LOOPBACK, AckRecorder
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.errors import SendFailed
+from statemachine.errors import PrefillRankStartFailed, SendFailed
 from statemachine.pool import Generation, RankInfo
-from statemachine.prefill.rank import PrefillRankProcess, PrefillRankStartFailed, parse_args
+from statemachine.prefill.rank import PrefillRankProcess, parse_args
 from statemachine.prefill.server import BootstrapServer
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import SimpleBackend

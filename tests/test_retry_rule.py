@@ -4,9 +4,9 @@ A prefill is SIGKILLed (real rank processes); the transport's socket monitor jud
 dead within milliseconds. Its registration may still be listed for a while: by etcd until the
 ranks' leases expire, by a bootstrap server that outlived its ranks until they register again.
 A request started then never reaches a live prefill: on both sources it fails with the same
-retryable, typed error (``RanksUnreachable``, a ``NotReady``) without sending anything, and the
+retryable, typed error (``RanksUnreachable``, ``retryable`` True) without sending anything, and the
 first request after the prefill registers again succeeds. Before, on etcd every such request
-took the dead ranks and failed with a non-retryable ``SendFailed``.
+took the dead ranks and failed with ``SendFailed`` after trying to send.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from statemachine import lifecycle as life
 from statemachine.completion import KVPoll
 from statemachine.decode.manager import DecodeManager
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
-from statemachine.errors import NotReady, RanksUnreachable
+from statemachine.errors import BootstrapHTTPError, RanksUnreachable
 from statemachine.pool import PoolKey
 from tests.etcd_support import EtcdServer
 
@@ -45,7 +45,8 @@ def _after_the_crash(manager: DecodeManager, addr: str, room: int) -> None:
     receiver = manager.receiver(addr, room, PLAN, prefill_dp_rank=0)
     assert receiver.init() == KVPoll.Failed
     failure = receiver.failure
-    assert isinstance(failure, RanksUnreachable) and isinstance(failure, NotReady), failure
+    assert isinstance(failure, RanksUnreachable) and failure.retryable, failure
+    assert not isinstance(failure, BootstrapHTTPError), failure  # not the source's error
     text = str(failure)
     assert "no newer registration is visible yet" in text and "retry shortly" in text
     assert "nothing of this request was sent" in text

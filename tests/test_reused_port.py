@@ -31,15 +31,14 @@ from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
-from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
-from statemachine.errors import ConfigurationError, WaitingTimeout
+from statemachine.demo.baselines import QueueingTransport
+from statemachine.errors import ConfigurationError, PrefillRankStartFailed, WaitingTimeout
 from statemachine.model.validate import main as validate_main
 from statemachine.model.validate import read_trace, validate
 from statemachine.pool import RankInfo
 from statemachine.prefill.rank import (
     PrefillRankProcess,
-    PrefillRankStartFailed,
     _Rank,
     parse_args,
 )
@@ -104,7 +103,7 @@ def _reused_port_run(*, targeted: bool, rank_trace: Path | None = None) -> Itera
     extra = ("--trace", str(rank_trace)) if rank_trace is not None else ()
     new_rank = PrefillRankProcess(server.address, TOKEN, extra_args=extra)
     client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
-    transport = ZmqTransport(mode="queueing", send_timeout_ms=1000)
+    transport = QueueingTransport(send_timeout_ms=1000)
     backends: list[_Gated] = []
 
     def backend_for(ip: str, port: int) -> _Gated:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from statemachine.completion import AbortAck, PrefillStatus
 from statemachine.decode.manager import DecodeManager
-from statemachine.errors import BootstrapError, ConfigurationError
+from statemachine.errors import BootstrapError, ConfigurationError, InvalidArgument
 from statemachine.pool import RankInfo
 from statemachine.sglang.v0_5_23 import DecodeKVArgs, MooncakeBackend, NixlBackend
 from statemachine.sglang.v0_5_23.control import MAX_REASON_CHARS
@@ -25,7 +25,6 @@ from statemachine.sglang.v0_5_23.mooncake import REGISTRATION_FRAMES as MOONCAKE
 from statemachine.sglang.v0_5_23.nixl import GUARD
 from statemachine.sglang.v0_5_23.nixl import METADATA_FRAMES as NIXL_METADATA
 from statemachine.sglang.v0_5_23.nixl import REGISTRATION_FRAMES as NIXL_REGISTRATION
-from statemachine.validation import InvalidArgument
 from statemachine.wire.metadata import MetadataRequest
 
 KV = DecodeKVArgs(
@@ -125,8 +124,8 @@ def test_sgw2_decode_kv_args_are_normalised_to_tuples() -> None:
         ),
         (lambda: mooncake().abort_frames(REAL, -1), "room"),
         (lambda: mooncake().abort_frames(REAL, 2**64), "room"),
-        (lambda: mooncake().abort_frames(REAL, 1, generation=-1), "generation"),
-        (lambda: nixl().abort_frames(REAL, 1, generation=2**63), "generation"),
+        (lambda: mooncake().abort_frames(REAL, 1, abort_seq=-1), "abort_seq"),
+        (lambda: nixl().abort_frames(REAL, 1, abort_seq=2**63), "abort_seq"),
         (lambda: mooncake().bootstrap_frames(REAL, -1), "room"),
     ],
 )
@@ -167,7 +166,7 @@ def test_sgw3_sgw4_frame_counts_and_dummy_encoding() -> None:
 @pytest.mark.parametrize("backend", [mooncake(), nixl()], ids=["mooncake", "nixl"])
 def test_sgw7_abort_frames(backend: Any) -> None:
     assert backend.abort_frames(REAL, 9) == [b"ABORT", b"9", b"127.0.0.1", b"5555"]
-    assert backend.abort_frames(REAL, 9, generation=4, instance_id="x")[4:] == [b"4"]
+    assert backend.abort_frames(REAL, 9, abort_seq=4, instance_id="x")[4:] == [b"4"]
 
 
 def test_manager_accepts_the_backends_through_its_factory() -> None:

@@ -63,10 +63,10 @@ class SGLangStyleBackend(SimpleBackend):
         room: int,
         *,
         instance_id: str | None = None,
-        generation: int | None = None,
+        abort_seq: int | None = None,
     ) -> list[bytes]:
         frames = [b"ABORT", b"%d" % room, self.decode_ip.encode(), b"%d" % self.decode_port]
-        return frames if generation is None else [*frames, b"%d" % generation]
+        return frames if abort_seq is None else [*frames, b"%d" % abort_seq]
 
     def bootstrap_frames(
         self, rank: RankInfo, room: int, *, instance_id: str | None = None
@@ -569,7 +569,7 @@ def test_mgr_15_holds_count_only_the_current_generation_and_stay_bounded() -> No
     holds = AbortHolds(30.0, lambda: now[0], max_rooms=2)
     first = holds.hold(1, ranks(2))
     second = holds.hold(1, ranks(2))  # a new ABORT for the room: a new generation replaces it
-    assert second == first + 1 and holds.generation(1) == second
+    assert second == first + 1 and holds.abort_seq(1) == second
     assert not holds.acked(AbortAck(1, 0, first))  # the old generation: stale
     assert not holds.acked(AbortAck(1, 0, None))  # a legacy ack names no generation
     assert not holds.acked(AbortAck(1, None, second))  # names no rank

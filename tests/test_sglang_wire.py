@@ -183,12 +183,12 @@ def test_sgw7_abort_parses_with_and_without_generation(backend: str) -> None:
     backend_ = ours(backend, HARNESS_KV)
     legacy = conn.AbortNotification.from_zmq(backend_.abort_frames(REAL, 9, instance_id="inst"))
     assert (legacy.room, legacy.decode_ip, legacy.decode_port) == (9, LOOPBACK, 5555)
-    assert legacy.generation is None
+    assert legacy.abort_seq is None
     assert legacy.deferred_ack_target() is None  # nothing for the prefill to acknowledge
     armed = conn.AbortNotification.from_zmq(
-        backend_.abort_frames(REAL, 9, instance_id="inst", generation=3)
+        backend_.abort_frames(REAL, 9, instance_id="inst", abort_seq=3)
     )
-    assert (armed.room, armed.generation) == (9, 3)
+    assert (armed.room, armed.abort_seq) == (9, 3)
     assert tuple(armed.deferred_ack_target()) == (LOOPBACK, 5555, 3)
 
 
@@ -202,7 +202,7 @@ def test_sgw5_the_instance_id_never_reaches_sglang(backend: str) -> None:
         "register": lambda i: backend_.register_frames(REAL, instance_id=i),
         "metadata": lambda i: backend_.metadata_frames(REAL, request, instance_id=i),
         "abort": lambda i: backend_.abort_frames(REAL, 1, instance_id=i),
-        "abort+generation": lambda i: backend_.abort_frames(REAL, 1, instance_id=i, generation=2),
+        "abort+generation": lambda i: backend_.abort_frames(REAL, 1, instance_id=i, abort_seq=2),
     }
     if backend == "mooncake":
         calls["bootstrap"] = lambda i: backend_.bootstrap_frames(REAL, 1, instance_id=i)
@@ -267,7 +267,7 @@ def test_sgw3_sgw4_sgw7_bytes_equal_sglang_builders(backend: str) -> None:
                 decode_port=sglang.rank_port,
                 generation=generation,
             ).to_zmq()
-            assert backend_.abort_frames(REAL, 2**64 - 1, generation=generation) == expected
+            assert backend_.abort_frames(REAL, 2**64 - 1, abort_seq=generation) == expected
 
 
 # --- SGLang's real prefill bootstrap threads ------------------------------------------------
@@ -341,7 +341,7 @@ def test_sgw2_sglang_prefill_thread_survives_every_message_and_acks_the_abort(
                 assert prefill.wait(lambda r=room: r in manager.transfer_infos)
                 assert manager.transfer_infos[room][_peer_key(backend)].is_dummy is rank.is_dummy
             sender.send(backend_.abort_frames(REAL, 21))  # legacy: acknowledged by nothing
-            sender.send(backend_.abort_frames(REAL, 22, generation=5))
+            sender.send(backend_.abort_frames(REAL, 22, abort_seq=5))
             event = backend_.decode_message(_receive(pull))
             assert event == AbortAck(22, manager._prefill_unique_rank(), 5)
             # SGLang marked both rooms Failed: the aborts were read in order, and acted on.
@@ -626,4 +626,4 @@ def test_sgw3_sgw4_sgw6_sgw7_sglangs_receiver_sends_our_bytes() -> None:
         second.send_metadata(np.array([4, 5], dtype=np.int32), 3, None, 16)
         assert received() == backend_.metadata_frames(REAL, MetadataRequest(62, (4, 5), 3, 16))
         second.abort()  # after its metadata: armed, generation 1
-        assert received() == backend_.abort_frames(REAL, 62, generation=1)
+        assert received() == backend_.abort_frames(REAL, 62, abort_seq=1)

@@ -19,8 +19,9 @@ from test_receiver import PLAN, DecodeSide, Prefill, make_decode, start_prefill,
 from statemachine import lifecycle as life
 from statemachine import pool as pool_module
 from statemachine import trace
-from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.model.validate import TraceFormatError, main, read_trace, validate
+from statemachine.demo.baselines import UnmonitoredTransport
+from statemachine.errors import TraceFormatError
+from statemachine.model.validate import main, read_trace, validate
 from statemachine.pool import Generation, PoolKey
 
 K = ["h:80", 0, 0, 0]
@@ -205,7 +206,7 @@ def side() -> Iterator[DecodeSide]:
     """A decode side whose transport has no socket monitor: with one, the restart's dead
     ports are found and fanned out before the first send, and no receiver would ever hold
     the stale generation this scenario is about."""
-    transport = ZmqTransport(monitor=False)
+    transport = UnmonitoredTransport()
     try:
         yield from make_decode(transport=transport)
     finally:

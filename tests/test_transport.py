@@ -27,13 +27,13 @@ from zmq_support import (
 
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
-from statemachine.errors import BootstrapError, SendFailed
+from statemachine.demo.baselines import QueueingTransport, UnmonitoredTransport
+from statemachine.errors import BootstrapError, MalformedFrames, SendFailed
 from statemachine.pool import Generation, RankInfo
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import (
     METADATA_FRAMES,
     REGISTER_FRAMES,
-    MalformedFrames,
     SimpleBackend,
     ack_frames,
     parse_ack,
@@ -76,9 +76,9 @@ def test_zmq5_first_send_to_live_peer_succeeds_on_a_fresh_socket(context: zmq.Co
 
 
 def test_zmq2_immediate_first_send_to_dead_endpoint_fails_and_evicts(context: zmq.Context) -> None:
-    """ZMQ-2, ZMQ-4, ZMQ-6 (monitor=False): the first send fails after SNDTIMEO, and evicts."""
+    """ZMQ-2, ZMQ-4, ZMQ-6 (unmonitored): the first send fails after SNDTIMEO, and evicts."""
     port = dead_port()
-    with ZmqTransport(send_timeout_ms=FAST_MS, monitor=False) as transport:
+    with UnmonitoredTransport(send_timeout_ms=FAST_MS) as transport:
         with pytest.raises(SendFailed) as caught:
             with_deadline(lambda: transport.send((LOOPBACK, port), [b"x"]), 30)
         assert caught.value.endpoint == f"tcp://{LOOPBACK}:{port}"
@@ -90,7 +90,7 @@ def test_zmq2_immediate_first_send_to_dead_endpoint_fails_and_evicts(context: zm
 def test_zmq2_queueing_mode_silently_queues_to_dead_endpoint(context: zmq.Context) -> None:
     """ZMQ-2 contrast: SGLang's options report success for sends nobody can receive."""
     port = dead_port()
-    with ZmqTransport(mode="queueing", send_timeout_ms=FAST_MS) as transport:
+    with QueueingTransport(send_timeout_ms=FAST_MS) as transport:
         for i in range(20):
             transport.send((LOOPBACK, port), [b"%d" % i])
         stats = transport.stats()
@@ -107,7 +107,8 @@ def test_zmq8_no_stale_frames_reach_a_new_process_on_the_old_port(
     The peer is a real process, SIGKILLed while the transport holds a connected socket.
     """
     # The default timeout: the warm-up send must reach a freshly started process (ZMQ-5).
-    with ZmqTransport(mode=mode) as transport:  # type: ignore[arg-type]
+    kind = ZmqTransport if mode == "immediate" else QueueingTransport
+    with kind() as transport:
         with SinkProcess() as sink:
             endpoint = (LOOPBACK, sink.port)
             transport.send(endpoint, [b"warm"])  # a cached, connected socket
@@ -141,9 +142,9 @@ def test_zmq8_no_stale_frames_reach_a_new_process_on_the_old_port(
 
 
 def test_zmq6_send_after_eviction_opens_a_fresh_socket(context: zmq.Context) -> None:
-    """ZMQ-6 (monitor=False): a failed endpoint is forgotten; a later send reconnects."""
+    """ZMQ-6 (unmonitored): a failed endpoint is forgotten; a later send reconnects."""
     port = dead_port()
-    with ZmqTransport(monitor=False) as transport:
+    with UnmonitoredTransport() as transport:
         with pytest.raises(SendFailed):
             transport.send((LOOPBACK, port), [b"lost"])
         with pull_peer(context, port) as (peer, _):
@@ -156,7 +157,7 @@ def test_zmq6_send_after_eviction_opens_a_fresh_socket(context: zmq.Context) -> 
 def test_zmq7_threads_waiting_on_a_failed_socket_fail_without_a_new_socket(
     context: zmq.Context,
 ) -> None:
-    """ZMQ-7 (monitor=False): senders queued behind a failing send fail at once, no new socket.
+    """ZMQ-7 (unmonitored): senders queued behind a failing send fail at once, no new socket.
 
     The four threads start together and reach the cached socket well within its 1 s timeout,
     so one of them waits SNDTIMEO and fails, and the other three find it failed.
@@ -164,7 +165,7 @@ def test_zmq7_threads_waiting_on_a_failed_socket_fail_without_a_new_socket(
     port = dead_port()
     errors: list[SendFailed] = []
     barrier = threading.Barrier(4)
-    with ZmqTransport(send_timeout_ms=1000, monitor=False) as transport:
+    with UnmonitoredTransport(send_timeout_ms=1000) as transport:
 
         def sender() -> None:
             barrier.wait(5)
@@ -277,8 +278,6 @@ def test_zmq15_bad_input_is_rejected_and_changes_nothing() -> None:
         with pytest.raises(ValueError):
             transport.send((LOOPBACK, 80), [])
         assert transport.stats().sockets_created == 0
-    with pytest.raises(ValueError):
-        ZmqTransport(mode="lazy")  # type: ignore[arg-type]
     for timeout in (0, -1, True, 1.5):
         with pytest.raises(ValueError):
             ZmqTransport(send_timeout_ms=timeout)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from zmq_support import LOOPBACK, fd_count, pull_peer, recv_n, wait_until, with_
 
 from statemachine.decode.ranks.endpoints import endpoint_address
 from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.demo.baselines import UnmonitoredTransport
 from statemachine.errors import SendFailed
 
 
@@ -52,7 +53,7 @@ def _has_ipv6_loopback() -> bool:
 def test_zmq18_connect_errors_are_send_failed_and_leak_nothing(monitor: bool) -> None:
     """ZMQ-18: scope ids that ``ipaddress`` accepts but libzmq's connect() rejects."""
     bad_ips = ["::1%a b", "::1%\n", "::1%中"]
-    transport = ZmqTransport(monitor=monitor)
+    transport = ZmqTransport() if monitor else UnmonitoredTransport()
     try:
         with pytest.raises(SendFailed):  # the first socket starts libzmq's own threads
             transport.send(("::1%x y", 5555), [b"x"])
@@ -131,7 +132,7 @@ def test_zmq17_an_ipv6_rank_is_reached_over_real_loopback(
     peer.setsockopt(zmq.IPV6, 1)
     try:
         port = peer.bind_to_random_port("tcp://[::1]")
-        with ZmqTransport(monitor=monitor) as transport:
+        with ZmqTransport() if monitor else UnmonitoredTransport() as transport:
             transport.send(("::1", port), [b"over", b"ipv6"])
             assert recv_n(peer, 1) == [[b"over", b"ipv6"]]
     finally:
@@ -154,7 +155,7 @@ def test_zmq18_any_rank_ip_fails_typed_or_is_a_valid_literal(ip: str) -> None:
     ``ZMQError``, and nothing stays open. Generated literals that would reach a real address
     off this machine are skipped: tests send nothing beyond loopback."""
     assume(not _leaves_loopback(ip))
-    with ZmqTransport(send_timeout_ms=50, monitor=False) as transport:
+    with UnmonitoredTransport(send_timeout_ms=50) as transport:
         try:
             transport.send((ip, 9), [b"x"])  # port 9: nobody listens on loopback
         except SendFailed:

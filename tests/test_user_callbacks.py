@@ -17,7 +17,7 @@ from zmq_support import VerdictRecorder
 
 from statemachine import lifecycle as life
 from statemachine.completion import KVPoll
-from statemachine.decode.ranks.transport import ZmqTransport
+from statemachine.demo.baselines import UnmonitoredTransport
 from statemachine.errors import RankDead, SendFailed
 
 __all__ = ["slow_prefill"]  # the fixture, imported for pytest
@@ -60,7 +60,7 @@ def test_another_requests_send_never_raises_the_callbacks_error(slow_prefill: Pr
     one of them used to surface there: that call raised the RuntimeError and its request was
     left ``cached``, in flight, with no failure. Now the send fails its own request (typed)
     and every other one is failed; the raises are counted, logged once."""
-    transport = ZmqTransport(monitor=False, send_timeout_ms=300)
+    transport = UnmonitoredTransport(send_timeout_ms=300)
     try:
         with manager_for(transport=transport, waiting_timeout_s=300.0) as manager:
             victims = in_flight_waiting(manager, slow_prefill, range(1, 5))

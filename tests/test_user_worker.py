@@ -123,15 +123,9 @@ def test_layout_and_transport_arguments_are_bootstrap_errors_that_say_what_to_do
     assert "give this decode process's own tp rank" in str(caught.value)
 
     with pytest.raises(BootstrapError) as caught:
-        ZmqTransport(mode="fast")  # type: ignore[arg-type]
+        ZmqTransport(send_timeout_ms=0)
     assert isinstance(caught.value, ValueError)
-    text = str(caught.value)
-    assert "mode must be 'immediate' or 'queueing', not 'fast'" in text
-    assert "use 'immediate'" in text
-
-    with pytest.raises(BootstrapError) as caught:
-        DecodeManager(transport_mode="fast", health_interval_s=None)  # type: ignore[arg-type]
-    assert isinstance(caught.value, ValueError)
+    assert "send_timeout_ms must be a positive int" in str(caught.value)
 
 
 def test_prometheus_collector_without_the_extra_says_which_extra(

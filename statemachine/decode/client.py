@@ -30,9 +30,10 @@ from typing import TypeVar
 import requests
 
 from statemachine import call_deadline
-from statemachine.decode.source import AnswersOnly
+from statemachine.decode.source import NothingToReport
 from statemachine.errors import (
     BootstrapHTTPError,
+    InvalidArgument,
     MalformedReply,
     TransportFailure,
     UnknownRoom,
@@ -49,7 +50,6 @@ from statemachine.http_exchange import (
     transport_reason,
 )
 from statemachine.validation import (
-    InvalidArgument,
     RouteReply,
     Topology,
     parse_addr,
@@ -109,11 +109,11 @@ class _ThreadSessions:
         self.sessions: dict[str, requests.Session] = {}
 
 
-class BootstrapClient(AnswersOnly):
+class BootstrapClient(NothingToReport):
     """Queries prefill bootstrap servers over per-thread, per-address keep-alive sessions.
 
     A :class:`~statemachine.decode.source.BootstrapSource` with nothing of its own to report
-    (:class:`~statemachine.decode.source.AnswersOnly`): its owner probes each address's health.
+    (:class:`~statemachine.decode.source.NothingToReport`): its owner probes each address's health.
 
     Safe to share between threads: each thread gets its own sessions. ``close()`` releases the
     *calling* thread's sessions; the sessions of a thread that exits without calling it are

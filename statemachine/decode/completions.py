@@ -9,7 +9,7 @@ ranks reported success (MGR-13); a Failed status fails it, terminally (MGR-14); 
 Messages for rooms not in flight, and stale ABORT_ACKs, are dropped and counted.
 
 Outbound, to the room's prefill ranks: the BOOTSTRAP handshake and the ABORT, told once per
-room (legacy before the metadata, with a generation after it); an ABORT with a generation
+room (legacy before the metadata, with an abort sequence number after it); an ABORT with one
 holds the room's KV until every rank acknowledged it, every rank is proven gone, or the release
 timeout passed (:mod:`statemachine.decode.holds`, MGR-15).
 """
@@ -79,7 +79,7 @@ class Completions:
             return False
         status = event.status
         if status == KVPoll.Success:
-            receiver.responded(event.prefill_rank)
+            receiver.rank_succeeded(event.prefill_rank)
         elif status == KVPoll.Failed:
             self.fail_room(event.room, event.reason, prefill_rank=event.prefill_rank)
         elif status == KVPoll.WaitingForInput and self._prefill_complete:
@@ -92,7 +92,7 @@ class Completions:
         receiver = self._rooms.get(room)
         if receiver is None:
             return False
-        return receiver.responded(prefill_rank)
+        return receiver.rank_succeeded(prefill_rank)
 
     def fail_room(self, room: int, reason: str | None, *, prefill_rank: int | None) -> bool:
         """A prefill rank reported ``room``'s transfer failed: terminal (MGR-14)."""
@@ -111,19 +111,20 @@ class Completions:
         known-dead ones.
 
         ``armed``: the metadata went out, so the prefill may be writing our pages: the ABORT
-        carries a new generation and the room's KV is held until every rank acknowledged it
+        carries a new abort sequence number and the room's KV is held until every rank
+        acknowledged it
         or is proven gone (``holds.py``).
-        Otherwise SGLang's legacy ABORT (no generation), nothing held. Nothing is sent for a
+        Otherwise SGLang's legacy ABORT (no sequence number), nothing held. Nothing is sent for a
         room that has no ranks yet (before ``init``): returns False.
         """
         ranks = receiver.ranks()
         backend = self.backend
         if not ranks or backend is None:
             return False
-        generation_id = None
+        abort_seq = None
         if armed:
             writers = [(endpoint_url((rank.ip, rank.port)), g) for g, rank in ranks]
-            generation_id = self.holds.hold(receiver.room, writers)
+            abort_seq = self.holds.hold(receiver.room, writers)
         for generation, rank in ranks:
             endpoint = (rank.ip, rank.port)
             if self._transport.is_down(endpoint):
@@ -134,7 +135,7 @@ class Completions:
                     rank,
                     receiver.room,
                     instance_id=generation.instance_id,
-                    generation=generation_id,
+                    abort_seq=abort_seq,
                 )
                 self._transport.send(endpoint, frames)
         return True

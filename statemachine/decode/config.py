@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from statemachine.decode.plan import DecodeLayout
-from statemachine.decode.ranks.transport import Mode
 from statemachine.errors import ConfigurationError
 
 __all__ = [
@@ -73,7 +72,6 @@ class DecodeConfig:
     fetch_deadline_s: float = DEFAULT_FETCH_DEADLINE_S
     kv_release_timeout_s: float = DEFAULT_KV_RELEASE_TIMEOUT_S
     dead_recheck_s: float | None = None
-    transport_mode: Mode = "immediate"
     send_timeout_ms: int = 1000
     clock: Callable[[], float] = time.monotonic
 

@@ -4,7 +4,8 @@ A room whose prefill neither has one dp rank nor follows the bootstrap room wait
 per scheduler step (``DecodeManager.step``) one ``POST /query_dp_ranks`` per address asks for
 every pending room of that address, on the background workers, as SGLang 0.5.23's scheduler
 prefetches them (``decode.py:3130-3133``). Answers are applied on the stepping thread: each
-answered receiver gets ``resolved(dp_rank)`` (a single store its owner's next ``init`` reads).
+answered receiver gets ``dp_rank_answered(dp_rank)`` (a single store its owner's next ``init``
+reads).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class DpRankQueries:
                     receiver = rooms.get(room)
                     if receiver is not None and waiting.get(room) is receiver:
                         del waiting[room]
-                        receiver.resolved(dp_rank)
+                        receiver.dp_rank_answered(dp_rank)
                         resolved += 1
         return resolved
 

@@ -5,7 +5,7 @@ monitor declaring an address dead or seeing a new instance id, a fetch answered 
 instance, a source retiring generations - fails *every* receiver in flight that uses what it
 names, with a typed :class:`~statemachine.errors.PeerLost` reason, and invalidates the
 generations involved by identity (``spec/manager.md`` MGR-1..6). The fan-out never steps
-another thread's receiver: it stores the reason on it (``lose``: one attribute store) and the
+another thread's receiver: it stores the reason on it (``mark_lost``: one attribute store) and the
 owner's next call fires ``PeerLost``.
 
 The transport's verdicts are also evidence about a failed room's KV (MGR-15): a proven exit
@@ -109,7 +109,7 @@ class FanOut:
             if (
                 receiver is not exclude
                 and any(g in doomed for g in entries_of(receiver))
-                and receiver.lose(error)
+                and receiver.mark_lost(error)
             ):
                 failed += 1
         self._count(error, failed)
@@ -126,7 +126,7 @@ class FanOut:
         for receiver in self._rooms.snapshot():
             if receiver.addr == addr:
                 used.update(receiver.entries.copy())
-                if receiver.lose(error):
+                if receiver.mark_lost(error):
                     failed += 1
         if used:
             self.invalidated({}, self._pool.invalidate(used), type(error).__name__)

@@ -1,13 +1,14 @@
 """Deferred KV release: rooms whose pages the prefill may still be writing after an ABORT.
 
-SGLang 0.5.23 (``common/conn.py:979-1019``, ``decode.py:2996-3108``) arms a new *generation*
-for a room when it sends an ABORT after the room's metadata went out, and keeps the room's KV
-pages until every prefill rank it told acknowledged that generation (ABORT_ACK) or a timeout
-(30 s by default) passed: a rank may be mid-write into those pages, and freeing them early lets
-the next request's KV be overwritten. :class:`AbortHolds` is that bookkeeping for one manager:
-``hold`` arms a generation for the room's *writers* (each rank's endpoint and the generation
-that named it), ``acked`` records an ABORT_ACK of the current generation (any other is stale
-and ignored), ``released`` answers whether the pages may be freed now.
+SGLang 0.5.23 (``common/conn.py:979-1019``, ``decode.py:2996-3108``) arms a new abort sequence
+number (its code calls it the *generation*) for a room when it sends an ABORT after the room's
+metadata went out, and keeps the room's KV pages until every prefill rank it told acknowledged
+that number (ABORT_ACK) or a timeout (30 s by default) passed: a rank may be mid-write into
+those pages, and freeing them early lets the next request's KV be overwritten.
+:class:`AbortHolds` is that bookkeeping for one manager: ``hold`` arms a sequence number for the
+room's *writers* (each rank's endpoint and the pool generation that named it), ``acked`` records
+an ABORT_ACK of the current one (any other is stale and ignored), ``released`` answers whether
+the pages may be freed now.
 
 A dead process sends no ABORT_ACK, so SGLang holds a killed prefill's rooms the full timeout.
 Here a room is also released as soon as every writer is **proven gone** (MGR-15, the model's
@@ -51,10 +52,10 @@ Writer = tuple[str, Generation]
 
 
 class _Hold:
-    __slots__ = ("acked", "deadline", "generation", "writers")
+    __slots__ = ("abort_seq", "acked", "deadline", "writers")
 
-    def __init__(self, generation: int, writers: tuple[Writer, ...], deadline: float) -> None:
-        self.generation = generation
+    def __init__(self, abort_seq: int, writers: tuple[Writer, ...], deadline: float) -> None:
+        self.abort_seq = abort_seq
         self.writers = writers
         self.deadline = deadline
         self.acked: set[int] = set()
@@ -66,7 +67,7 @@ class HoldStats:
     released_by_acks: int
     released_by_timeout: int
     evicted: int  # holds given up at the size bound
-    stale_acks: int  # acks of another generation, of a room not held, or naming no rank
+    stale_acks: int  # acks of another abort sequence number, of a room not held, or none
     released_by_proof: int = 0  # every writer proven gone before its ack or the timeout
 
 
@@ -89,7 +90,7 @@ class AbortHolds:
         #: writers proven gone, oldest first (bounded like the holds)
         self._proofs: dict[Writer, str] = {}
         # One counter per manager, from 1, a new value per armed ABORT (as SGLang's).
-        self._generations = itertools.count(1)
+        self._abort_seqs = itertools.count(1)
         self._by_acks = 0
         self._by_timeout = 0
         self._by_proof = 0
@@ -97,25 +98,26 @@ class AbortHolds:
         self._stale = 0
 
     def hold(self, room: int, writers: Sequence[Writer]) -> int:
-        """Arm a new generation for ``room``, whose metadata told ``writers``; return it."""
+        """Arm a new abort sequence number for ``room``, whose metadata told ``writers``;
+        return it."""
         with self._lock:
-            generation = next(self._generations)
-            self._holds.pop(room, None)  # a new generation replaces the old one
+            abort_seq = next(self._abort_seqs)
+            self._holds.pop(room, None)  # a new sequence number replaces the old one
             while len(self._holds) >= self._max_rooms:
                 del self._holds[next(iter(self._holds))]  # the oldest hold
                 self._evicted += 1
             deadline = self._clock() + self.timeout_s
-            self._holds[room] = _Hold(generation, tuple(writers), deadline)
-            return generation
+            self._holds[room] = _Hold(abort_seq, tuple(writers), deadline)
+            return abort_seq
 
     def acked(self, ack: AbortAck) -> bool:
-        """Record an ABORT_ACK; False if it is stale (not the room's current generation)."""
+        """Record an ABORT_ACK; False if it is stale (not the room's current sequence number)."""
         with self._lock:
             hold = self._holds.get(ack.room)
             if (
                 hold is None
-                or ack.generation is None  # a legacy ack says nothing about a generation
-                or ack.generation != hold.generation
+                or ack.abort_seq is None  # a legacy ack names no sequence number
+                or ack.abort_seq != hold.abort_seq
                 or ack.prefill_rank is None
             ):
                 self._stale += 1
@@ -165,11 +167,11 @@ class AbortHolds:
             _trace_release(how, room, hold.writers)
         return True
 
-    def generation(self, room: int) -> int | None:
-        """The generation ``room`` is held for, or None."""
+    def abort_seq(self, room: int) -> int | None:
+        """The abort sequence number ``room`` is held for, or None."""
         with self._lock:
             hold = self._holds.get(room)
-            return None if hold is None else hold.generation
+            return None if hold is None else hold.abort_seq
 
     def stats(self) -> HoldStats:
         with self._lock:

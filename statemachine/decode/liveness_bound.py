@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
-from statemachine.validation import InvalidArgument
+from statemachine.errors import InvalidArgument
 
 __all__ = [
     "DEFAULT_LIVENESS_TIMEOUT_S",

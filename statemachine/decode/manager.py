@@ -130,13 +130,16 @@ class DecodeManager:
     engine that reports completion itself (call :meth:`complete` per prefill rank, or
     ``receiver.mark_transferred()``).
 
-    The fan-out and the fetcher are made from :attr:`fanout_class` and :attr:`fetcher_class`:
-    a comparison that needs other behaviour (the demo's and benchmarks' SGLang-like anchor,
+    The fan-out, the fetcher and (when none is passed) the transport are made from
+    :attr:`fanout_class`, :attr:`fetcher_class` and :attr:`transport_class`: a comparison
+    that needs other behaviour (the demo's and benchmarks' SGLang-like anchor,
     ``statemachine/demo/baselines.py``) subclasses those, never a flag here.
     """
 
     fanout_class: type[FanOut] = FanOut
     fetcher_class: type[Fetcher] = Fetcher
+    #: the transport made when none is passed (a baseline subclass swaps SGLang's sockets in)
+    transport_class: type[ZmqTransport] = ZmqTransport
 
     def __init__(
         self,
@@ -203,9 +206,7 @@ class DecodeManager:
             pool = self.source.shared_pool()  # the pool the source already retires from
         self.pool: BootstrapPool = BootstrapPool() if pool is None else pool
         if transport is None:
-            transport = ZmqTransport(
-                mode=config.transport_mode, send_timeout_ms=config.send_timeout_ms
-            )
+            transport = self.transport_class(send_timeout_ms=config.send_timeout_ms)
             self._owned.append(transport.close)
         self.transport: ZmqTransport = transport
         kv_holds = holds.AbortHolds(config.kv_release_timeout_s, config.clock)
@@ -305,7 +306,7 @@ class DecodeManager:
             fetcher=fetcher,
             completions=self._completions,
             prefill_complete=config.prefill_complete,
-            watermarked=bool(self.source.marks_generations),
+            checks_stale_marks=bool(self.source.marks_generations),
         )
 
     def close_with(self, closer: Callable[[], None]) -> None:

@@ -4,31 +4,28 @@ The manager makes the parts (``decode/manager.py``) and hands each receiver one 
 :class:`Parts` value: the receiver reads its collaborators from it and never calls the manager.
 :func:`check_parts` is the one check of the caller-given parts (a missing or wrong-typed part
 is a :class:`~statemachine.errors.ConfigurationError` at construction, not an
-``AttributeError`` on the first request); :class:`Decode` bundles the shared parts for a caller
-who checks them without a manager.
+``AttributeError`` on the first request).
 """
 
 from __future__ import annotations
 
 import inspect
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from statemachine.backend import KVBackend
 from statemachine.decode.completions import Completions
-from statemachine.decode.config import DEFAULT_WAITING_TIMEOUT_S, DecodeConfig
+from statemachine.decode.config import DecodeConfig
 from statemachine.decode.dp_ranks import DpRankQueries
 from statemachine.decode.fanout import FanOut
 from statemachine.decode.fetcher import Fetcher
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.rooms import Rooms
 from statemachine.decode.routes import Routes
-from statemachine.decode.source import BootstrapQueries, BootstrapSource, as_source
+from statemachine.decode.source import BootstrapSource, as_source
 from statemachine.errors import ConfigurationError
 from statemachine.pool import BootstrapPool
 
-__all__ = ["Decode", "Parts", "check_parts"]
+__all__ = ["Parts", "check_parts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,34 +46,7 @@ class Parts:
     #: ``config.prefill_complete``, read once: init() runs the BOOTSTRAP handshake (MGR-16)
     prefill_complete: bool
     #: the source marks stale generations (etcd): check them before starting a transfer
-    watermarked: bool
-
-
-@dataclass(frozen=True)
-class Decode:
-    """The parts every receiver of one decode process shares, checked as one bundle.
-
-    Checked at construction: a missing or wrong-typed part raises
-    :class:`~statemachine.errors.ConfigurationError` here, not an ``AttributeError`` on the
-    first request.
-    """
-
-    pool: BootstrapPool
-    client: BootstrapQueries
-    transport: ZmqTransport
-    backend: KVBackend
-    waiting_timeout_s: float = DEFAULT_WAITING_TIMEOUT_S
-    clock: Callable[[], float] = time.monotonic
-
-    def __post_init__(self) -> None:
-        check_parts(
-            pool=self.pool,
-            source=self.client,
-            transport=self.transport,
-            backend=self.backend,
-            waiting_timeout_s=self.waiting_timeout_s,
-            clock=self.clock,
-        )
+    checks_stale_marks: bool
 
 
 def _takes_keyword(function: object, keyword: str) -> bool:
@@ -124,7 +94,7 @@ def check_parts(
                 f"backend must be a KVBackend with {method}() (e.g. SimpleBackend), "
                 f"not {type(backend).__name__}"
             )
-        keywords = {"abort_frames": ("instance_id", "generation"), "decode_message": ()}
+        keywords = {"abort_frames": ("instance_id", "abort_seq"), "decode_message": ()}
         for keyword in keywords.get(method, ("instance_id",)):
             if not _takes_keyword(function, keyword):
                 # Checked here, once: otherwise the first send would raise an untyped TypeError.

@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from statemachine.errors import TopologyMismatch
+from statemachine.errors import InvalidArgument, TopologyMismatch
 from statemachine.pool import EVERY_TP_RANK, PoolKey
-from statemachine.validation import InvalidArgument, Topology
+from statemachine.validation import Topology
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,9 @@ def _check_format(addr: str, name: str, prefill: object, decode: object) -> None
     if prefill is not None and decode is not None and prefill != decode:
         raise TopologyMismatch(
             f"{addr}: prefill {name} is {prefill!r}, this decode's is {decode!r}: the KV cache "
-            f"cannot be transferred between them; configure both sides with the same {name}"
+            f"cannot be transferred between them; configure both sides with the same {name}. "
+            "The prefill's bootstrap server keeps the first topology its ranks registered until "
+            "it restarts: after changing the prefill's setting, restart its bootstrap server too"
         )
 
 

@@ -171,7 +171,7 @@ class BootstrapReceiver:
         self._reported: BootstrapError | None = None
         #: the prefill answered the BOOTSTRAP handshake (MGR-16)
         self._ready = False
-        #: the metadata went out (or began to): a later ABORT carries a generation (MGR-15)
+        #: the metadata went out (or began to): a later ABORT carries an abort_seq (MGR-15)
         self._metadata_sent = False
         #: the room's prefill ranks were sent an ABORT (at most once per room, MGR-15)
         self._notified = False
@@ -388,7 +388,7 @@ class BootstrapReceiver:
             requires = _HANDSHAKE_NEEDS if state == life.HANDSHAKING else _SEND_NEEDS
             raise InvalidTransition(state, life.SEND_OK, method="send_metadata", requires=requires)
         parts = self._parts
-        if parts.watermarked:
+        if parts.checks_stale_marks:
             # The source marked a generation we hold (etcd: a watch event retired it after we
             # adopted it): fail instead of starting a transfer on it (NoStaleStart).
             marked = parts.source.stale_mark(self.addr, self.entries.values())
@@ -427,7 +427,7 @@ class BootstrapReceiver:
         self._acked = True
         self._wake()
 
-    def responded(self, prefill_rank: int) -> bool:
+    def rank_succeeded(self, prefill_rank: int) -> bool:
         """A Success from ``prefill_rank`` (any thread). Counts once per distinct rank; the
         room is transferred when ``required_prefill_response_num`` ranks did (SGLang's
         ``apply_prefill_status``). Returns whether this report was new."""
@@ -456,7 +456,7 @@ class BootstrapReceiver:
         self._ready = True
         self._wake()
 
-    def lose(self, error: BootstrapError) -> bool:
+    def mark_lost(self, error: BootstrapError) -> bool:
         """The fan-out (any thread): store the reason (one attribute store) and wake the
         owner, whose next ``poll``/``send_metadata``/``init`` fires ``PeerLost``.
 
@@ -591,7 +591,7 @@ class BootstrapReceiver:
             self._failure = Aborted(f"room {self.room} aborted in state {state}")
             self.fire(life.ABORT)
             # Once the room has its ranks (after init), every rank is told once: the legacy
-            # ABORT before the metadata, one with a generation after it (MGR-15).
+            # ABORT before the metadata, one with an abort sequence number after it (MGR-15).
             self._tell_abort(armed=self._metadata_sent)
             self._end(self._failure)
 
@@ -649,7 +649,7 @@ class BootstrapReceiver:
             raise self._bootstrap_timeout()
         return None
 
-    def resolved(self, dp_rank: int) -> None:
+    def dp_rank_answered(self, dp_rank: int) -> None:
         """The batched query answered (called from the stepping thread)."""
         self._dp_rank = dp_rank
         self.awaiting_dp_rank = False  # no bootstrap timeout any more: the next init() goes on

@@ -48,16 +48,16 @@ class InFlight(Protocol):
         """Every (generation, rank) of the room, each endpoint once."""
         ...
 
-    def lose(self, error: BootstrapError) -> bool:
+    def mark_lost(self, error: BootstrapError) -> bool:
         """The fan-out: store ``error`` for the owner's next call and wake it. False when the
         receiver ended, was already lost, or every response arrived (nothing to fail)."""
         ...
 
-    def resolved(self, dp_rank: int) -> None:
+    def dp_rank_answered(self, dp_rank: int) -> None:
         """The batched dp-rank query answered for this room."""
         ...
 
-    def responded(self, prefill_rank: int) -> bool:
+    def rank_succeeded(self, prefill_rank: int) -> bool:
         """A Success from ``prefill_rank``; True when it is the first from that rank."""
         ...
 
@@ -162,7 +162,7 @@ class Rooms:
         """Admit no more; fail every receiver still in flight with ``error``."""
         self.closed = True
         for receiver in self.snapshot():
-            receiver.lose(error)
+            receiver.mark_lost(error)
 
     def __len__(self) -> int:
         return len(self.by_room)

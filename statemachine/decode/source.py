@@ -22,7 +22,7 @@ A source answers three questions (:class:`BootstrapQueries`: ``get_rank``, ``get
   when the source reports deaths and restarts itself (the etcd watch and leases).
 
 Two implement it: :class:`~statemachine.decode.client.BootstrapClient` (HTTP to the prefill's
-bootstrap server; it has nothing to report, :class:`AnswersOnly`) and
+bootstrap server; it has nothing to report, :class:`NothingToReport`) and
 ``statemachine.discovery.etcd_source.EtcdBootstrapSource`` (a watch-fed store). Any object
 with the three questions alone will do too: :func:`as_source` gives it the HTTP client's
 reports. Every method raises a :class:`~statemachine.errors.BootstrapError` subclass on failure
@@ -39,10 +39,10 @@ from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import RouteReply, Topology
 
 __all__ = [
-    "AnswersOnly",
     "BootstrapQueries",
     "BootstrapSource",
     "HeldBy",
+    "NothingToReport",
     "Retire",
     "as_source",
 ]
@@ -119,7 +119,7 @@ class BootstrapSource(BootstrapQueries, Protocol):
         ...
 
 
-class AnswersOnly:
+class NothingToReport:
     """The reports of a source that keeps no state of its own about the prefill: every fetch is
     current when it is made, nothing is ever marked, and only probes find a dead prefill.
     :class:`~statemachine.decode.client.BootstrapClient` inherits them."""
@@ -157,8 +157,8 @@ class AnswersOnly:
         return None
 
 
-class _QueriesWithReports(AnswersOnly):
-    """An object with only the three questions, given :class:`AnswersOnly`'s reports."""
+class _QueriesWithReports(NothingToReport):
+    """An object with only the three questions, given :class:`NothingToReport`'s reports."""
 
     def __init__(self, queries: BootstrapQueries) -> None:
         self.queries = queries
@@ -179,7 +179,7 @@ class _QueriesWithReports(AnswersOnly):
 
 def as_source(queries: object) -> BootstrapSource:
     """``queries`` itself when it is a whole :class:`BootstrapSource`; an object with the three
-    questions alone, wrapped with :class:`AnswersOnly`'s reports; anything else is a
+    questions alone, wrapped with :class:`NothingToReport`'s reports; anything else is a
     :class:`~statemachine.errors.ConfigurationError`."""
     if isinstance(queries, BootstrapSource):
         return queries

@@ -1,30 +1,66 @@
 """The comparison anchors the demo and the benchmarks run beside the product, as subclasses.
 
 SGLang 0.5.23's decode has no failure fan-out (a request fails on its own send or timeout only)
-and no single-flight (every miss fetches for itself). The demo's ``sglang`` mode and the
-recovery benchmark compare against that behaviour; it lives here, beside them, so that the
-product classes carry no switch for it (``DecodeManager`` makes its fan-out and fetcher from
-the class attributes these override).
+and no single-flight (every miss fetches for itself), and its PUSH sockets queue towards a dead
+rank (no ``IMMEDIATE``, ``SNDHWM=1000``, no monitor, a blocking send). The demo's ``sglang``
+mode and the recovery and transport benchmarks compare against that behaviour; it lives here,
+beside them, so that the product classes carry no switch for it (``DecodeManager`` makes its
+fan-out, fetcher and transport from the class attributes these override; ``ZmqTransport``
+reads ``monitored`` and ``_queue_option``).
 """
 
 from __future__ import annotations
+
+import zmq
 
 from statemachine.completion import KVPoll
 from statemachine.decode.fanout import FanOut
 from statemachine.decode.fetcher import Fetcher, Missing
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
+from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.rooms import InFlight
-from statemachine.demo.modes import ModeConfig
+from statemachine.demo.modes import ModeConfig, ZmqMode
 from statemachine.pool import PoolKey
 
 __all__ = [
     "EveryMissFetches",
     "FetchPerMissManager",
     "NoFanOut",
+    "QueueingManager",
+    "QueueingTransport",
     "SGLangLikeManager",
+    "SGLangLikeQueueingManager",
+    "UnmonitoredTransport",
     "manager_class",
+    "transport_class",
 ]
+
+#: libzmq's default send high-water mark, set explicitly so "queueing" means what SGLang has.
+QUEUEING_SNDHWM = 1000
+
+
+class QueueingTransport(ZmqTransport):
+    """SGLang 0.5.23's PUSH sockets: no ``IMMEDIATE`` (a send towards a dead rank queues, up to
+    ``SNDHWM=1000`` messages), libzmq's reconnect defaults, no monitor, a blocking send."""
+
+    monitored = False
+
+    def _queue_option(self, socket: zmq.Socket[bytes]) -> None:
+        socket.setsockopt(zmq.SNDHWM, QUEUEING_SNDHWM)
+
+
+class UnmonitoredTransport(ZmqTransport):
+    """The transport before the socket monitor: ``IMMEDIATE``, a blocking send bounded by
+    ``SNDTIMEO``, a failed send closes and evicts its socket (ZMQ-6, ZMQ-7). The benchmarks'
+    "previous" anchor; tests use it to watch a detector other than the monitor alone."""
+
+    monitored = False
+
+
+def transport_class(zmq_mode: ZmqMode) -> type[ZmqTransport]:
+    """The transport a demo mode runs: ours, or SGLang's queueing sockets."""
+    return QueueingTransport if zmq_mode == "queueing" else ZmqTransport
 
 
 class NoFanOut(FanOut):
@@ -73,6 +109,22 @@ class SGLangLikeManager(DecodeManager):
     fetcher_class = EveryMissFetches
 
 
+class QueueingManager(DecodeManager):
+    """The product's manager on SGLang's queueing sockets (``--zmq-mode=queueing``)."""
+
+    transport_class = QueueingTransport
+
+
+class SGLangLikeQueueingManager(SGLangLikeManager):
+    """SGLang's manager behaviour on SGLang's sockets: the demo's ``sglang`` anchor."""
+
+    transport_class = QueueingTransport
+
+
 def manager_class(mode: ModeConfig) -> type[DecodeManager]:
-    """The manager a demo mode runs: ours with fan-out and single-flight, else the anchor."""
-    return DecodeManager if mode.manager_fanout else SGLangLikeManager
+    """The manager a demo mode runs: ours with fan-out and single-flight, else the anchor,
+    each on the mode's ZMQ sockets (ours, or SGLang's queueing ones)."""
+    queueing = mode.zmq_mode == "queueing"
+    if mode.manager_fanout:
+        return QueueingManager if queueing else DecodeManager
+    return SGLangLikeQueueingManager if queueing else SGLangLikeManager

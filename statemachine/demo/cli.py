@@ -19,14 +19,13 @@ from types import FrameType
 from typing import Any
 
 from statemachine import cli_help
-from statemachine.demo.cluster import ClusterError
 from statemachine.demo.modes import OURS, PRESETS, ModeConfig, mode_from_flags
 from statemachine.demo.report import PlotUnavailable, build_report, format_table, plot_timeline
 from statemachine.demo.report import write_json as write_report
 from statemachine.demo.run import DemoConfig, RunResult, run_demo
 from statemachine.demo.status import StatusLine
-from statemachine.discovery.local_server import EtcdServer, EtcdStartFailed, find_etcd_binary
-from statemachine.errors import MissingExtra
+from statemachine.discovery.local_server import EtcdServer, find_etcd_binary
+from statemachine.errors import ClusterError, EtcdStartFailed, MissingExtra
 from statemachine.extras import require
 from statemachine.progname import prog
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from statemachine.errors import BootstrapError
+from statemachine.errors import ClusterError
 from statemachine.prefill.readiness import read_prefixed_line, read_ready
 
 _T = TypeVar("_T")
@@ -46,10 +46,6 @@ _LAUNCHER = (
 
 #: How much of a failed child's stderr an error carries (its last lines: the traceback's end).
 STDERR_TAIL_LINES = 5
-
-
-class ClusterError(BootstrapError):
-    """A prefill process did not start (or did not say where it listens) in time."""
 
 
 class _Child:

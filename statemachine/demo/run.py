@@ -19,17 +19,17 @@ from statemachine import trace
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import ManagerStats
 from statemachine.decode.ranks.acks import AckStats
-from statemachine.decode.ranks.transport import TransportStats, ZmqTransport
+from statemachine.decode.ranks.transport import TransportStats
 from statemachine.decode.receiver import RankPlan
 from statemachine.decode.source import BootstrapSource
-from statemachine.demo.baselines import manager_class
-from statemachine.demo.cluster import HOST, ClusterError, PrefillInstance
+from statemachine.demo.baselines import manager_class, transport_class
+from statemachine.demo.cluster import HOST, PrefillInstance
 from statemachine.demo.loops import Outcome, RequestLoops
 from statemachine.demo.modes import OURS, ModeConfig, make_pool
 from statemachine.demo.sampling import socket_counts
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway
-from statemachine.errors import BootstrapError
+from statemachine.errors import BootstrapError, ClusterError
 from statemachine.pool import PoolStats
 from statemachine.wire.reference import SimpleBackend
 
@@ -169,7 +169,7 @@ def run_demo(
         tracker.live_instance = instance.instance_id
         addr = instance.addr
 
-        transport = ZmqTransport(mode=config.mode.zmq_mode, send_timeout_ms=config.send_timeout_ms)
+        transport = transport_class(config.mode.zmq_mode)(send_timeout_ms=config.send_timeout_ms)
         stack.callback(transport.close)
         client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
         stack.callback(client.close)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +19,8 @@ from types import FrameType
 
 from statemachine import cli_help
 from statemachine.discovery.layout import DEFAULT_PREFIX
-from statemachine.discovery.local_server import EtcdServer, EtcdStartFailed, find_etcd_binary
+from statemachine.discovery.local_server import EtcdServer, find_etcd_binary
+from statemachine.errors import EtcdStartFailed
 from statemachine.progname import prog
 
 NO_BINARY = (
@@ -36,6 +38,24 @@ def _version(binary: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return out.splitlines()[0].strip() if out else ""
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:``port`` (0 is never in use: etcd picks one).
+
+    etcd reports a taken port only after its client port answered, so a second local etcd
+    would look started (the first one answers) and then die with Go's fatal log: asked
+    first, the user gets one line and the fix."""
+    if port == 0:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As etcd binds (Go sets SO_REUSEADDR): a port only in TIME_WAIT is free for it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def main(argv: list[str]) -> int:
@@ -57,6 +77,15 @@ def main(argv: list[str]) -> int:
     for name in ("port", "peer_port"):
         if not 0 <= getattr(args, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
+    for flag, port in (("--port", args.port), ("--peer-port", args.peer_port)):
+        if port_in_use(port):
+            print(
+                f"error: port {port} on 127.0.0.1 is in use ({flag}; another etcd, such as a "
+                f"{prog('etcd')} still running?): stop it, or pass --port 0 --peer-port 0 to "
+                "pick free ports",
+                file=sys.stderr,
+            )
+            return 1
     binary = find_etcd_binary()
     if binary is None:
         override = os.environ.get("PD_ETCD_BINARY")
@@ -102,7 +131,12 @@ def main(argv: list[str]) -> int:
         )
         while not stop.wait(0.5):
             if not server.alive():
-                print(f"error: etcd exited: {server.log_tail()}", file=sys.stderr)
+                print(
+                    f"error: etcd exited (was port {server.client_port} or {server.peer_port} "
+                    "taken meanwhile? --port 0 --peer-port 0 pick free ones); its last log "
+                    f"lines: {server.log_tail()}",
+                    file=sys.stderr,
+                )
                 return 1
     finally:
         server.close()

@@ -80,6 +80,7 @@ from statemachine.discovery.layout import (
 from statemachine.errors import (
     BootstrapError,
     DiscoveryError,
+    InvalidArgument,
     NotFound,
     NotReady,
     PeerLost,
@@ -87,7 +88,6 @@ from statemachine.errors import (
 )
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import (
-    InvalidArgument,
     RouteReply,
     Topology,
     parse_addr,
@@ -228,6 +228,8 @@ class EtcdBootstrapSource:
         self._bound_on_change: ChangeListener | None = None
         self._refused = 0
         self._synced = threading.Event()
+        #: set once the first list is over, whether it succeeded (synced) or failed
+        self._first_list_over = threading.Event()
         self._stop = threading.Event()
         self._stream_lock = threading.Lock()
         self._stream: WatchStream | None = None
@@ -260,9 +262,12 @@ class EtcdBootstrapSource:
 
     def _view(self, addr: str) -> _AddressView:
         if not self._synced.is_set():
+            cause = self._last_error
             raise NotReady(
-                f"{addr}: etcd source not synced yet (first list of {self.prefix!r} pending: "
-                "retry shortly, or check the etcd endpoints)",
+                f"{addr}: etcd source not synced yet (first list of {self.prefix!r} "
+                + (f"failed: {cause}" if cause else "pending")
+                + f"): check that etcd serves at {', '.join(self.gateway.endpoints)}; the "
+                "source keeps retrying, so retry the request shortly",
                 addr=addr,
             )
         view = self._addrs.get(addr)
@@ -463,6 +468,13 @@ class EtcdBootstrapSource:
     def wait_synced(self, timeout: float) -> bool:
         return self._synced.wait(timeout)
 
+    def wait_first_list(self, timeout: float) -> bool:
+        """Wait until the first list is over (succeeded, or failed: etcd refused or did not
+        answer within the gateway's timeouts), at most ``timeout`` s; whether it is synced.
+        A failed first list is retried in the background either way."""
+        self._first_list_over.wait(timeout)
+        return self._synced.is_set()
+
     def close(self) -> None:
         """Stop the watch thread: within ``connect_timeout + 1`` s (the gateway's), whatever
         etcd or a proxy does - the exchange in progress is ended at once (its socket shut
@@ -574,6 +586,8 @@ class EtcdBootstrapSource:
                 self._last_error = (
                     str(exc) if isinstance(exc, DiscoveryError) else f"{type(exc).__name__}: {exc}"
                 )
+                if need_list:
+                    self._first_list_over.set()  # a caller waiting for it hears the cause now
                 # Resume from revision + 1 (etcd keeps the history until compaction, so no
                 # change is missed); only a compacted resume costs a re-list.
                 need_list = need_list or not isinstance(exc, DiscoveryError)
@@ -629,6 +643,7 @@ class EtcdBootstrapSource:
                 for key in listed:
                     self._emit(key, revision, False, {})
             self._synced.set()
+            self._first_list_over.set()
             return
         # Re-list: a change for every key whose value differs, as the watch would have sent.
         changed = [

@@ -36,9 +36,16 @@ import requests
 from urllib3.exceptions import ReadTimeoutError
 
 from statemachine.call_deadline import WATCHDOG, Exchange, running
-from statemachine.errors import EtcdRequestFailed, EtcdUnavailable, WatchCompacted
+from statemachine.errors import (
+    EtcdBadReply,
+    EtcdReplyTooLarge,
+    EtcdRequestFailed,
+    EtcdUnavailable,
+    InvalidArgument,
+    WatchCompacted,
+    WatchIdle,
+)
 from statemachine.http_exchange import ExchangeAdapter, transport_reason
-from statemachine.validation import InvalidArgument
 
 __all__ = [
     "DEFAULT_CALL_DEADLINE",
@@ -87,17 +94,6 @@ DEFAULT_CALL_DEADLINE = 10.0
 _READ_CHUNK = 64 << 10
 #: etcd revisions are int64.
 _MAX_INT64 = (1 << 63) - 1
-
-
-class EtcdBadReply(EtcdUnavailable):
-    """An endpoint answered what etcd never sends (a reply without a header, not JSON, too
-    large): a broken gateway or proxy between us and etcd. Retried with back-off like an
-    unreachable etcd; check what sits in front of the endpoint."""
-
-
-class EtcdReplyTooLarge(EtcdBadReply):
-    """A reply or watch message longer than its cap (``max_reply_bytes``,
-    ``max_watch_message_bytes``): refused before it was read to its end."""
 
 
 def _read_capped(response: requests.Response, limit: int, what: str) -> bytes:
@@ -156,15 +152,6 @@ class WatchMessage:
     events: tuple[WatchEvent, ...]
     #: events of this message that did not decode (bad base64, ...): skipped
     malformed: int = 0
-
-
-class WatchIdle(EtcdUnavailable):
-    """The watch stream sent no complete message for its idle timeout (bytes trickling in do
-    not count): re-open it from revision + 1.
-
-    Not a failure by itself (a quiet prefix is silent): re-opening is how a half-open
-    connection to a dead etcd is found without waiting for TCP to notice.
-    """
 
 
 def prefix_range_end(prefix: bytes) -> bytes:

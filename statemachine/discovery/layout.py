@@ -21,12 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from statemachine.errors import BootstrapError
+from statemachine.errors import BootstrapError, InvalidArgument
 from statemachine.validation import (
     MAX_PARALLEL_SIZE,
     PLAN_KEYS,
     TOPOLOGY_KEYS,
-    InvalidArgument,
     Topology,
     TopologyClaim,
     is_int,

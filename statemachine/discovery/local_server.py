@@ -23,7 +23,7 @@ from pathlib import Path
 
 import requests
 
-from statemachine.errors import BootstrapError
+from statemachine.errors import EtcdStartFailed
 
 __all__ = ["EtcdServer", "EtcdStartFailed", "find_etcd_binary", "free_port"]
 
@@ -57,10 +57,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-class EtcdStartFailed(BootstrapError):
-    """The etcd binary exited, or did not serve within ``ready_timeout``."""
 
 
 class EtcdServer:

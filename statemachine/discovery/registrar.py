@@ -47,8 +47,9 @@ from statemachine.errors import (
     DiscoveryError,
     EtcdRequestFailed,
     EtcdUnavailable,
+    InvalidArgument,
 )
-from statemachine.validation import InvalidArgument, parse_addr
+from statemachine.validation import parse_addr
 from statemachine.wire.http import route_payload
 
 DEFAULT_TTL = 10

@@ -14,15 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from statemachine.errors import BootstrapError
-
-
-class CfgError(BootstrapError):
-    """A .cfg file that cannot be read, or that the mirror cannot check exactly."""
-
-    def __init__(self, message: str, *, path: str | None = None) -> None:
-        super().__init__(f"{path}: {message}" if path else message)
-        self.path = path
+from statemachine.errors import CfgError
 
 
 class ModelValue(str):

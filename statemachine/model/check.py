@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from statemachine import cli_help
-from statemachine.model.cfg import Cfg, CfgError, CfgValue, ModelValue, read_cfg
+from statemachine.errors import CfgError
+from statemachine.model.cfg import Cfg, CfgValue, ModelValue, read_cfg
 from statemachine.model.checker import Result, check, format_counterexample
 from statemachine.model.spec import (
     ACTION_PROPERTIES,
@@ -220,6 +221,13 @@ def main(argv: list[str]) -> int:
     violation = result.first_violation()
     if violation is None:
         return 0
+    variant = loaded.model.variant
+    if variant != "Correct":
+        print(
+            f"expected: this cfg runs the bug variant {variant!r} (Variant in the cfg), which "
+            "the model must catch; VIOLATED is this cfg's expected result (exit 1). The "
+            "'Correct' cfgs (MCSmall, the default) are the ones that must hold."
+        )
     print()
     print(format_counterexample(loaded.model, violation))
     return 1

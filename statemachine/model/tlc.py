@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from statemachine.errors import DumpError
 from statemachine.model.check import TLA_DIR, Loaded, load, run
 from statemachine.model.checker import explore
 from statemachine.model.mutations import (
@@ -47,7 +48,7 @@ from statemachine.model.mutations import (
     write_mutated,
 )
 from statemachine.model.spec import LIVENESS_PROPERTIES, State
-from statemachine.model.tlcdump import DumpError, Value, read_dump, to_state
+from statemachine.model.tlcdump import Value, read_dump, to_state
 
 EXIT_OK, EXIT_LIVENESS = 0, 13
 #: Configs too large for CI's time budget: ``make tlc`` checks them, ``--ci`` leaves them out.

@@ -21,17 +21,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from statemachine.errors import BootstrapError
+from statemachine.errors import DumpError
 from statemachine.model.spec import VARIABLES, BootstrapCache, State
 
 #: A TLC value: int, str (a string), ModelName (a model value), frozenset, tuple, or dict.
 Value = object
 
 _TOKEN = re.compile(r'\s*(?:(-?\d+)|("(?:[^"\\]|\\.)*")|([A-Za-z_]\w*)|(<<|>>|:>|@@|[{}(),]))')
-
-
-class DumpError(BootstrapError):
-    """TLC's state dump holds something this reader does not know; compare by counts only."""
 
 
 class ModelName(str):

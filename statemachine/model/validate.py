@@ -66,15 +66,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from statemachine.errors import BootstrapError, InvalidTransition
+from statemachine.errors import InvalidTransition, TraceFormatError
 from statemachine.lifecycle import EVENTS, INITIAL, next_state
 
 Key = tuple[Any, ...]
 Token = int
-
-
-class TraceFormatError(BootstrapError):
-    """The trace is not well-formed (not JSON, missing or mistyped fields)."""
 
 
 class _Unknown:

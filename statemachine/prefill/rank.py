@@ -20,8 +20,8 @@ the instance id of the server's reply as its own, then prints ``READY <port>`` a
 * *abort*: the decode gave up on the room: the acks of *that session* still waiting in the heap
   are dropped, never another session's (an abort from a session that never registered here
   changes nothing: ``unregistered``; one for a room only other sessions have pending is counted
-  in ``foreign_aborts``, ACK-8); an abort that carries a generation is answered with
-  ``[b"abort_ack", room, tp_rank, pp_rank, generation]`` to the endpoint the session registered
+  in ``foreign_aborts``, ACK-8); an abort that carries a sequence number is answered
+  with ``[b"abort_ack", room, tp_rank, pp_rank, abort_seq]`` to the endpoint the session registered
   (ZMQ-22);
 * *bootstrap*: PUSH ``[b"ready", room, tp_rank, pp_rank]`` (WaitingForInput) at once to the
   endpoint named in it, as an SGLang prefill does under the ``prefill_complete`` policy once the
@@ -77,7 +77,13 @@ import zmq
 from statemachine import cli_help, trace
 from statemachine.discovery.layout import DEFAULT_PREFIX
 from statemachine.discovery.registrar import DEFAULT_TTL, EtcdRegistrar, registrar_for
-from statemachine.errors import BootstrapError, NotReady, TransportFailure
+from statemachine.errors import (
+    BootstrapError,
+    MalformedFrames,
+    NotReady,
+    PrefillRankStartFailed,
+    TransportFailure,
+)
 from statemachine.prefill.readiness import read_ready
 from statemachine.prefill.registration import register_rank
 from statemachine.validation import rank_ip_problem
@@ -88,7 +94,6 @@ from statemachine.wire.reference import (
     BOOTSTRAP_KIND,
     METADATA_KIND,
     REGISTER_KIND,
-    MalformedFrames,
     abort_ack_frames,
     ack_frames,
     message_kind,
@@ -122,19 +127,6 @@ COUNTERS = (
 )
 #: Seconds between two stderr lines about refused messages (each says how many it stands for).
 LOG_INTERVAL = 10.0
-
-
-class PrefillRankStartFailed(BootstrapError):
-    """The prefill rank process exited or stayed silent before printing ``READY``.
-
-    ``stderr_tail`` holds the child's last stderr lines (also in the message): the reason.
-    """
-
-    def __init__(self, message: str, stderr_tail: str = "") -> None:
-        if stderr_tail:
-            message = f"{message}; its last stderr lines:\n{stderr_tail}"
-        super().__init__(message)
-        self.stderr_tail = stderr_tail
 
 
 # --- acks out ---------------------------------------------------------------------------------
@@ -377,14 +369,14 @@ class _Rank:
                     self.counts["unregistered"] += 1
                     return
                 self.drop_pending(room, abort.session_id)
-                if abort.generation is not None:
+                if abort.abort_seq is not None:
                     # Nothing of the room is in flight any more for this session (its pending
                     # ack is gone), so the acknowledgement goes at once, to the session's
                     # endpoint (ZMQ-22).
                     self.send_ack(
                         registered,
                         abort_ack_frames(
-                            room, self.args.tp_rank, self.args.pp_rank, abort.generation
+                            room, self.args.tp_rank, self.args.pp_rank, abort.abort_seq
                         ),
                     )
             elif kind == BOOTSTRAP_KIND:

@@ -11,7 +11,13 @@ import random
 import time
 from collections.abc import Callable, Mapping
 
-from statemachine.errors import BootstrapHTTPError, MalformedReply, NotReady, TransportFailure
+from statemachine.errors import (
+    BootstrapHTTPError,
+    InvalidArgument,
+    MalformedReply,
+    NotReady,
+    TransportFailure,
+)
 from statemachine.http_exchange import (
     DEFAULT_DEADLINE,
     JSON_HEADERS,
@@ -22,7 +28,7 @@ from statemachine.http_exchange import (
     status_error,
     transport_reason,
 )
-from statemachine.validation import InvalidArgument, parse_addr
+from statemachine.validation import parse_addr
 from statemachine.wire.http import INSTANCE_HEADER, register_url
 
 __all__ = ["register_rank"]

@@ -993,10 +993,21 @@ class BootstrapServer:
             guard.phase = BUSY
         return _load_json_object(raw)
 
-    @staticmethod
-    def _unauthorised() -> web.Response:
+    def _unauthorised(self) -> web.Response:
+        if self._token is None:
+            # Not the rank's fault: no token would do. Say so, or its owner hunts a typo.
+            reason = (
+                "this bootstrap server has no token configured, so it accepts no registration: "
+                "restart it with --token TOKEN (the token the prefill ranks send), or with "
+                "--insecure on a trusted network"
+            )
+        else:
+            reason = (
+                "missing or wrong bearer token: start the prefill rank with the token this "
+                "bootstrap server was started with (--token)"
+            )
         return web.json_response(
-            {"error": "missing or wrong bearer token"},
+            {"error": reason},
             status=401,
             headers={"WWW-Authenticate": "Bearer"},
         )
@@ -1226,7 +1237,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.token is None and not args.insecure:
-        print("warning: no --token: registration routes answer 401", file=sys.stderr)
+        print(
+            "warning: no --token: registration routes answer 401; pass --token TOKEN (and the "
+            "same token to every prefill rank), or --insecure on a trusted network",
+            file=sys.stderr,
+        )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

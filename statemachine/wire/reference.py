@@ -54,7 +54,7 @@ from statemachine.completion import (
     PrefillEvent,
     PrefillStatus,
 )
-from statemachine.errors import BootstrapError
+from statemachine.errors import MalformedFrames
 from statemachine.pool import RankInfo
 from statemachine.wire.metadata import INT32_MAX, INT64_MAX, UINT64_MAX, MetadataRequest, check_int
 
@@ -79,14 +79,6 @@ MAX_INSTANCE_ID_BYTES = 256
 # Encoded instance ids, so the hot path does not encode the same str per rank per request.
 # Instance ids change only on restarts; the cache is cleared past this size.
 _MAX_CACHED_IDS = 64
-
-
-class MalformedFrames(BootstrapError, ValueError):
-    """A ZMQ message did not have the layout its kind requires. Nothing was acted on."""
-
-    def __init__(self, message: str, *, kind: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +125,9 @@ class AbortMessage:
     target_pp_rank: int
     #: the instance the frames are addressed to; None from a decode that names none
     instance_id: str | None = None
-    #: the abort generation to echo in the ABORT_ACK; None: a legacy abort, acknowledged by none
-    generation: int | None = None
+    #: the abort sequence number to echo in the ABORT_ACK; None: a legacy abort, acknowledged by
+    #: none
+    abort_seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +149,8 @@ REGISTER_FRAMES = 11
 METADATA_FRAMES = 10
 ABORT_FRAMES = 4
 BOOTSTRAP_FRAMES = 6
-#: An abort with a generation: the 4 frames, the target instance frame (``b""`` when the
-#: generation has no instance id) and the generation.
+#: An abort with a sequence number: the 4 frames, the target instance frame (``b""`` when the
+#: pool entry has no instance id) and the abort sequence number.
 ABORT_GENERATION_FRAMES = 6
 _MAX_PREFILL_RANK_PART = 2**32 - 1
 
@@ -280,19 +273,19 @@ class SimpleBackend:
         room: int,
         *,
         instance_id: str | None = None,
-        generation: int | None = None,
+        abort_seq: int | None = None,
     ) -> list[bytes]:
         check_int("room", room, 0, UINT64_MAX)
         frames = [ABORT_KIND, b"%d" % room, self._session[2], b"%d" % rank.pp_rank]
         target = self._target(instance_id)
-        if generation is None:
+        if abort_seq is None:
             frames.extend(target)
             return frames
-        check_int("generation", generation, 0, INT64_MAX)
+        check_int("abort_seq", abort_seq, 0, INT64_MAX)
         # The instance frame is always present here (b"" for none), so the frame count alone
         # says which layout this is (ZMQ-22).
         frames.append(target[0] if target else b"")
-        frames.append(b"%d" % generation)
+        frames.append(b"%d" % abort_seq)
         return frames
 
     def bootstrap_frames(
@@ -364,9 +357,9 @@ def failed_frames(room: int, tp_rank: int, pp_rank: int, reason: str) -> list[by
     return [FAILED_KIND, b"%d" % room, b"%d" % tp_rank, b"%d" % pp_rank, _reason_bytes(reason)]
 
 
-def abort_ack_frames(room: int, tp_rank: int, pp_rank: int, generation: int) -> list[bytes]:
-    """The reference rank's acknowledgement of an abort with a generation (ZMQ-22)."""
-    return [ABORT_ACK_KIND, b"%d" % room, b"%d" % tp_rank, b"%d" % pp_rank, b"%d" % generation]
+def abort_ack_frames(room: int, tp_rank: int, pp_rank: int, abort_seq: int) -> list[bytes]:
+    """The reference rank's acknowledgement of an abort with a sequence number (ZMQ-22)."""
+    return [ABORT_ACK_KIND, b"%d" % room, b"%d" % tp_rank, b"%d" % pp_rank, b"%d" % abort_seq]
 
 
 def _reason_bytes(reason: str) -> bytes:
@@ -378,7 +371,7 @@ def decode_reply(frames: Sequence[bytes]) -> PrefillEvent | None:
     """A reference-layout reply (ZMQ-11, ZMQ-22) as a completion event; None if it is not one.
 
     ``[b"ack", room, tp, pp]`` is Success, ``[b"ready", room, tp, pp]`` WaitingForInput,
-    ``[b"failed", room, tp, pp, reason]`` Failed and ``[b"abort_ack", room, tp, pp, generation]``
+    ``[b"failed", room, tp, pp, reason]`` Failed and ``[b"abort_ack", room, tp, pp, abort_seq]``
     an :class:`AbortAck`. Every integer is strict non-negative ASCII decimal; tp and pp ranks
     below 2**32. Never raises.
     """
@@ -406,8 +399,8 @@ def decode_reply(frames: Sequence[bytes]) -> PrefillEvent | None:
         reason = raw.decode("utf-8", errors="replace") or None
         return PrefillStatus(room, KVPoll.Failed, sender, reason)
     if kind == ABORT_ACK_KIND:
-        generation = _reply_int(frames[4], INT64_MAX)
-        return None if generation is None else AbortAck(room, sender, generation)
+        abort_seq = _reply_int(frames[4], INT64_MAX)
+        return None if abort_seq is None else AbortAck(room, sender, abort_seq)
     return None
 
 
@@ -481,23 +474,23 @@ def parse_abort(frames: Sequence[bytes]) -> AbortMessage:
     """Parse a :class:`SimpleBackend` abort message; :class:`MalformedFrames` if it is not.
 
     4 frames (5 with the target instance) is a legacy abort; 6 frames carry the target instance
-    (``b""`` for none) and the generation (ZMQ-22).
+    (``b""`` for none) and the abort sequence number (ZMQ-22).
     """
     kind = "abort"
     if len(frames) == ABORT_GENERATION_FRAMES and frames[0] == ABORT_KIND:
         target = bytes(frames[4])
         instance_id = _instance(frames[:5], ABORT_FRAMES, kind) if target else None
-        generation: int | None = _int(frames[5], kind, "generation", 0, INT64_MAX)
+        abort_seq: int | None = _int(frames[5], kind, "abort_seq", 0, INT64_MAX)
     else:
         _check_shape(frames, ABORT_KIND, ABORT_FRAMES, kind)
         instance_id = _instance(frames, ABORT_FRAMES, kind)
-        generation = None
+        abort_seq = None
     return AbortMessage(
         room=_int(frames[1], kind, "room", 0, UINT64_MAX),
         session_id=_text(frames[2], kind, "session_id"),
         target_pp_rank=_int(frames[3], kind, "target_pp_rank", 0, INT32_MAX),
         instance_id=instance_id,
-        generation=generation,
+        abort_seq=abort_seq,
     )
 
 

@@ -224,7 +224,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     CodeMutant(
         "mark_not_checked_at_start",
         RECEIVER,
-        (("        if parts.watermarked:\n", "        if False:\n"),),
+        (("        if parts.checks_stale_marks:\n", "        if False:\n"),),
         (T_ETCD + "test_a_marked_generation_fails_its_holder_at_start",),
         "a request starts a transfer on a generation the watch marked (NoStaleStart)",
     ),
@@ -350,7 +350,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     CodeMutant(
         "no_immediate",
         TRANSPORT,
-        (("                socket.setsockopt(zmq.IMMEDIATE, 1)\n", "                pass\n"),),
+        (("        socket.setsockopt(zmq.IMMEDIATE, 1)\n", "        pass\n"),),
         (
             "tests/test_transport.py::test_zmq2_immediate_first_send_to_dead_endpoint_fails_and_evicts",
         ),

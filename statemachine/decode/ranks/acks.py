@@ -42,7 +42,7 @@ their connection.
 
 Trust boundary (ACK-3): a message is not authenticated. Anyone who can reach the ack port can
 complete or fail a room that is currently in flight (never one that is not, and a rank counts
-once), or release a held room's KV early with its current abort generation. Like
+once), or release a held room's KV early with its current abort sequence number. Like
 SGLang's own ZMQ channels, the ack port belongs on the cluster-internal network between
 prefill and decode; bind it to that interface, never to a public one.
 """

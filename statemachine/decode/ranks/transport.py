@@ -5,7 +5,7 @@ not thread-safe); a small lock guards only the creation and retirement of cache 
 a send (ZMQ-1). Options: ``IMMEDIATE=1`` (ZMQ-2), ``LINGER=0`` (ZMQ-3), sends bounded by
 ``SNDTIMEO`` (ZMQ-4).
 
-In the default mode (``mode="immediate"``, ``monitor=True``):
+Every socket is monitored:
 
 * **Liveness (ZMQ-16).** Every socket has a ZMQ monitor socket; one thread per transport
   (:class:`~statemachine.decode.ranks.monitor.SocketMonitor`) reads them all and judges each
@@ -35,11 +35,12 @@ In the default mode (``mode="immediate"``, ``monitor=True``):
   verdict is remembered for ``down_hold_ms`` so sends to it still fail in microseconds. Sockets
   nobody retains are an LRU bounded by ``max_sockets``.
 
-``mode="queueing"`` is SGLang's behaviour (no IMMEDIATE, ``SNDHWM=1000``, libzmq's reconnect
-defaults, no monitor, a blocking send), kept as the baseline of the benchmarks; ``monitor=False``
-gives the previous immediate-mode transport (a failed send closes and evicts the socket,
-ZMQ-6/ZMQ-7). Every ``zmq.ZMQError`` on a connect or a send becomes
-:class:`~statemachine.errors.SendFailed`, with the socket closed (ZMQ-18).
+The comparison baselines (SGLang's queueing sockets, and the previous transport without a
+monitor) are subclasses in :mod:`statemachine.demo.baselines`, beside the demo and benchmarks
+that compare against them: they override :attr:`ZmqTransport.monitored` and
+:meth:`ZmqTransport._queue_option`. Without the monitor a send blocks up to ``SNDTIMEO`` and a
+failed one closes and evicts its socket (ZMQ-6/ZMQ-7). Every ``zmq.ZMQError`` on a connect
+or a send becomes :class:`~statemachine.errors.SendFailed`, with the socket closed (ZMQ-18).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, NoReturn
+from typing import ClassVar, NamedTuple, NoReturn
 
 import zmq
 
@@ -65,9 +66,8 @@ from statemachine.decode.ranks.endpoints import (
 from statemachine.decode.ranks.exit_probe import connect_refused
 from statemachine.decode.ranks.liveness import ATTEMPT_FAILED, EVENTS, Liveness
 from statemachine.decode.ranks.monitor import SocketMonitor
-from statemachine.errors import SendFailed
+from statemachine.errors import InvalidArgument, SendFailed
 from statemachine.pool import Generation
-from statemachine.validation import InvalidArgument
 from statemachine.wire.endpoint import Endpoint, endpoint_url
 from statemachine.wire.metadata import MetadataRequest
 
@@ -76,14 +76,12 @@ __all__ = [
     "Endpoint",
     "EndpointListener",
     "ExitListener",
-    "Mode",
     "TransportStats",
     "ZmqTransport",
     "endpoint_url",
     "generation_endpoints",
 ]
 
-Mode = Literal["immediate", "queueing"]
 #: ``(endpoint, alive, reason)``, called on the transport's monitor thread.
 EndpointListener = Callable[[Endpoint, bool, str], None]
 #: ``(endpoint, reason)``: the rank's process at ``endpoint`` is proven exited (ZMQ-26).
@@ -91,8 +89,6 @@ ExitListener = Callable[[Endpoint, str], None]
 #: Ends the reason of a dead verdict proven to be an exit (what ``subscribe`` listeners hear).
 EXIT_PROVEN = "the port refuses connections: the process exited"
 
-#: libzmq's default send high-water mark, set explicitly so "queueing" means what SGLang has.
-QUEUEING_SNDHWM = 1000
 #: What SGLang sets on its context; each monitored endpoint uses three ZMQ sockets.
 CONTEXT_MAX_SOCKETS = 16384
 _EVICTED_RETRIES = 3
@@ -131,7 +127,7 @@ class TransportStats:
     failures: int  # sends that raised SendFailed, for whatever reason
     sockets_open: int
     sockets_created: int
-    evictions: int  # sockets closed: failure (monitor=False), release, verdict, LRU, close()
+    evictions: int  # sockets closed: failure (unmonitored), release, verdict, LRU, close()
     circuit_failures: int = 0  # failures in microseconds: the endpoint was already down
     dead_verdicts: int = 0  # endpoints judged dead (monitor or failed send)
     reconnects: int = 0  # endpoints judged dead that came back (alive=True reported)
@@ -182,7 +178,7 @@ class _Entry:
         self.url = url
         self.lock = threading.Lock()
         self.closed = False
-        self.failed = False  # closed because a send failed (monitor=False: ZMQ-7)
+        self.failed = False  # closed because a send failed (unmonitored: ZMQ-7)
         self.doomed = False
         self.down: str | None = None
         self.reported_dead = False
@@ -194,13 +190,16 @@ class _Entry:
 class ZmqTransport:
     """Cached PUSH sockets per endpoint with liveness and a circuit breaker; see the module."""
 
+    #: Each socket has a ZMQ monitor (liveness, ZMQ-16) and a circuit breaker (ZMQ-19). False
+    #: only in the comparison baselines (:mod:`statemachine.demo.baselines`): a blocking send,
+    #: evicted on failure (ZMQ-6, ZMQ-7), sockets cached until a send fails.
+    monitored: ClassVar[bool] = True
+
     def __init__(
         self,
         *,
-        mode: Mode = "immediate",
         send_timeout_ms: int = 1000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
-        monitor: bool | None = None,
         max_sockets: int = 1024,
         reconnect_ivl_ms: int = 5,
         reconnect_ivl_max_ms: int = 1000,
@@ -211,12 +210,6 @@ class ZmqTransport:
         heartbeat_timeout_ms: int | None = None,
         heartbeat_ttl_ms: int | None = None,
     ) -> None:
-        if mode not in ("immediate", "queueing"):
-            raise InvalidArgument(
-                f"mode must be 'immediate' or 'queueing', not {mode!r}: use 'immediate' (the "
-                "default: a send to a dead rank fails at once); 'queueing' is SGLang's socket "
-                "options, for comparisons"
-            )
         for name, value in (
             ("send_timeout_ms", send_timeout_ms),
             ("max_sockets", max_sockets),
@@ -239,14 +232,6 @@ class ZmqTransport:
                 raise InvalidArgument(
                     f"{name} must be a positive int (milliseconds or a count), not {value!r}"
                 )
-        if monitor is None:
-            monitor = mode == "immediate"
-        elif monitor and mode == "queueing":
-            raise InvalidArgument(
-                "monitor=True needs mode='immediate' (queueing is the SGLang baseline): drop "
-                "monitor=True or use mode='immediate'"
-            )
-        self.mode: Mode = mode
         self.send_timeout_ms = send_timeout_ms
         self.max_sockets = max_sockets
         self._timeout_s = send_timeout_ms / 1000
@@ -287,7 +272,7 @@ class ZmqTransport:
         self._circuit_failures = itertools.count()
         self._ticks = itertools.count(1)
         self._monitor: SocketMonitor[_Entry] | None = (
-            SocketMonitor(self._on_verdict, name="zmq-endpoint-monitor") if monitor else None
+            SocketMonitor(self._on_verdict, name="zmq-endpoint-monitor") if self.monitored else None
         )
 
     # --- liveness interface (what the manager subscribes to, spec/zmq.md ZMQ-16, ZMQ-19) ------
@@ -335,7 +320,7 @@ class ZmqTransport:
 
         Never blocks on a send in progress: a socket in use is closed by its current user as
         it finishes (within one poll slice if it is waiting). Releasing more than was retained
-        is ignored. Without the monitor (``mode="queueing"``, ``monitor=False``) the counts are
+        is ignored. Without the monitor (the baselines, :attr:`monitored` False) the counts are
         kept but sockets live as SGLang's do: cached until a send fails (or for ever).
         """
         retiring = []
@@ -438,10 +423,10 @@ class ZmqTransport:
             self.send(rank[:2], build(rank, request, instance_id=instance_id))
 
     def _send_blocking(self, entry: _Entry, frames: Sequence[bytes]) -> None:
-        """``monitor=False``: a blocking send; any failure closes and evicts (ZMQ-6).
+        """Unmonitored (the baselines): a blocking send; any failure closes and evicts (ZMQ-6).
 
-        pyzmq's ``send_multipart``, as SGLang sends: this path is the baselines' (``queueing``
-        is SGLang's transport, ``monitor=False`` the previous one), so it keeps their cost."""
+        pyzmq's ``send_multipart``, as SGLang sends: this path is the baselines' (SGLang's
+        queueing transport, and the previous one without a monitor), so it keeps their cost."""
         try:
             entry.socket.send_multipart(frames)
         except zmq.ZMQError as exc:
@@ -626,10 +611,7 @@ class ZmqTransport:
             socket.setsockopt(zmq.SNDTIMEO, self.send_timeout_ms)
             if ipv6:
                 socket.setsockopt(zmq.IPV6, 1)  # before connect, or libzmq cannot parse it
-            if self.mode == "immediate":
-                socket.setsockopt(zmq.IMMEDIATE, 1)
-            else:
-                socket.setsockopt(zmq.SNDHWM, QUEUEING_SNDHWM)
+            self._queue_option(socket)
             if self._monitor is not None:
                 socket.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
                 socket.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_ivl_max_ms)
@@ -650,6 +632,11 @@ class ZmqTransport:
                 endpoint=url,
             ) from exc
         return socket, monitor_socket
+
+    def _queue_option(self, socket: zmq.Socket[bytes]) -> None:
+        """``IMMEDIATE=1`` (ZMQ-2): queue only on a completed connection, so a send to a dead
+        rank fails instead of queueing. SGLang's queueing baseline overrides it."""
+        socket.setsockopt(zmq.IMMEDIATE, 1)
 
     def _monitor_socket(self, socket: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
         """Start ``socket``'s monitor and connect the PAIR that reads it (before connect(),

@@ -20,7 +20,8 @@ from statemachine.completion import (
     PrefillEvent,
     PrefillStatus,
 )
-from statemachine.validation import InvalidArgument, require_rank_ip
+from statemachine.errors import InvalidArgument
+from statemachine.validation import require_rank_ip
 
 BOOTSTRAP_TAG = b"BOOTSTRAP"
 ABORT_TAG = b"ABORT"
@@ -49,13 +50,13 @@ def check_room(room: object) -> int:
     return room
 
 
-def check_generation(generation: object) -> int:
-    if type(generation) is not int or not 0 <= generation <= _INT_MAX:
+def check_abort_seq(abort_seq: object) -> int:
+    if type(abort_seq) is not int or not 0 <= abort_seq <= _INT_MAX:
         raise InvalidArgument(
-            f"abort generation must be an int in 0..2**63-1 (SGLang counts from 1), "
-            f"got {generation!r}"
+            f"abort_seq (SGLang's abort generation) must be an int in 0..2**63-1 (SGLang "
+            f"counts from 1), got {abort_seq!r}"
         )
-    return generation
+    return abort_seq
 
 
 def decode_endpoint(ip: object, port: object) -> tuple[bytes, bytes]:
@@ -86,12 +87,13 @@ def bootstrap_message(room: int, endpoint: tuple[bytes, bytes]) -> list[bytes]:
     return [BOOTSTRAP_TAG, ascii_int(check_room(room)), *endpoint]
 
 
-def abort_message(room: int, endpoint: tuple[bytes, bytes], generation: int | None) -> list[bytes]:
-    """``[ABORT, room, decode ip, decode port(, generation)]`` (SGW-7;
-    ``common/conn.py:182-247``): 4 frames for the legacy abort, 5 with a generation."""
+def abort_message(room: int, endpoint: tuple[bytes, bytes], abort_seq: int | None) -> list[bytes]:
+    """``[ABORT, room, decode ip, decode port(, abort_seq)]`` (SGW-7;
+    ``common/conn.py:182-247``): 4 frames for the legacy abort, 5 with the abort sequence
+    number (SGLang's field: the generation)."""
     frames = [ABORT_TAG, ascii_int(check_room(room)), *endpoint]
-    if generation is not None:
-        frames.append(ascii_int(check_generation(generation)))
+    if abort_seq is not None:
+        frames.append(ascii_int(check_abort_seq(abort_seq)))
     return frames
 
 
@@ -115,10 +117,11 @@ def _reason(frame: object) -> str | None:
 
 
 def decode_abort_ack(frames: Sequence[bytes]) -> AbortAck | None:
-    """``[ABORT_ACK, room, prefill rank, generation]`` -> AbortAck (SGW-9).
+    """``[ABORT_ACK, room, prefill rank, abort_seq]`` -> AbortAck (SGW-9).
 
     The legacy two-frame form of a Mooncake prefill whose deferred release is off
-    (``[ABORT_ACK, room]``) is ``AbortAck(room, None, None)``; three frames give no generation.
+    (``[ABORT_ACK, room]``) is ``AbortAck(room, None, None)``; three frames give no abort
+    sequence number.
     Frames past the fourth are not read, as in SGLang's ``AbortAck.from_zmq``
     (``common/conn.py:255-268``).
     """
@@ -134,8 +137,8 @@ def decode_abort_ack(frames: Sequence[bytes]) -> AbortAck | None:
         return None
     if len(frames) == 3:
         return AbortAck(room, rank, None)
-    generation = _int(frames[3])
-    return None if generation is None else AbortAck(room, rank, generation)
+    abort_seq = _int(frames[3])
+    return None if abort_seq is None else AbortAck(room, rank, abort_seq)
 
 
 def decode_status(fields: Sequence[bytes]) -> PrefillStatus | None:

@@ -16,7 +16,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from statemachine.validation import InvalidArgument
+from statemachine.errors import InvalidArgument
 from statemachine.wire.metadata import pack_buffers
 
 _U32_MAX = 2**32 - 1

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from statemachine.completion import PrefillEvent
-from statemachine.errors import ConfigurationError
+from statemachine.errors import ConfigurationError, InvalidArgument
 from statemachine.pool import RankInfo
 from statemachine.sglang.v0_5_23.control import (
     abort_message,
@@ -25,7 +25,6 @@ from statemachine.sglang.v0_5_23.control import (
     decode_prefill_message,
 )
 from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs, pack_lists, pack_u32, pack_u64
-from statemachine.validation import InvalidArgument
 from statemachine.wire.metadata import MetadataRequest
 
 #: The first frame of every NIXL registration and metadata message (``nixl/conn.py:78``).
@@ -192,9 +191,9 @@ class NixlBackend:
         room: int,
         *,
         instance_id: str | None = None,
-        generation: int | None = None,
+        abort_seq: int | None = None,
     ) -> list[bytes]:
-        return abort_message(room, self._endpoint, generation)
+        return abort_message(room, self._endpoint, abort_seq)
 
     def bootstrap_frames(
         self, rank: RankInfo, room: int, *, instance_id: str | None = None
