@@ -87,6 +87,14 @@ class RanksUnreachable(NotReady):
         self.endpoint = endpoint
 
 
+class PrefillSilent(NotReady):
+    """The prefill's bootstrap server at ``addr`` was judged dead by its health probes and has
+    not answered one since: the request failed at once, without asking it (a fetch would wait
+    out its timeout) and without sending anything to its ranks. Retryable, as any
+    ``NotReady``: the first request after a probe answers again gets through (the server is
+    probed every few hundred milliseconds meanwhile)."""
+
+
 class NotFound(BootstrapHTTPError):
     """404: the server does not know the requested rank."""
 
