@@ -290,7 +290,7 @@ def test_mgr_1_kill_whole_prefill_health_fails_everything_bound_to_it(
     """The whole prefill dies (server and ranks): the first evidence - the health monitor's
     failed probe (PrefillDead), or the transport's verdict on a rank's socket (RankDead) where
     the transport monitors its sockets - fails every room bound to it, without any send."""
-    with manager_for(liveness_timeout_s=0.5) as manager:
+    with manager_for(liveness_timeout_s=0.5, health_probes=True) as manager:
         victims = in_flight_waiting(manager, slow_prefill, range(1, 6))
         stop_prefill(slow_prefill)
         killed = time.monotonic()
@@ -316,7 +316,7 @@ def test_mgr_1_restart_behind_same_address_fails_old_rooms_and_serves_new_ones()
     threads_before = threading.active_count()
     server: BootstrapServer | None = None
     try:
-        with manager_for(liveness_timeout_s=1.0) as manager:
+        with manager_for(liveness_timeout_s=1.0, health_probes=True) as manager:
             assert manager.health is not None
             victims = in_flight_waiting(manager, first, range(1, 6))
             old_id = first.server.instance_id
@@ -427,6 +427,7 @@ def test_mgr_1_a_restart_notice_leaves_requests_on_the_new_instance_alone() -> N
     try:
         with manager_for(
             transport=transport,
+            health_probes=True,
             liveness_timeout_s=14_400.0,  # probes once an hour
         ) as manager:
             assert manager.health is not None
@@ -948,7 +949,9 @@ def test_mgr_9_a_restarted_prefill_is_planned_again_from_its_new_topology() -> N
     port = int(first.addr.rsplit(":", 1)[1])
     second: Prefill | None = None
     try:
-        with manager_for(layout=DecodeLayout(0, 1), liveness_timeout_s=1.0) as manager:
+        with manager_for(
+            layout=DecodeLayout(0, 1), health_probes=True, liveness_timeout_s=1.0
+        ) as manager:
             before = manager.receiver(first.addr, 1, prefill_dp_rank=0)
             assert before.init() == KVPoll.WaitingForInput
             assert before.plan is not None and before.plan.tp_ranks == (0, 1)

@@ -12,7 +12,7 @@ exact-address operations:
   fetched from it, and only those (POOL-6); then ``on_restart(addr, old, new)``;
 * ``failures_to_dead`` probes in a row failed: the node is dead; ``pool.invalidate_address``
   drops every entry of exactly that address (POOL-5); then ``on_dead(addr, reason)``. From then
-  on the address is probed every ``recheck_s`` (each probe bounded by as much), and its first
+  on the address is probed every ``recheck_s`` (each connect bounded by as much), and its first
   answer calls ``on_alive(addr)``: a manager holds requests off a dead address until then, so
   that answer must come as soon as the server does (HEALTH-6).
 
@@ -78,10 +78,11 @@ class _Watch:
 _DEFAULT = LivenessBound.from_timeout(DEFAULT_LIVENESS_TIMEOUT_S)
 
 
-def _probe_client(probe_timeout_s: float) -> BootstrapClient:
-    """The probes' client: each probe bounded by ``probe_timeout_s`` as a whole (HEALTH-5)."""
+def _probe_client(probe_timeout_s: float, connect_timeout_s: float) -> BootstrapClient:
+    """The probes' client: each probe bounded by ``probe_timeout_s`` as a whole (HEALTH-5),
+    its connect by ``connect_timeout_s``."""
     return BootstrapClient(
-        connect_timeout=probe_timeout_s, read_timeout=probe_timeout_s, deadline=probe_timeout_s
+        connect_timeout=connect_timeout_s, read_timeout=probe_timeout_s, deadline=probe_timeout_s
     )
 
 
@@ -90,9 +91,9 @@ class HealthMonitor:
 
     ``probe_timeout_s`` bounds each probe (connect, read and the whole exchange): a silent
     address is judged dead at most ``failures_to_dead × (interval_s + probe_timeout_s)`` after
-    it last answered (HEALTH-5); a dead one is probed every ``recheck_s``, bounded by as much
-    (HEALTH-6). :class:`~statemachine.decode.liveness_bound.LivenessBound` derives all four from
-    one bound (``health_options()``); the defaults are the default bound's.
+    it last answered (HEALTH-5); a dead one is probed every ``recheck_s``, its connect bounded by
+    as much (HEALTH-6). :class:`~statemachine.decode.liveness_bound.LivenessBound` derives all
+    four from one bound (``health_options()``); the defaults are the default bound's.
     """
 
     def __init__(
@@ -124,8 +125,11 @@ class HealthMonitor:
         # Each probe thread gets its own sessions (they are per thread inside the client).
         if client is None:
             timeout = _DEFAULT.probe_timeout_s if probe_timeout_s is None else probe_timeout_s
-            client = _probe_client(timeout)
-            recheck_client = _probe_client(min(timeout, recheck_s))
+            client = _probe_client(timeout, timeout)
+            # A recheck's connect into a cut path gives up after recheck_s and the next starts
+            # recheck_s later; its read keeps the whole probe timeout: a loaded server that
+            # accepted it still has that long to answer.
+            recheck_client = _probe_client(timeout, min(timeout, recheck_s))
         else:
             recheck_client = client  # the caller's timeouts bound every probe
         self._client = client

@@ -14,8 +14,8 @@ from the one number a user sets, so that each part reaches its verdict within th
 * **health probes** (:class:`~statemachine.decode.health.HealthMonitor`): two failed probes in a
   row, ``bound/4`` apart, each bounded by ``bound/4`` (connect, read and the whole exchange):
   at most ``2 × (bound/4 + bound/4) = bound`` after the server last answered. Once an address
-  is judged dead it is probed every :data:`RECONNECT_ATTEMPT_MS`, each probe bounded by as much,
-  so that its next answer (which lifts the manager's hold-off on it) comes at once;
+  is judged dead it is probed every :data:`RECONNECT_ATTEMPT_MS`, each connect bounded by as
+  much, so that its next answer (which lifts the manager's hold-off on it) comes at once;
 * **fetches** (:class:`~statemachine.decode.client.BootstrapClient`): a connect gives up after
   ``min(2 s, bound/2)``, a silent read after ``min(5 s, bound)``: a request never waits on one
   silent server longer than the bound (the client drops the connection that timed out, so the
@@ -109,7 +109,7 @@ class LivenessBound:
     failures_to_dead: int
     #: HealthMonitor: bound of one probe (connect, read, whole exchange)
     probe_timeout_s: float
-    #: HealthMonitor: an address judged dead is probed this often, each probe bounded by it
+    #: HealthMonitor: an address judged dead is probed this often, each connect bounded by it
     health_recheck_s: float
     #: BootstrapClient (fetches): connect timeout
     fetch_connect_timeout_s: float
