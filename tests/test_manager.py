@@ -1065,6 +1065,8 @@ def test_stats_and_prometheus_export_read_the_same_figures(slow_prefill: Prefill
         assert "pd_bootstrap_dp_queries_in_flight 0.0" in text
         assert "pd_bootstrap_known_dead_keys 0.0" in text
         assert "pd_bootstrap_refused_known_dead_total 0.0" in text
+        assert "pd_bootstrap_silent_addresses 0.0" in text
+        assert "pd_bootstrap_refused_silent_total 0.0" in text
 
 
 class SlowSource:
