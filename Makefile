@@ -11,9 +11,16 @@ SGLANG_STAMP := $(VENV)/.sglang
 SGLANG_REQS  := tests/sglang_interop/requirements.txt
 SGLANG_CONS  := tests/sglang_interop/constraints.txt
 SGLANG_IMPORTS := import sglang.srt.disaggregation.common.conn, \
-	sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn
+	sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn, \
+	sglang.srt.disaggregation.decode
+# The real transfer engines (Mooncake, NIXL) for the end-to-end tests (tests/real_prefill/), pinned
+# beside the sglang pin, and the Debian libraries the Mooncake CPU build links.
+ENGINES_STAMP := $(VENV)/.engines
+ENGINES_REQS  := tests/sglang_interop/engines.txt
+ENGINE_DEBS   := libibverbs1 libfabric1
+ENGINE_IMPORTS := import mooncake.engine, nixl._api
 
-.PHONY: demo test lint typecheck pytest crosshair bench tlc mutate clean netns-tools
+.PHONY: demo demo-sglang test lint typecheck pytest crosshair bench tlc mutate clean netns-tools
 
 # pip stays --quiet (its full output is hundreds of lines); the echo lines say what it is doing.
 $(STAMP): pyproject.toml
@@ -52,8 +59,42 @@ $(SGLANG_STAMP): $(STAMP) $(SGLANG_REQS) $(SGLANG_CONS)
 		echo "sglang interop: installed in $$(( $$(date +%s) - start )) s." ; \
 	fi
 
+# The real transfer engines, only where SGLang's wheel is (Python 3.11). apt-get runs only when a
+# library is missing; where it cannot (not root, no apt, no network) this says so, installs
+# nothing, and the end-to-end tests skip naming what is missing (tests/real_prefill/engines.py).
+# No stamp on failure: the next `make` tries again.
+$(ENGINES_STAMP): $(SGLANG_STAMP) $(ENGINES_REQS)
+	@if [ ! -f $(SGLANG_STAMP) ]; then \
+		echo "engines: SGLang's wheel is not installed here, so neither are the transfer engines" \
+			"(the end-to-end tests will skip)."; \
+	else \
+		missing=""; for deb in $(ENGINE_DEBS); do \
+			dpkg-query -W -f='$${Status}' $$deb 2>/dev/null | grep -q "ok installed" || missing="$$missing $$deb"; \
+		done; \
+		if [ -n "$$missing" ]; then \
+			echo "engines: installing Debian's$$missing with apt-get (the Mooncake transfer engine's" \
+				"CPU build links libibverbs and libfabric, even over TCP)..."; \
+			apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && \
+				apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1; } || \
+			echo "engines: could not install$$missing (apt-get needs root and a package mirror):" \
+				"the end-to-end tests will skip."; \
+		fi; \
+		echo "engines: installing $$(grep -v '^#' $(ENGINES_REQS) | tr '\n' ' ')(--no-deps) into $(VENV)..."; \
+		PIP_CONSTRAINT=$(abspath $(SGLANG_CONS)) $(PY) -m pip install --quiet --no-compile \
+			--no-warn-conflicts --no-deps -r $(ENGINES_REQS) && \
+		env UCX_MODULES=^ib $(PY) -c "$(ENGINE_IMPORTS)" && touch $(ENGINES_STAMP) && \
+		echo "engines: Mooncake and NIXL import." || \
+		echo "engines: not usable here (see above): the end-to-end tests will skip."; \
+	fi
+
 demo: $(STAMP)
 	$(PY) -m statemachine demo
+
+# The same restart demo in front of SGLang 0.5.23's real prefill and beside SGLang's own decode,
+# moving real KV bytes (Python 3.11 with the interop packages and the engines above).
+demo-sglang: $(ENGINES_STAMP)
+	$(PY) -m statemachine demo --prefill sglang
 
 test: lint typecheck pytest crosshair
 
@@ -64,7 +105,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict statemachine
 
-pytest: $(STAMP) $(SGLANG_STAMP) netns-tools
+pytest: $(STAMP) $(SGLANG_STAMP) $(ENGINES_STAMP) netns-tools
 	$(PY) -m pytest
 
 # The network-namespace tests and benchmark (tests/netns_support.py) need `ip` (iproute2) and

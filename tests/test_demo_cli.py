@@ -195,3 +195,15 @@ def test_demo_on_etcd_runs_ours_on_each_source_side_by_side(tmp_path: Path) -> N
     assert [run["config"]["discovery"] for run in runs] == ["http", "etcd"]
     for run in runs:
         assert run["restarts"] and run["restarts"][0]["restart_to_first_success_s"] is not None, run
+
+
+def test_demo_prefill_sglang_says_what_it_needs_where_it_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from statemachine.demo import cli, sglang_prefill
+
+    monkeypatch.setattr(sglang_prefill, "missing", lambda: "sglang is not installed")
+    assert cli.main(["--prefill", "sglang"]) == 2
+    err = capsys.readouterr().err
+    assert "--prefill sglang: sglang is not installed" in err
+    assert "make demo-sglang" in err

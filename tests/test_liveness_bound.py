@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from zmq_support import SinkProcess, VerdictRecorder, wait_until
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.config import DecodeConfig
 from statemachine.decode.health import HealthMonitor
@@ -26,7 +27,6 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import ConfigurationError, NotReady, PrefillSilent, SendFailed
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool
 from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import InvalidArgument

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from netns_support import NetNamespace, NetnsPrefill, netns_unavailable
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.liveness_bound import LivenessBound
@@ -38,7 +39,6 @@ from statemachine.errors import (
     RanksUnreachable,
     SendFailed,
 )
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool
 
 pytestmark = pytest.mark.skipif(

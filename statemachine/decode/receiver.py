@@ -353,10 +353,13 @@ class BootstrapReceiver:
         aux_index: int = 0,
         *,
         prefix_len: int = 0,
+        state_indices: Sequence[Sequence[int] | Any | None] | None = (),
     ) -> KVPoll:
         """Send this room's metadata to every rank (dummy ranks flagged); start the clock.
 
         ``kv_indices``: any sequence of ints or a 1-d numpy integer array (packed once, in C).
+        ``state_indices``: a hybrid model's state slots, one index list per state type (SGLang's
+        ``send_metadata`` argument of that name; :class:`~statemachine.backend.MetadataRequest`).
         With the manager's ack listener, the completion is expected before the first send,
         and forgotten on every terminal path. Before a successful ``init`` this fails the
         request (``SendFail`` from ``idle``, as SGLang does) instead of raising.
@@ -400,6 +403,7 @@ class BootstrapReceiver:
             aux_index,
             prefix_len,
             required_dst_info_num=1 if plan is None else plan.required_dst_info_num,
+            state_indices=state_indices,
         )
         if self._needed == 0:
             self._acked = True  # every rank is a dummy for us: nothing will be transferred

@@ -96,6 +96,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--trace", default=None, metavar="FILE", help="NDJSON lifecycle trace")
     parser.add_argument("--quiet", action="store_true", help="no live status line")
+    parser.add_argument(
+        "--prefill",
+        choices=("reference", "sglang"),
+        default="reference",
+        help="sglang: SGLang 0.5.23's own prefill moving real KV bytes, beside SGLang's own "
+        "decode (a source checkout with `make .venv/.engines`; uses --kill-at, --after-ready)",
+    )
+    parser.add_argument("--kill-at", type=float, default=3.0, help="--prefill sglang: seconds")
+    parser.add_argument(
+        "--after-ready", type=float, default=5.0, help="--prefill sglang: seconds run after READY"
+    )
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.loops < 1 or args.rate <= 0:
         parser.error("--duration, --loops and --rate must be positive")
@@ -194,6 +205,10 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.prefill == "sglang":
+        from statemachine.demo import sglang_prefill  # only here: SGLang is no dependency
+
+        return sglang_prefill.main(args)
     modes = _modes(args)
     # Both extras are checked before any process starts: without aiohttp the prefill's server
     # process would die at import, and a missing matplotlib would surface after the whole run.

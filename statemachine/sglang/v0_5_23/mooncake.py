@@ -12,6 +12,7 @@ with :class:`~statemachine.validation.InvalidArgument`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from statemachine.completion import PrefillEvent
 from statemachine.pool import RankInfo
@@ -30,6 +31,8 @@ from statemachine.wire.metadata import MetadataRequest
 #: Frame 0 of a registration: the text ``None`` where metadata has its room.
 REGISTRATION_ROOM = b"None"
 REGISTRATION_FRAMES = 20
+#: Mooncake's register_memory result for memory an earlier registration already covers.
+_ALREADY_REGISTERED = -7
 METADATA_FRAMES = 10
 
 
@@ -41,8 +44,9 @@ def check_session_id(session_id: object) -> bytes:
     host, sep, port = encoded.rpartition(b":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise InvalidArgument(
-            f"Mooncake session_id must be 'host:port' (the transfer engine's session id, e.g. "
-            f"from TransferEngine.get_session_id()), got {session_id!r}"
+            f"Mooncake session_id must be 'host:port': the host your transfer engine was "
+            f"initialized with and its engine.get_rpc_port() (mooncake.engine.TransferEngine has "
+            f'no get_session_id()), e.g. f"{{host}}:{{engine.get_rpc_port()}}"; got {session_id!r}'
         )
     return encoded
 
@@ -84,6 +88,59 @@ class MooncakeBackend:
             return cls(ip, port, session_id, kv_args)
 
         return build
+
+    @classmethod
+    def from_engine(
+        cls, engine: Any, host: str, kv_args: DecodeKVArgs
+    ) -> Callable[[str, int], MooncakeBackend]:
+        """A ``backend_factory`` from the decode's Mooncake engine itself (preferred over
+        :meth:`factory`): the session id is ``f"{host}:{engine.get_rpc_port()}"`` (``host``: the
+        one the engine was initialized with), and every KV and state buffer ``kv_args`` names is
+        registered with this engine here unless it already is. Aux buffers carry no length in
+        ``kv_args``, so they must be registered already. A write into memory the engine does not
+        know fails on the prefill, which then reports the room Failed and refuses this session
+        for later rooms, so all of it is checked before anything is sent."""
+        if not isinstance(kv_args, DecodeKVArgs):
+            raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
+        port = engine.get_rpc_port()
+        if type(port) is not int or not 0 < port <= 65535:
+            raise InvalidArgument(
+                f"the Mooncake engine reports rpc port {port!r}: call engine.initialize(host, "
+                "'P2PHANDSHAKE', protocol, device) first (it returns 0 once the engine runs)"
+            )
+        regions = [
+            (f"kv_data_ptrs[{i}]", ptr, length)
+            for i, (ptr, length) in enumerate(
+                zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens, strict=False)
+            )
+        ]
+        if len(kv_args.kv_data_lens) < len(kv_args.kv_data_ptrs):
+            raise InvalidArgument(
+                "from_engine registers the KV buffers itself: give kv_data_lens, one per pointer"
+            )
+        for t, (ptrs, lens) in enumerate(
+            zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=False)
+        ):
+            regions += [
+                (f"state_data_ptrs[{t}][{i}]", ptr, length)
+                for i, (ptr, length) in enumerate(zip(ptrs, lens, strict=False))
+            ]
+        for what, ptr, length in regions:
+            rc = engine.register_memory(ptr, length)
+            if rc not in (0, _ALREADY_REGISTERED):
+                raise InvalidArgument(
+                    f"{what} ({ptr:#x}, {length} bytes): the Mooncake engine refused to register "
+                    f"it (register_memory returned {rc}): pass memory this process owns"
+                )
+        for i, ptr in enumerate(kv_args.aux_data_ptrs):
+            # A one-byte probe: taken when nothing covers the pointer (then undone and refused).
+            if engine.register_memory(ptr, 1) == 0:
+                engine.unregister_memory(ptr)
+                raise InvalidArgument(
+                    f"aux_data_ptrs[{i}] ({ptr:#x}) is not registered with this Mooncake engine: "
+                    "register each aux buffer first with engine.register_memory(ptr, nbytes)"
+                )
+        return cls.factory(f"{host}:{port}", kv_args)
 
     def _build_registration(self) -> list[bytes]:
         args = self.kv_args

@@ -12,6 +12,7 @@ parses the rest with ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from statemachine.completion import PrefillEvent
 from statemachine.errors import ConfigurationError
@@ -86,6 +87,57 @@ class NixlBackend:
             return cls(ip, port, agent_name, agent_metadata, kv_args)
 
         return build
+
+    @classmethod
+    def from_agent(cls, agent: Any, kv_args: DecodeKVArgs) -> Callable[[str, int], NixlBackend]:
+        """A ``backend_factory`` from the decode's NIXL agent itself (preferred over
+        :meth:`factory`): the name and metadata are the agent's own, the metadata taken now,
+        after the buffers were registered, and every buffer ``kv_args`` names is checked first
+        to be registered with this agent under the kind it claims. A prefill rank would
+        otherwise fail to prepare its transfers to this decode (``NIXL_ERR_NOT_FOUND``) on its
+        bootstrap thread, which ends that thread for every decode (``nixl/conn.py:2046``)."""
+        if not isinstance(kv_args, DecodeKVArgs):
+            raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
+        kv_args.check_for_nixl()
+        kinds = kv_args.kv_mem_kinds or ("VRAM",) * len(kv_args.kv_data_ptrs)
+        # (what, pointer, length, kind): the prefill's NIXL reads KV as claimed, aux as DRAM
+        # and state as VRAM (nixl/conn.py:1972-2030).
+        regions = [
+            (f"kv_data_ptrs[{i}]", ptr, length, kind)
+            for i, (ptr, length, kind) in enumerate(
+                zip(
+                    kv_args.kv_data_ptrs,
+                    kv_args.kv_data_lens or (1,) * len(kinds),
+                    kinds,
+                    strict=False,
+                )
+            )
+        ]
+        regions += [
+            (f"aux_data_ptrs[{i}]", ptr, 1, "DRAM") for i, ptr in enumerate(kv_args.aux_data_ptrs)
+        ]
+        for t, (ptrs, lens) in enumerate(
+            zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=False)
+        ):
+            regions += [
+                (f"state_data_ptrs[{t}][{i}]", p, n, "VRAM")
+                for i, (p, n) in enumerate(zip(ptrs, lens, strict=False))
+            ]
+        for what, ptr, length, kind in regions:
+            device = kv_args.gpu_id if kind == "VRAM" else 0
+            try:
+                handle = agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", [(ptr, max(length, 1), device)], kind
+                )
+            except Exception as exc:  # nixlNotFoundError and kin: not registered as claimed
+                raise InvalidArgument(
+                    f"{what} ({ptr:#x}, {length} bytes, {kind}) is not registered with NIXL agent "
+                    f"{agent.name!r} as {kind} ({exc}): register it first with "
+                    f"agent.register_memory([(ptr, nbytes, device, '')], {kind!r}), and give "
+                    "DecodeKVArgs(kv_mem_kinds=...) the kind you registered (empty means VRAM)"
+                ) from exc
+            agent.release_dlist_handle(handle)
+        return cls.factory(agent.name, agent.get_agent_metadata(), kv_args)
 
     def _build_registration(self, agent_metadata: bytes) -> list[bytes]:
         args = self.kv_args

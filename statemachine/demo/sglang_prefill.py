@@ -1,0 +1,72 @@
+"""``pd-bootstrap demo --prefill sglang``: the restart demo in front of SGLang 0.5.23's own
+prefill, moving real KV bytes, beside SGLang's own decode.
+
+Loaded only for ``--prefill sglang``: SGLang, its transfer engines and the harness that runs its
+prefill (``tests/real_prefill`` of a source checkout, with the CPU import stand-ins of
+``tests/sglang_stubs``) never become a dependency of the library. Where any of them is missing
+this says what to install instead of failing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+#: Where a source checkout keeps the harness, relative to this package's parent.
+_TESTS = Path(__file__).resolve().parents[2] / "tests"
+NEEDS = (
+    "needs a source checkout with SGLang's interop packages and the transfer engines on "
+    "Python 3.11: run `make demo-sglang` (it installs them: `make .venv/.engines`)"
+)
+
+
+def missing() -> str | None:
+    """What ``--prefill sglang`` lacks here, or None."""
+    if sys.version_info[:2] != (3, 11):
+        return f"SGLang 0.5.23's wheel is cp311 only and this is Python {sys.version.split()[0]}"
+    if not (_TESTS / "real_prefill" / "harness.py").is_file():
+        return f"no SGLang prefill harness at {_TESTS / 'real_prefill'} (not a source checkout)"
+    for module in ("sglang", "mooncake.engine"):
+        try:
+            if importlib.util.find_spec(module) is None:
+                return f"{module} is not installed"
+        except ImportError as exc:  # mooncake's parent imports, its .so may not load
+            return f"{module} does not import ({exc})"
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    reason = missing()
+    if reason is not None:
+        print(f"error: --prefill sglang: {reason}; {NEEDS}", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(_TESTS))
+    engines: Any = importlib.import_module("real_prefill.engines")
+    restart: Any = importlib.import_module("real_prefill.restart")
+    backends = [b for b in engines.BACKENDS if engines.engine_unavailable(b) is None]
+    print(
+        "On 127.0.0.1: SGLang 0.5.23's own prefill (its bootstrap server and Mooncake/NIXL\n"
+        "prefill manager in their own process, CPU buffers, real engines over TCP), and two\n"
+        "decodes sending it a request every 20 ms: this library's DecodeManager and SGLang's own\n"
+        "decode (its KV manager and receivers, driven as its decode.py drives them). Every page\n"
+        f"is checked byte for byte. At {args.kill_at:g} s the prefill is SIGKILLed and replaced\n"
+        "behind the same bootstrap port: warm (started at the kill) and cold (started after).",
+        flush=True,
+    )
+    for engine in engines.BACKENDS:
+        if engine not in backends:
+            print(f"{engine}: skipped: {engines.engine_unavailable(engine)}")
+    for backend in backends:
+        for warm in (True, False):
+            reports, timeline = restart.run_restart(
+                backend, warm=warm, kill_at_s=args.kill_at, after_ready_s=args.after_ready
+            )
+            kind = "warm" if warm else "cold"
+            down = timeline["ready"] - timeline["kill"]
+            title = f"\n{backend}, {kind} replacement (READY {down:.2f} s after the kill)"
+            print(restart.table(title, reports), flush=True)
+    return 0
