@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         pool=pool,
         completion="external",
         backend=SimpleBackend("127.0.0.1", 1, "bench"),
-        health_interval_s=None,
+        health_probes=False,
     )
     sglang_manager = SGLangDecodeManagerAnchor()
     variants: dict[str, Callable[[int], Callable[[], float]]] = {

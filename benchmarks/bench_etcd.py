@@ -550,7 +550,7 @@ def bench_manager_hit_path(endpoint: str, rounds: int, ops: int) -> None:
     addr = "127.0.0.1:8998"
     key = PoolKey(addr, 0, 0, 0)
     backend = SimpleBackend("127.0.0.1", 1, "bench")
-    http = DecodeManager(completion="external", backend=backend, health_interval_s=None)
+    http = DecodeManager(completion="external", backend=backend, health_probes=False)
     etcd = manager_on_etcd(
         endpoint,
         prefix=f"/bench-{uuid.uuid4().hex[:8]}/ranks",

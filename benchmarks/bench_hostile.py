@@ -62,7 +62,7 @@ def bench_trickle(deadline: float, repeats: int, baseline_cap: float) -> None:
         transport=transport,
         backend=SimpleBackend("127.0.0.1", 9, "bench-hostile"),
         completion="external",
-        health_interval_s=None,
+        health_probes=False,
     )
     overshoot: list[float] = []
     try:

@@ -16,12 +16,14 @@ Figures per run: *detection* (fault → the first request Failed), requests fail
 wait of a request, and *first success after heal* (the heal or SIGCONT → the first request that
 completes with Success). Configurations, in the same run:
 
-* ``before``: the manager's defaults (health probes every 5 s, a 2 s connect / 3 s read probe,
-  no heartbeats): main's behaviour;
-* ``bound=3s`` / ``bound=1s``: the parts built from
-  :class:`~statemachine.decode.liveness_bound.LivenessBound` and handed to the manager (its
-  transport, its fetch client, its health interval; the probe timeout itself is not yet a
-  manager setting, so the probes keep the 2 s / 3 s default here).
+* ``before``: main's parts before the bound: a transport without heartbeats and a fetch client
+  with a 2 s connect / 5 s read handed to the manager, and health probes every 5 s bounded by
+  5 s (``liveness_timeout_s=20``, the nearest the one setting comes to main's 5 s interval and
+  2 s / 3 s probe);
+* ``bound=3s`` (the default) / ``bound=1s``: ``DecodeManager(liveness_timeout_s=N)``, every
+  part built by the manager from the one setting
+  (:class:`~statemachine.decode.liveness_bound.LivenessBound`), with the hold-off of a silent
+  bootstrap server (MGR-22).
 
 Figures come from a machine shared with other work: indicative only.
 """
@@ -41,7 +43,6 @@ from pathlib import Path
 
 from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
-from statemachine.decode.liveness_bound import LivenessBound
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
@@ -158,22 +159,18 @@ class Load:
 
 @contextmanager
 def manager_for(config: str, ack_ip: str) -> Iterator[DecodeManager]:
-    """``before``: the defaults; ``bound=Ns``: the parts derived from a LivenessBound."""
+    """``before``: main's parts; ``bound=Ns``: the manager built from the one setting."""
     closers: list[Callable[[], None]] = []
     if config == "before":
-        manager = DecodeManager(ack_ip=ack_ip)
-    else:
-        bound = LivenessBound.from_timeout(float(config.removeprefix("bound=").rstrip("s")))
-        transport = ZmqTransport(**bound.transport_options())
-        client = BootstrapClient(**bound.client_options())
+        transport = ZmqTransport()
+        client = BootstrapClient()
         closers += [transport.close, client.close_all]
         manager = DecodeManager(
-            ack_ip=ack_ip,
-            transport=transport,
-            source=client,
-            health_interval_s=bound.health_interval_s,
-            failures_to_dead=bound.failures_to_dead,
+            ack_ip=ack_ip, transport=transport, source=client, liveness_timeout_s=20.0
         )
+    else:
+        seconds = float(config.removeprefix("bound=").rstrip("s"))
+        manager = DecodeManager(ack_ip=ack_ip, liveness_timeout_s=seconds)
     try:
         yield manager
     finally:

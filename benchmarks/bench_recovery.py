@@ -95,7 +95,7 @@ def in_flight_at_kill(
             source=client,
             send_timeout_ms=send_timeout_ms,
             waiting_timeout_s=waiting_timeout_s,
-            health_interval_s=1.0,  # the demo's heartbeat
+            liveness_timeout_s=4.0,  # probes every second, as the demo's
         )
         plan = RankPlan(tp_ranks=(0, 1))
         receivers = []
@@ -139,7 +139,7 @@ def rank_outage(
             source=client,
             send_timeout_ms=send_timeout_ms,
             waiting_timeout_s=waiting_timeout_s,
-            health_interval_s=None,
+            health_probes=False,
             # issue 18: hold a key known dead off (one refetch per 50 ms, the rest fail at once)
             dead_recheck_s=DEFAULT_RECHECK_S if mode.manager_fanout else None,
         )

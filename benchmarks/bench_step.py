@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     headers={"Authorization": f"Bearer {TOKEN}"},
                     timeout=5,
                 ).raise_for_status()
-        with DecodeManager(source=client, health_interval_s=None) as manager:
+        with DecodeManager(source=client, health_probes=False) as manager:
             figures: dict[str, list[float]] = {
                 name: [] for name in ("synchronous", "start", "in flight", "in flight (max)")
             }

@@ -210,7 +210,7 @@ class OurDecode:
             source=self.client,
             backend_factory=MooncakeBackend.factory(SESSION_ID, kv_args),
             layout=DecodeLayout(page_size=PAGE_SIZE, kv_cache_dtype="bfloat16"),
-            health_interval_s=None,
+            health_probes=False,
         )
         stack.callback(self.manager.close)
 

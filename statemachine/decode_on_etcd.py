@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from statemachine.decode.liveness_bound import DEFAULT_LIVENESS_TIMEOUT_S
 from statemachine.decode.manager import DecodeManager
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway, TLSConfig
@@ -29,6 +30,7 @@ def manager_on_etcd(
     password: str | None = None,
     sync_timeout_s: float = 5.0,
     watch_idle_timeout_s: float = 10.0,
+    liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
     manager_class: type[DecodeManager] = DecodeManager,
     **kwargs: Any,
 ) -> DecodeManager:
@@ -41,6 +43,10 @@ def manager_on_etcd(
     timeouts). Not synced then: requests get ``NotReady`` naming the cause (``connection
     refused``...) until it is, and the source keeps retrying. ``kwargs`` go to the manager's
     constructor.
+    ``liveness_timeout_s`` is the manager's bound on silence (ZMQ-25): a prefill rank that stops
+    answering (a stopped process, a cut path) is judged dead within it by its socket's
+    heartbeats; a prefill that dies is also retired by its lease, and etcd needs no health
+    probes.
     """
     urls = (
         [url.strip() for url in endpoints.split(",") if url.strip()]
@@ -50,7 +56,7 @@ def manager_on_etcd(
     gateway = EtcdGateway(urls, tls=tls, username=username, password=password)
     source = EtcdBootstrapSource(gateway, prefix=prefix, watch_idle_timeout=watch_idle_timeout_s)
     try:
-        manager = manager_class(source=source, **kwargs)
+        manager = manager_class(source=source, liveness_timeout_s=liveness_timeout_s, **kwargs)
     except BaseException:
         source.close()
         raise

@@ -139,6 +139,12 @@ class ConfigurationError(SetupError, TypeError):
     """A decode manager was built with a missing or wrong-typed part."""
 
 
+class SGLangFeatureRefused(ConfigurationError):
+    """An SGLang feature the decode worker classes (``sglang/v0_5_23/decode_worker``) do not
+    implement was switched on: refused when the manager is built (or the call is made), before
+    anything is sent. The message names the flag or environment variable to turn off."""
+
+
 class TopologyMismatch(SetupError):
     """The prefill's layout cannot serve this decode (page size, KV dtype or tp sizes differ).
 
@@ -181,6 +187,14 @@ class NotReady(BootstrapHTTPError):
     """503: not every prefill rank has registered yet. Retryable."""
 
     retryable = True
+
+
+class PrefillSilent(NotReady):
+    """The prefill's bootstrap server at ``addr`` was judged dead by its health probes and has
+    not answered one since: the request failed at once, without asking it (a fetch would wait
+    out its timeout) and without sending anything to its ranks. Retryable, as any
+    ``NotReady``: the first request after a probe answers again gets through (the server is
+    probed every few hundred milliseconds meanwhile)."""
 
 
 class NotFound(BootstrapHTTPError):

@@ -233,7 +233,7 @@ class NetNamespace:
         self._nft(f"flush chain netdev {_TABLE} in\nflush chain netdev {_TABLE} out\n")
 
 
-class _Child:
+class NamespaceProcess:
     """One prefill process in the namespace; its stderr goes to a file (shown on a failed start)."""
 
     def __init__(self, ns: NetNamespace, argv: Sequence[str], log: Path) -> None:
@@ -302,7 +302,7 @@ class NetnsPrefill:
         self.addr = ""
         self.instance_id = ""
         self.rank_ports: list[int] = []
-        self._children: list[_Child] = []
+        self._children: list[NamespaceProcess] = []
         self._logs = Path(tempfile.mkdtemp(prefix="netns-prefill-"))
 
     def __enter__(self) -> NetnsPrefill:
@@ -341,8 +341,8 @@ class NetnsPrefill:
             )
             self.rank_ports.append(rank.read_port())
 
-    def _spawn(self, args: list[str], what: str) -> _Child:
-        child = _Child(self.ns, [sys.executable, *args], self._logs / f"{what}.log")
+    def _spawn(self, args: list[str], what: str) -> NamespaceProcess:
+        child = NamespaceProcess(self.ns, [sys.executable, *args], self._logs / f"{what}.log")
         self._children.append(child)
         return child
 

@@ -309,7 +309,7 @@ def test_zmq22_a_backend_without_the_new_methods_is_a_configuration_error(
     backend: object, match: str
 ) -> None:
     with pytest.raises(ConfigurationError, match=match):
-        DecodeManager(backend=backend, completion="external", health_interval_s=None)  # type: ignore[arg-type]
+        DecodeManager(backend=backend, completion="external", health_probes=False)  # type: ignore[arg-type]
 
 
 # --- the reference prefill rank ---------------------------------------------------------------

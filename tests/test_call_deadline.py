@@ -83,7 +83,7 @@ def test_init_ends_by_one_deadline_for_the_whole_call(slow: SlowServer) -> None:
     default 5 s). Now the second query is cut at the call's deadline and the rest are never
     sent; the request fails with a retryable, typed TransportFailure saying so."""
     client = BootstrapClient()
-    manager = DecodeManager(source=client, health_interval_s=None, fetch_deadline_s=1.0)
+    manager = DecodeManager(source=client, health_probes=False, fetch_deadline_s=1.0)
     try:
         receiver = manager.receiver(slow.address, 1, PLAN, prefill_dp_rank=0)
         started = time.monotonic()
@@ -103,7 +103,7 @@ def test_a_silent_health_endpoint_never_delays_a_request(slow: SlowServer) -> No
     """The health monitor's baseline for a new address used to be one probe made inside the
     first init() for it: 3 s with a silent /health. Now the fetch's instance id is the
     baseline: no probe has reached the server when init() returns."""
-    manager = DecodeManager(health_interval_s=30.0, fetch_deadline_s=10.0)
+    manager = DecodeManager(liveness_timeout_s=120.0, fetch_deadline_s=10.0)
     try:
         receiver = manager.receiver(slow.address, 1, RankPlan(tp_ranks=(0,)), prefill_dp_rank=0)
         receiver.init()  # fetched (0.8 s); registering with the fake rank port fails

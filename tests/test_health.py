@@ -281,3 +281,37 @@ def test_bad_settings_are_rejected() -> None:
         HealthMonitor(BootstrapPool(), interval_s=0)
     with pytest.raises(ValueError):
         HealthMonitor(BootstrapPool(), failures_to_dead=0)
+
+
+def test_health6_a_dead_address_is_rechecked_at_once_and_its_answer_reported() -> None:
+    """HEALTH-6: an address judged dead is probed every ``recheck_s``, not every ``interval_s``
+    (an hour here: only a recheck can have probed), and the first probe that answers calls
+    ``on_alive`` before ``on_restart`` (what lifts a manager's hold-off, MGR-22)."""
+    pool = BootstrapPool()
+    calls = Calls()
+    order: list[str] = []
+    first = BootstrapServer("127.0.0.1", 0, insecure=True).start()
+    port, old_id = first.port, first.instance_id
+    monitor = HealthMonitor(
+        pool,
+        interval_s=3600,
+        recheck_s=0.05,
+        on_dead=calls.on_dead,
+        on_restart=lambda addr, old, new: order.append("restart"),
+        on_alive=lambda addr: order.append(f"alive {addr}"),
+    )
+    addr = first.address
+    monitor.watch(addr)  # the baseline: first's instance id
+    first.stop()
+    monitor.probe_once()
+    monitor.probe_once()  # two failures in a row: dead
+    assert [a for a, _ in calls.dead] == [addr] and order == []
+    second = BootstrapServer("127.0.0.1", port, insecure=True).start()
+    try:
+        with monitor:
+            assert wait_until(lambda: len(order) == 2, timeout=10.0), order
+        assert order == [f"alive {addr}", "restart"]
+        assert second.instance_id != old_id
+        assert monitor.stats().deaths_seen == 1 and monitor.stats().restarts_seen == 1
+    finally:
+        second.stop()

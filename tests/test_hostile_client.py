@@ -72,7 +72,7 @@ def make_decode(client: BootstrapClient, transport: ZmqTransport) -> DecodeManag
         transport=transport,
         backend=SimpleBackend("127.0.0.1", 9, "hostile-test"),
         completion="external",
-        health_interval_s=None,
+        health_probes=False,
     )
 
 

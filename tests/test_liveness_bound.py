@@ -1,5 +1,5 @@
-"""One bound on silence (ZMQ-25, HEALTH-5) on loopback: what the bound derives, and the parts
-built from it finding a real stopped peer process and a real silent listener. Runs anywhere
+"""One bound on silence (ZMQ-25, HEALTH-5, MGR-22) on loopback: what the bound derives, and the
+parts built from it finding a real stopped peer process and a real silent listener. Runs anywhere
 (no root); the namespace faults are in ``tests/test_liveness_netns.py``."""
 
 from __future__ import annotations
@@ -14,16 +14,27 @@ from collections.abc import Iterator
 import pytest
 from zmq_support import SinkProcess, VerdictRecorder, wait_until
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
+from statemachine.decode.config import DecodeConfig
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.liveness_bound import (
     DEFAULT_LIVENESS_TIMEOUT_S,
     RECONNECT_ATTEMPT_MS,
     LivenessBound,
 )
+from statemachine.decode.manager import DecodeManager
+from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.errors import InvalidArgument, SendFailed
+from statemachine.errors import (
+    ConfigurationError,
+    InvalidArgument,
+    NotReady,
+    PrefillSilent,
+    SendFailed,
+)
 from statemachine.pool import BootstrapPool
+from statemachine.prefill.server import BootstrapServer
 
 LOAD_MARGIN_S = 0.5  # what a loaded 2-core machine may add to a deadline
 
@@ -133,3 +144,64 @@ def test_health_5_a_probe_timeout_and_a_client_are_not_both_taken() -> None:
         HealthMonitor(BootstrapPool(), client=BootstrapClient(), probe_timeout_s=1.0)
     with pytest.raises(ValueError, match="probe_timeout_s must be > 0"):
         HealthMonitor(BootstrapPool(), probe_timeout_s=0)
+
+
+def test_zmq25_the_manager_takes_one_setting_and_names_what_it_replaced() -> None:
+    """``liveness_timeout_s`` is the decode's one setting on silence (default 3 s); a bound
+    below the floor is refused as configuration, and the settings it replaced are refused with
+    what to write instead."""
+    assert DecodeConfig().liveness_timeout_s == DEFAULT_LIVENESS_TIMEOUT_S == 3.0
+    assert DecodeConfig(liveness_timeout_s=1.0).liveness == LivenessBound.from_timeout(1.0)
+    with pytest.raises(ConfigurationError, match=r"liveness_timeout_s must be at least 0\.5 s"):
+        DecodeConfig(liveness_timeout_s=0.2)
+    with pytest.raises(
+        ConfigurationError, match="set liveness_timeout_s=SECONDS, or health_probes"
+    ):
+        DecodeManager(health_interval_s=1.0)
+    with pytest.raises(ConfigurationError, match="failures_to_dead is derived from liveness"):
+        DecodeManager(failures_to_dead=3)
+    with pytest.raises(ConfigurationError, match="health_probes must be True or False"):
+        DecodeConfig(health_probes=None)  # type: ignore[arg-type]
+    with DecodeManager(liveness_timeout_s=1.0) as manager:
+        assert manager.health is not None  # probes at the bound's interval
+        assert manager.stats().silent_addresses == 0
+    with DecodeManager(health_probes=False) as manager:
+        assert manager.health is None
+
+
+def test_mgr22_a_request_for_an_address_judged_silent_fails_at_once_until_it_answers() -> None:
+    """The hold-off on a real manager: the health monitor's verdict on an address (a bootstrap
+    server that stopped) makes every request for it fail at once with ``PrefillSilent`` -
+    retryable, naming the address and what to do - without a fetch; the monitor's first answered
+    recheck lifts it and the next request fetches again. The verdict and the answer are the
+    monitor's own callbacks, driven by ``probe_once`` (its thread probes once an hour here)."""
+    server = BootstrapServer("127.0.0.1", 0, insecure=True).start()
+    addr, port = server.address, server.port
+    plan = RankPlan(tp_ranks=(0,))
+    with DecodeManager(liveness_timeout_s=14_400.0) as manager:
+        assert manager.health is not None
+        manager.health.watch(addr)
+        server.stop()
+        manager.health.probe_once()
+        manager.health.probe_once()  # two failures in a row: judged dead
+        assert manager.stats().silent_addresses == 1
+        for room in (1, 2):
+            receiver = manager.receiver(addr, room, plan, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.Failed
+            failure = receiver.failure
+            assert isinstance(failure, PrefillSilent) and isinstance(failure, NotReady)
+            assert failure.addr == addr
+            assert f"the bootstrap server at {addr} is not answering" in str(failure)
+            assert "Nothing of this request was asked or sent; retry it shortly" in str(failure)
+        assert manager.stats().refused_silent == 2
+        assert manager.stats().misses == 0  # no fetch was made
+        server = BootstrapServer("127.0.0.1", port, insecure=True).start()
+        try:
+            manager.health.probe_once()  # answered: the hold-off is lifted
+            assert manager.stats().silent_addresses == 0
+            receiver = manager.receiver(addr, 3, plan, prefill_dp_rank=0)
+            receiver.init()  # asks the server again (no rank registered: NotReady)
+            assert not isinstance(receiver.failure, PrefillSilent), receiver.failure
+            assert manager.stats().refused_silent == 2
+        finally:
+            server.stop()

@@ -5,7 +5,9 @@ The faults are real: every prefill process SIGSTOPped (a hang), every packet dro
 with no reset (a partition), only the ranks' ports dropped while the bootstrap server answers
 (a rank-path cut), the whole prefill SIGKILLed and replaced behind the same bootstrap address.
 The parts are built from :class:`~statemachine.decode.liveness_bound.LivenessBound` as a user's
-one setting would build them. Requirement IDs: ZMQ-25, HEALTH-5 (spec/zmq.md).
+one setting would build them, and the manager from that setting itself
+(``liveness_timeout_s``). Requirement IDs: ZMQ-25, HEALTH-5, HEALTH-6 (spec/zmq.md), MGR-22
+(spec/manager.md).
 
 Detection is checked against the bound and recovery against 0.5 s, each with a margin
 (``LOAD_MARGIN_S``) for a loaded 2-core machine; the figures themselves are the benchmark's
@@ -14,6 +16,7 @@ Detection is checked against the bound and recovery against 0.5 s, each with a m
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +31,14 @@ from statemachine.decode.liveness_bound import LivenessBound
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import Endpoint, ZmqTransport
-from statemachine.errors import RankDead, SendFailed
+from statemachine.decode.receiver import BootstrapReceiver
+from statemachine.errors import (
+    PrefillDead,
+    PrefillSilent,
+    RankDead,
+    RanksUnreachable,
+    SendFailed,
+)
 from statemachine.pool import BootstrapPool
 
 pytestmark = pytest.mark.skipif(
@@ -40,6 +50,7 @@ BOUND = LivenessBound.from_timeout(1.0)
 LOAD_MARGIN_S = 0.5
 #: The first success after the path or the process returns (issue 27).
 RECOVERY_S = 0.5
+PLAN = RankPlan(tp_ranks=(0, 1))
 PROBE = [b"liveness-probe"]  # a message the reference rank counts as malformed and drops
 
 
@@ -218,51 +229,103 @@ def test_zmq24_a_cut_of_the_rank_path_alone_is_found_while_the_server_answers(
     assert first_send_after(transport, endpoints, healed) <= RECOVERY_S + LOAD_MARGIN_S
 
 
-def test_zmq24_requests_waiting_on_a_stopped_prefill_fail_typed_within_the_bound(
-    ns: NetNamespace,
+@pytest.fixture(scope="module")
+def slow_prefill(ns: NetNamespace) -> Iterator[NetnsPrefill]:
+    """A second prefill whose ranks ack after a minute: its requests stay in flight."""
+    with NetnsPrefill(ns, ack_delay_ms=60_000) as instance:
+        yield instance
+
+
+def reference_requests(
+    manager: DecodeManager, prefill: NetnsPrefill
+) -> Callable[[int], BootstrapReceiver]:
+    def receiver_for(room: int) -> BootstrapReceiver:
+        return manager.receiver(prefill.addr, room, PLAN, prefill_dp_rank=0)
+
+    return receiver_for
+
+
+@pytest.mark.parametrize("fault", ["hang", "partition", "rank-cut"])
+def test_mgr22_through_the_manager_silence_fails_requests_typed_and_heals_at_once(
+    ns: NetNamespace, slow_prefill: NetnsPrefill, fault: str
 ) -> None:
-    """Through the manager: the bound's transport and fetch client handed in, requests waiting
-    for a transfer (the prefill acks after a minute) fail RankDead within the bound of the
-    SIGSTOP, and after SIGCONT a new request is served again."""
-    transport = ZmqTransport(**BOUND.transport_options())
-    client = BootstrapClient(**BOUND.client_options())
-    plan = RankPlan(tp_ranks=(0, 1))
+    """The manager built from the one setting (``liveness_timeout_s=1``): requests waiting for
+    a transfer fail typed within the bound; after the verdict no request asks the silent server
+    (``PrefillSilent`` at once) or reaches the prefill; the first request after SIGCONT or the
+    heal is served within 0.5 s."""
+    faults: dict[str, tuple[Callable[[], None], Callable[[], None], bool]] = {
+        "hang": (slow_prefill.hang, slow_prefill.resume, True),
+        "partition": (ns.partition, ns.heal, True),
+        "rank-cut": (lambda: ns.cut_ports(slow_prefill.rank_ports), ns.heal, False),
+    }
+    start_fault, heal, server_silent = faults[fault]
+    with DecodeManager(ack_ip=ns.host_ip, liveness_timeout_s=BOUND.liveness_timeout_s) as manager:
+        silence_through_manager(
+            manager, reference_requests(manager, slow_prefill), start_fault, heal, server_silent
+        )
+
+
+def silence_through_manager(
+    manager: DecodeManager,
+    receiver_for: Callable[[int], BootstrapReceiver],
+    start_fault: Callable[[], None],
+    heal: Callable[[], None],
+    server_silent: bool,
+) -> None:
+    """The scenario of MGR-22 / ZMQ-25 through a manager's public API (shared with the SGLang
+    tests): 4 requests in flight, the fault, their typed failures within the bound, new
+    requests failing at once and typed, the heal, the first success."""
+    rooms = itertools.count(1)
+
+    def served() -> bool:
+        receiver = receiver_for(next(rooms))
+        if receiver.init() != KVPoll.WaitingForInput:
+            return False
+        return receiver.send_metadata((1, 2, 3), aux_index=0) == KVPoll.Transferring
+
+    assert wait_for(served, 10.0), "the prefill did not serve a request before the fault"
+    waiting = []
+    for _ in range(4):
+        receiver = receiver_for(next(rooms))
+        assert receiver.init() == KVPoll.WaitingForInput
+        assert receiver.send_metadata((1, 2, 3), aux_index=0) == KVPoll.Transferring
+        waiting.append(receiver)
+    faulted = time.monotonic()
+    start_fault()
     try:
-        with (
-            NetnsPrefill(ns, ack_delay_ms=60_000) as slow,
-            DecodeManager(
-                ack_ip=ns.host_ip,
-                transport=transport,
-                source=client,
-                health_interval_s=BOUND.health_interval_s,
-                failures_to_dead=BOUND.failures_to_dead,
-            ) as manager,
-        ):
-            waiting = []
-            for room in range(1, 5):
-                receiver = manager.receiver(slow.addr, room, plan, prefill_dp_rank=0)
-                assert receiver.init(0) == KVPoll.WaitingForInput
-                receiver.send_metadata((1, 2, 3), aux_index=0)
-                waiting.append(receiver)
-            stopped = time.monotonic()
-            slow.hang()
-            try:
-                assert wait_for(lambda: all(r.poll() == KVPoll.Failed for r in waiting), 10.0)
-                detection = time.monotonic() - stopped
-                assert detection <= BOUND.rank_detection_s + LOAD_MARGIN_S, detection
-                assert all(isinstance(r.failure, RankDead) for r in waiting)
-            finally:
-                slow.resume()
-            rooms = iter(range(100, 10_000))
-
-            def one_served() -> bool:
-                receiver = manager.receiver(slow.addr, next(rooms), plan, prefill_dp_rank=0)
-                return receiver.init(0) == KVPoll.WaitingForInput
-
-            assert wait_for(one_served, 5.0)
+        assert wait_for(lambda: all(r.poll() == KVPoll.Failed for r in waiting), 10.0)
+        detection = time.monotonic() - faulted
+        assert detection <= BOUND.liveness_timeout_s + LOAD_MARGIN_S, detection
+        for receiver in waiting:
+            assert isinstance(receiver.failure, (RankDead, PrefillDead)), receiver.failure
+            assert "retry the request" in str(receiver.failure)
+        if server_silent:
+            assert wait_for(lambda: manager.stats().silent_addresses == 1, 5.0)
+        # After the verdict: each new request fails at once and typed, and none is sent.
+        for _ in range(5):
+            receiver = receiver_for(next(rooms))
+            began = time.monotonic()
+            assert receiver.init() == KVPoll.Failed
+            took = time.monotonic() - began
+            failure = receiver.failure
+            if server_silent:
+                assert isinstance(failure, PrefillSilent), failure
+                assert "is not answering" in str(failure) and "retry it shortly" in str(failure)
+                assert took < LOAD_MARGIN_S, took  # no fetch: a fetch waits out a timeout
+            else:
+                # The server answers; its ranks are judged dead: refused before any send, or
+                # the register send fails (nothing of the request reaches a prefill).
+                assert isinstance(failure, (RanksUnreachable, RankDead)), failure
+                assert took <= BOUND.liveness_timeout_s + LOAD_MARGIN_S, took
+        if server_silent:
+            assert manager.stats().refused_silent >= 5
     finally:
-        transport.close()
-        client.close_all()
+        heal()
+    healed = time.monotonic()
+    assert wait_for(served, 10.0), "no request was served within 10 s of the heal"
+    recovery = time.monotonic() - healed
+    assert recovery <= RECOVERY_S + LOAD_MARGIN_S, recovery
+    assert manager.stats().silent_addresses == 0
 
 
 def test_zmq24_a_replacement_behind_the_same_bootstrap_address_is_seen_as_a_restart(

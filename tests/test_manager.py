@@ -71,7 +71,7 @@ SLOW_ACK_MS = 60_000  # a prefill that never acks within a test
 
 @contextmanager
 def manager_for(**kwargs: object) -> Iterator[DecodeManager]:
-    kwargs.setdefault("health_interval_s", None)
+    kwargs.setdefault("health_probes", False)
     kwargs.setdefault("send_timeout_ms", 500)
     client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
     kwargs.setdefault("source", client)
@@ -289,7 +289,7 @@ def test_mgr_1_kill_whole_prefill_health_fails_everything_bound_to_it(
     """The whole prefill dies (server and ranks): the first evidence - the health monitor's
     failed probe (PrefillDead), or the transport's verdict on a rank's socket (RankDead) where
     the transport monitors its sockets - fails every room bound to it, without any send."""
-    with manager_for(health_interval_s=0.05, failures_to_dead=1) as manager:
+    with manager_for(liveness_timeout_s=0.5, health_probes=True) as manager:
         victims = in_flight_waiting(manager, slow_prefill, range(1, 6))
         stop_prefill(slow_prefill)
         killed = time.monotonic()
@@ -315,7 +315,7 @@ def test_mgr_1_restart_behind_same_address_fails_old_rooms_and_serves_new_ones()
     threads_before = threading.active_count()
     server: BootstrapServer | None = None
     try:
-        with manager_for(health_interval_s=0.05, failures_to_dead=10_000) as manager:
+        with manager_for(liveness_timeout_s=1.0, health_probes=True) as manager:
             assert manager.health is not None
             victims = in_flight_waiting(manager, first, range(1, 6))
             old_id = first.server.instance_id
@@ -425,7 +425,9 @@ def test_mgr_1_a_restart_notice_leaves_requests_on_the_new_instance_alone() -> N
     server: BootstrapServer | None = None
     try:
         with manager_for(
-            transport=transport, health_interval_s=3600.0, failures_to_dead=10_000
+            transport=transport,
+            health_probes=True,
+            liveness_timeout_s=14_400.0,  # probes once an hour
         ) as manager:
             assert manager.health is not None
             old_rooms = in_flight_waiting(manager, first, range(1, 4))  # baseline: A
@@ -947,7 +949,7 @@ def test_mgr_9_a_restarted_prefill_is_planned_again_from_its_new_topology() -> N
     second: Prefill | None = None
     try:
         with manager_for(
-            layout=DecodeLayout(0, 1), health_interval_s=0.05, failures_to_dead=10_000
+            layout=DecodeLayout(0, 1), health_probes=True, liveness_timeout_s=1.0
         ) as manager:
             before = manager.receiver(first.addr, 1, prefill_dp_rank=0)
             assert before.init() == KVPoll.WaitingForInput
@@ -990,7 +992,7 @@ def test_bad_rooms_and_parts_are_rejected_at_construction_with_typed_errors() ->
             manager.receiver("127.0.0.1:1", 5)
     for bad in ({"pool": "pool"}, {"source": object()}, {"transport": 3}, {"backend": object()}):
         with pytest.raises(ConfigurationError):
-            DecodeManager(health_interval_s=None, **bad)  # type: ignore[arg-type]
+            DecodeManager(health_probes=False, **bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="pool must be a BootstrapPool"):
         DecodeManager(pool=object(), health_interval_s=None)  # type: ignore[arg-type]
     assert issubclass(ConfigurationError, BootstrapError)
@@ -1015,7 +1017,7 @@ def test_invalid_transition_names_the_method_state_and_what_comes_first(
 
 def test_close_fails_what_is_in_flight_and_stops_threads(slow_prefill: Prefill) -> None:
     threads_before = threading.active_count()
-    manager = DecodeManager(health_interval_s=0.05)
+    manager = DecodeManager(liveness_timeout_s=0.5)
     victims = in_flight_waiting(manager, slow_prefill, range(1, 3))
     manager.close()
     assert all(v.poll() == KVPoll.Failed for v in victims)
@@ -1057,6 +1059,8 @@ def test_stats_and_prometheus_export_read_the_same_figures(slow_prefill: Prefill
         assert "pd_bootstrap_dp_queries_in_flight 0.0" in text
         assert "pd_bootstrap_known_dead_keys 0.0" in text
         assert "pd_bootstrap_refused_known_dead_total 0.0" in text
+        assert "pd_bootstrap_silent_addresses 0.0" in text
+        assert "pd_bootstrap_refused_silent_total 0.0" in text
 
 
 class SlowSource:

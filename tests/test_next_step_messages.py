@@ -69,7 +69,7 @@ def test_route_404_names_the_prefills_dp_size() -> None:
 
 def test_unspecified_ack_ip_is_named_as_the_users_argument() -> None:
     with pytest.raises(InvalidArgument) as caught:
-        DecodeManager(ack_ip="0.0.0.0", health_interval_s=None)
+        DecodeManager(ack_ip="0.0.0.0", health_probes=False)
     text = str(caught.value)
     assert text.startswith("ack_ip (DecodeManager(ack_ip=...), AckListener(ip)) '0.0.0.0' ")
     assert "is not usable: an unspecified address" in text

@@ -343,7 +343,7 @@ def prefill_server(tp_size: int, **fields: Any) -> Iterator[str]:
 @contextmanager
 def manager(layout: DecodeLayout | None) -> Iterator[DecodeManager]:
     client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
-    decode = DecodeManager(source=client, layout=layout, health_interval_s=None)
+    decode = DecodeManager(source=client, layout=layout, health_probes=False)
     try:
         yield decode
     finally:

@@ -214,8 +214,8 @@ def test_nixl_decode_mistake_refused_locally_prefill_still_serves(
     needs("nixl")
     from real_prefill import engines
 
+    from statemachine.errors import InvalidArgument
     from statemachine.sglang.v0_5_23 import DecodeKVArgs, NixlBackend
-    from statemachine.validation import InvalidArgument
 
     prefill = prefills.get("nixl")
     agent = engines.nixl_agent(f"mistaken-{mistake.replace(' ', '-')}")
@@ -246,8 +246,8 @@ def test_mooncake_decode_mistake_refused_locally_prefill_still_serves(
     needs("mooncake")
     from real_prefill import engines
 
+    from statemachine.errors import InvalidArgument
     from statemachine.sglang.v0_5_23 import DecodeKVArgs, MooncakeBackend
-    from statemachine.validation import InvalidArgument
 
     prefill = prefills.get("mooncake")
     engine, _session = engines.mooncake_engine()

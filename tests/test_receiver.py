@@ -154,7 +154,7 @@ def make_decode(
         transport=transport,
         send_timeout_ms=500,
         waiting_timeout_s=waiting_timeout_s,
-        health_interval_s=None,
+        health_probes=False,
     )
     try:
         yield DecodeSide(manager)

@@ -114,7 +114,7 @@ def _reused_port_run(*, targeted: bool, rank_trace: Path | None = None) -> Itera
         source=client,
         transport=transport,
         backend_factory=backend_for,
-        health_interval_s=None,  # nothing tells the decode of the restart: it learns by timeout
+        health_probes=False,  # nothing tells the decode of the restart: it learns by timeout
         waiting_timeout_s=WAITING_TIMEOUT_S,
     )
     try:
@@ -374,5 +374,5 @@ def test_zmq21_a_backend_without_instance_id_is_a_configuration_error() -> None:
         DecodeManager(
             backend=_BeforeZmq21(LOOPBACK, 5555, "s"),
             completion="external",
-            health_interval_s=None,
+            health_probes=False,
         )

@@ -175,7 +175,7 @@ def test_manager_accepts_the_backends_through_its_factory() -> None:
         MooncakeBackend.factory("10.0.0.1:17001", KV),
         NixlBackend.factory("agent-1", b"m", KV),
     ):
-        manager = DecodeManager(backend_factory=factory, health_interval_s=None)
+        manager = DecodeManager(backend_factory=factory, health_probes=False)
         try:
             backend = manager.backend
             assert manager.acks is not None

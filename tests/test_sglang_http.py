@@ -523,7 +523,7 @@ def test_our_manager_bootstraps_from_sglangs_server_to_a_real_sglang_rank(checks
             completion="external",
             backend=SimpleBackend("127.0.0.1", 1, "engine-session"),
             layout=DecodeLayout(tp_rank=0, tp_size=1),
-            health_interval_s=None,
+            health_probes=False,
         ) as manager,
     ):
         receiver = manager.receiver(addr, 5)

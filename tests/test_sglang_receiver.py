@@ -142,7 +142,7 @@ def prefill_of(tp: int = 2, **route: object) -> Iterator[Prefill]:
 @contextmanager
 def manager_of(**kwargs: object) -> Iterator[DecodeManager]:
     client = BootstrapClient(connect_timeout=1.0, read_timeout=2.0)
-    kwargs.setdefault("health_interval_s", None)
+    kwargs.setdefault("health_probes", False)
     kwargs.setdefault("send_timeout_ms", 500)
     kwargs.setdefault("backend_factory", lambda ip, port: SGLangStyleBackend(ip, port, "s-1"))
     manager = DecodeManager(source=client, **kwargs)  # type: ignore[arg-type]
@@ -501,7 +501,7 @@ def test_mgr_16_prefill_complete_needs_a_backend_that_speaks_bootstrap() -> None
         DecodeManager(
             layout=layout,
             backend_factory=lambda ip, port: _NoBootstrap(ip, port, "s"),
-            health_interval_s=None,
+            health_probes=False,
         )
 
 

@@ -43,7 +43,7 @@ def test_close_closes_every_threads_bootstrap_connection(prefill: Prefill) -> No
     closes the manager: the server sees every connection closed. Before: only the closing
     thread's own session was closed (4 threads -> 4 connections left open until gc or thread
     exit). The threads stay alive here, so nothing but close() can close them."""
-    manager = FetchPerMissManager(health_interval_s=None)
+    manager = FetchPerMissManager(health_probes=False)
     server = prefill.server
     before = server.stats().connections_open
     started = threading.Barrier(THREADS + 1)
@@ -82,7 +82,7 @@ def test_close_closes_every_threads_bootstrap_connection(prefill: Prefill) -> No
 def test_poll_before_init_raises_and_says_to_call_init(prefill: Prefill) -> None:
     """Before: Bootstrapping, forever. Now InvalidTransition naming poll(), the state and
     init(); the receiver is unchanged and init() then works."""
-    with DecodeManager(health_interval_s=None) as manager:
+    with DecodeManager(health_probes=False) as manager:
         receiver = manager.receiver(prefill.addr, 1, PLAN, prefill_dp_rank=0)
         with pytest.raises(InvalidTransition) as caught:
             receiver.poll()
@@ -93,7 +93,7 @@ def test_poll_before_init_raises_and_says_to_call_init(prefill: Prefill) -> None
 
 
 def test_bad_kv_indices_are_a_bootstrap_error_that_changes_nothing(prefill: Prefill) -> None:
-    with DecodeManager(health_interval_s=None) as manager:
+    with DecodeManager(health_probes=False) as manager:
         receiver = manager.receiver(prefill.addr, 1, PLAN, prefill_dp_rank=0)
         assert receiver.init() == KVPoll.WaitingForInput
         for bad, words in (
@@ -145,7 +145,7 @@ def test_prometheus_collector_without_the_extra_says_which_extra(
         return real_find_spec(name, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    with DecodeManager(health_interval_s=None) as manager:
+    with DecodeManager(health_probes=False) as manager:
         collector = PrometheusCollector(manager)
         for call in (lambda: list(collector.collect()), collector.register):
             with pytest.raises(MissingExtra) as caught:

@@ -13,14 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from statemachine.decode.liveness_bound import DEFAULT_LIVENESS_TIMEOUT_S, LivenessBound
 from statemachine.decode.plan import DecodeLayout
-from statemachine.errors import ConfigurationError
+from statemachine.errors import ConfigurationError, InvalidArgument
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_TIMEOUT_S",
     "DEFAULT_FETCH_DEADLINE_S",
     "DEFAULT_FLIGHT_TIMEOUT_S",
     "DEFAULT_KV_RELEASE_TIMEOUT_S",
+    "DEFAULT_LIVENESS_TIMEOUT_S",
     "DEFAULT_WAITING_TIMEOUT_S",
     "PREFILL_COMPLETE",
     "Completion",
@@ -53,9 +55,15 @@ class DecodeConfig:
     for a transfer engine that reports completion itself. ``layout``: this decode rank's
     parallel layout (plans and the allocation-policy check follow it). ``staging=True`` says
     the decode runs SGLang's staging buffer (not implemented here: a prefill whose attn-tp
-    differs is refused). ``health_interval_s=None``: no health probes. ``dead_recheck_s``
-    (off by default): hold a key whose rank is known dead off for that long after each
-    refetch that met it (``decode/dead_keys.py``, MGR-1).
+    differs is refused). ``liveness_timeout_s``: the one bound on silence (ZMQ-25): a prefill
+    rank or bootstrap server that stops answering without closing anything (a stopped process,
+    a cut path) is judged dead within it, and every timeout of the rank sockets' heartbeats, the
+    health probes and the fetches is derived from it
+    (:class:`~statemachine.decode.liveness_bound.LivenessBound`); shorter bounds fail more
+    requests that would have finished (docs/performance.md (h)). ``health_probes=False``: no
+    health probes of the bootstrap servers (nor the hold-off of a silent one, MGR-22).
+    ``dead_recheck_s`` (off by default): hold a key whose rank is known dead off for that long
+    after each refetch that met it (``decode/dead_keys.py``, MGR-1).
     """
 
     completion: Completion = "acks"
@@ -63,8 +71,9 @@ class DecodeConfig:
     session_id: str | None = None
     layout: DecodeLayout | None = None
     staging: bool = False
-    health_interval_s: float | None = 5.0
-    failures_to_dead: int = 2
+    #: seconds of silence after which a prefill rank or bootstrap server is judged dead
+    liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S
+    health_probes: bool = True
     waiting_timeout_s: float = DEFAULT_WAITING_TIMEOUT_S
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S
     flight_timeout_s: float = DEFAULT_FLIGHT_TIMEOUT_S
@@ -97,8 +106,21 @@ class DecodeConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigurationError(f"{name} must be a positive number, not {value!r}")
+        try:
+            LivenessBound.from_timeout(self.liveness_timeout_s)
+        except InvalidArgument as exc:
+            raise ConfigurationError(str(exc)) from None
+        if not isinstance(self.health_probes, bool):
+            raise ConfigurationError(
+                f"health_probes must be True or False, not {self.health_probes!r}"
+            )
         if not callable(self.clock):
             raise ConfigurationError("clock must be a callable returning seconds")
+
+    @property
+    def liveness(self) -> LivenessBound:
+        """Every timeout of silence detection, derived from ``liveness_timeout_s``."""
+        return LivenessBound.from_timeout(self.liveness_timeout_s)
 
     @property
     def prefill_complete(self) -> bool:

@@ -2,7 +2,8 @@
 
 In order (``spec/lifecycle.md``, ``spec/manager.md``):
 
-1. **known dead** - a key whose rank is known dead fails at once (``dead_keys``, MGR-1);
+1. **known dead** - a key whose rank is known dead fails at once (``dead_keys``, MGR-1), and
+   so does every key of a bootstrap address judged silent (``silent``, MGR-22);
 2. **single-flight** (:mod:`statemachine.decode.flight`) - follow the fetches in flight for
    our keys and adopt what they publish (``Hit``), or lead all of them;
 3. **fetch** (``Miss`` → ``FetchOk``) - every (tp, pp) rank of each key from the source,
@@ -36,6 +37,7 @@ from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
 from statemachine.decode.rooms import InFlight
 from statemachine.decode.routes import Routes
+from statemachine.decode.silent import SilentAddresses
 from statemachine.decode.source import BootstrapSource
 from statemachine.errors import (
     BootstrapError,
@@ -43,6 +45,7 @@ from statemachine.errors import (
     PeerLost,
     RanksUnreachable,
     SendFailed,
+    TransportFailure,
 )
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 
@@ -90,6 +93,7 @@ class Fetcher:
         health: HealthMonitor | None,
         clock: Callable[[], float],
         flight_timeout_s: float,
+        silent: SilentAddresses | None = None,
     ) -> None:
         self._pool = pool
         self._source = source
@@ -99,6 +103,8 @@ class Fetcher:
         self._fanout = fanout
         self._routes = routes
         self._dead_keys = dead_keys
+        #: addresses judged silent: asked by no request until a probe answers (MGR-22)
+        self.silent = SilentAddresses(clock=clock) if silent is None else silent
         self._health = health
         self._clock = clock
         self._flight_timeout_s = flight_timeout_s
@@ -108,6 +114,9 @@ class Fetcher:
     def miss(self, receiver: Missing, plan: RankPlan, missing: list[PoolKey]) -> KVPoll:
         """``missing`` (in the plan's order) were not in the pool: fetch, register, publish
         them, or adopt what another request's fetch publishes; the receiver's next state."""
+        silent = self.silent.refusal(receiver.addr)
+        if silent is not None:  # judged dead by its probes, none answered since: ask nothing
+            return receiver.fail(life.FETCH_FAIL, silent)
         dead = self._dead_keys.refusal(receiver.addr, missing)
         if dead is not None:  # a rank the source still names is known dead: no refetch
             return receiver.fail(life.FETCH_FAIL, dead)
@@ -187,6 +196,12 @@ class Fetcher:
                 self._fanout.named_dead_again(fresh, error)  # may hold the key off (MGR-1)
                 raise
         except BootstrapError as error:
+            # The verdict came while this fetch waited on the silent server: fail with it (what
+            # to do next), the fetch's own error as its cause.
+            silent = self.silent.refusal(addr) if isinstance(error, TransportFailure) else None
+            if silent is not None:
+                silent.__cause__ = error
+                error = silent
             flights.fail(led, error)
             return receiver.fail(life.FETCH_FAIL, error)
         # Health-watch the address with the instance id just fetched as the baseline: no probe

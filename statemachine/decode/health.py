@@ -11,7 +11,10 @@ exact-address operations:
   replaced, never answers again — so ``pool.retire_instance(addr, old)`` drops the entries
   fetched from it, and only those (POOL-6); then ``on_restart(addr, old, new)``;
 * ``failures_to_dead`` probes in a row failed: the node is dead; ``pool.invalidate_address``
-  drops every entry of exactly that address (POOL-5); then ``on_dead(addr, reason)``.
+  drops every entry of exactly that address (POOL-5); then ``on_dead(addr, reason)``. From then
+  on the address is probed every ``recheck_s`` (each connect bounded by as much), and its first
+  answer calls ``on_alive(addr)``: a manager holds requests off a dead address until then, so
+  that answer must come as soon as the server does (HEALTH-6).
 
 ``watch()`` validates the address (``InvalidArgument``) and takes a *baseline*: the instance
 id the caller already knows (from the reply of a fetch), or one probe made there and then, so
@@ -30,6 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from statemachine.decode.client import BootstrapClient
+from statemachine.decode.liveness_bound import DEFAULT_LIVENESS_TIMEOUT_S, LivenessBound
 from statemachine.errors import BootstrapHTTPError
 from statemachine.pool import BootstrapPool
 from statemachine.validation import parse_addr
@@ -38,6 +42,7 @@ _log = logging.getLogger(__name__)
 
 OnDead = Callable[[str, str], None]
 OnRestart = Callable[[str, str, str], None]
+OnAlive = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,29 +73,27 @@ class _Watch:
         self.thread: threading.Thread | None = None
 
 
-#: A probe's connect and read timeouts when no ``probe_timeout_s`` is given.
-DEFAULT_PROBE_CONNECT_S = 2.0
-DEFAULT_PROBE_READ_S = 3.0
+#: Without settings, the monitor probes as the default liveness bound says (ZMQ-25): no
+#: interval or timeout of its own.
+_DEFAULT = LivenessBound.from_timeout(DEFAULT_LIVENESS_TIMEOUT_S)
 
 
-def _probe_client(probe_timeout_s: float | None) -> BootstrapClient:
-    """The probes' client: each probe bounded by ``probe_timeout_s`` as a whole (HEALTH-5)."""
-    if probe_timeout_s is None:
-        return BootstrapClient(
-            connect_timeout=DEFAULT_PROBE_CONNECT_S, read_timeout=DEFAULT_PROBE_READ_S
-        )
+def _probe_client(probe_timeout_s: float, connect_timeout_s: float) -> BootstrapClient:
+    """The probes' client: each probe bounded by ``probe_timeout_s`` as a whole (HEALTH-5),
+    its connect by ``connect_timeout_s``."""
     return BootstrapClient(
-        connect_timeout=probe_timeout_s, read_timeout=probe_timeout_s, deadline=probe_timeout_s
+        connect_timeout=connect_timeout_s, read_timeout=probe_timeout_s, deadline=probe_timeout_s
     )
 
 
 class HealthMonitor:
     """Probe bootstrap addresses every ``interval_s`` seconds, one daemon thread per address.
 
-    ``probe_timeout_s`` bounds each probe (connect, read and the whole exchange; default: a 2 s
-    connect and a 3 s read): a silent address is judged dead at most ``failures_to_dead ×
-    (interval_s + probe_timeout_s)`` after it last answered (HEALTH-5);
-    :class:`~statemachine.decode.liveness_bound.LivenessBound` derives all three from one bound.
+    ``probe_timeout_s`` bounds each probe (connect, read and the whole exchange): a silent
+    address is judged dead at most ``failures_to_dead × (interval_s + probe_timeout_s)`` after
+    it last answered (HEALTH-5); a dead one is probed every ``recheck_s``, its connect bounded by
+    as much (HEALTH-6). :class:`~statemachine.decode.liveness_bound.LivenessBound` derives all
+    four from one bound (``health_options()``); the defaults are the default bound's.
     """
 
     def __init__(
@@ -98,17 +101,21 @@ class HealthMonitor:
         pool: BootstrapPool,
         *,
         client: BootstrapClient | None = None,
-        interval_s: float = 5.0,
-        failures_to_dead: int = 2,
+        interval_s: float = _DEFAULT.health_interval_s,
+        failures_to_dead: int = _DEFAULT.failures_to_dead,
         addresses: Iterable[str] = (),
         on_dead: OnDead | None = None,
         on_restart: OnRestart | None = None,
+        on_alive: OnAlive | None = None,
         probe_timeout_s: float | None = None,
+        recheck_s: float = _DEFAULT.health_recheck_s,
     ) -> None:
         if not interval_s > 0 or not isinstance(failures_to_dead, int) or failures_to_dead < 1:
             raise ValueError("interval_s must be > 0 and failures_to_dead an int >= 1")
         if probe_timeout_s is not None and not probe_timeout_s > 0:
             raise ValueError(f"probe_timeout_s must be > 0 (seconds), not {probe_timeout_s!r}")
+        if not recheck_s > 0:
+            raise ValueError(f"recheck_s must be > 0 (seconds), not {recheck_s!r}")
         if probe_timeout_s is not None and client is not None:
             raise ValueError(
                 "give probe_timeout_s or client, not both: the client's own timeouts bound its "
@@ -117,12 +124,22 @@ class HealthMonitor:
         self._pool = pool
         # Each probe thread gets its own sessions (they are per thread inside the client).
         if client is None:
-            client = _probe_client(probe_timeout_s)
+            timeout = _DEFAULT.probe_timeout_s if probe_timeout_s is None else probe_timeout_s
+            client = _probe_client(timeout, timeout)
+            # A recheck's connect into a cut path gives up after recheck_s and the next starts
+            # recheck_s later; its read keeps the whole probe timeout: a loaded server that
+            # accepted it still has that long to answer.
+            recheck_client = _probe_client(timeout, min(timeout, recheck_s))
+        else:
+            recheck_client = client  # the caller's timeouts bound every probe
         self._client = client
+        self._recheck_client = recheck_client
         self._interval_s = interval_s
+        self._recheck_s = recheck_s
         self._failures_to_dead = failures_to_dead
         self._on_dead = on_dead
         self._on_restart = on_restart
+        self._on_alive = on_alive
         self._lock = threading.Lock()  # guards _watches, _running and the counters
         self._watches: dict[str, _Watch] = {}
         self._running = False
@@ -264,7 +281,7 @@ class HealthMonitor:
             try:
                 self._probe(watch)
             finally:
-                self._client.close()  # the helper thread's sessions
+                self._close_sessions()  # the helper thread's
 
         helper = threading.Thread(target=probe, name=f"bootstrap-health {watch.addr} baseline")
         helper.start()
@@ -272,15 +289,23 @@ class HealthMonitor:
 
     def _run(self, watch: _Watch, stop: threading.Event) -> None:
         try:
-            while not stop.wait(self._interval_s):
+            # A dead address is probed every recheck_s: its first answer lifts the hold-off
+            # (HEALTH-6), and must not wait for a whole interval.
+            while not stop.wait(self._recheck_s if watch.dead else self._interval_s):
                 self._probe(watch, stop)
         finally:
-            self._client.close()  # this thread's sessions
+            self._close_sessions()  # this thread's
+
+    def _close_sessions(self) -> None:
+        self._client.close()
+        if self._recheck_client is not self._client:
+            self._recheck_client.close()
 
     def _probe(self, watch: _Watch, stop: threading.Event | None = None) -> None:
         addr = watch.addr
+        client = self._recheck_client if watch.dead else self._client
         try:
-            instance_id = self._client.health(addr)
+            instance_id = client.health(addr)
             reason = None
         except BootstrapHTTPError as exc:
             instance_id, reason = None, str(exc)
@@ -300,10 +325,12 @@ class HealthMonitor:
             return
         with watch.lock:
             watch.failures = 0
-            watch.dead = False
+            was_dead, watch.dead = watch.dead, False
             old = watch.instance_id
             if instance_id is not None:
                 watch.instance_id = instance_id
+        if was_dead and self._on_alive is not None:
+            self._call(self._on_alive, addr)
         if old is None or instance_id is None or old == instance_id:
             return
         with self._lock:

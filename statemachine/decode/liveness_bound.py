@@ -13,7 +13,9 @@ from the one number a user sets, so that each part reaches its verdict within th
   the reference prefill alike), so this is no protocol of ours;
 * **health probes** (:class:`~statemachine.decode.health.HealthMonitor`): two failed probes in a
   row, ``bound/4`` apart, each bounded by ``bound/4`` (connect, read and the whole exchange):
-  at most ``2 × (bound/4 + bound/4) = bound`` after the server last answered;
+  at most ``2 × (bound/4 + bound/4) = bound`` after the server last answered. Once an address
+  is judged dead it is probed every :data:`RECONNECT_ATTEMPT_MS`, each connect bounded by as
+  much, so that its next answer (which lifts the manager's hold-off on it) comes at once;
 * **fetches** (:class:`~statemachine.decode.client.BootstrapClient`): a connect gives up after
   ``min(2 s, bound/2)``, a silent read after ``min(5 s, bound)``: a request never waits on one
   silent server longer than the bound (the client drops the connection that timed out, so the
@@ -76,6 +78,7 @@ class HealthOptions(TypedDict):
     interval_s: float
     failures_to_dead: int
     probe_timeout_s: float
+    recheck_s: float
 
 
 class ClientOptions(TypedDict):
@@ -106,6 +109,8 @@ class LivenessBound:
     failures_to_dead: int
     #: HealthMonitor: bound of one probe (connect, read, whole exchange)
     probe_timeout_s: float
+    #: HealthMonitor: an address judged dead is probed this often, each connect bounded by it
+    health_recheck_s: float
     #: BootstrapClient (fetches): connect timeout
     fetch_connect_timeout_s: float
     #: BootstrapClient (fetches): the longest silence while reading a reply
@@ -139,6 +144,7 @@ class LivenessBound:
             health_interval_s=quarter_s,
             failures_to_dead=2,
             probe_timeout_s=quarter_s,
+            health_recheck_s=min(quarter_s, RECONNECT_ATTEMPT_MS / 1000),
             fetch_connect_timeout_s=min(_MAX_CONNECT_TIMEOUT_S, bound / 2),
             fetch_read_timeout_s=min(_MAX_READ_TIMEOUT_S, float(bound)),
         )
@@ -160,6 +166,7 @@ class LivenessBound:
             "interval_s": self.health_interval_s,
             "failures_to_dead": self.failures_to_dead,
             "probe_timeout_s": self.probe_timeout_s,
+            "recheck_s": self.health_recheck_s,
         }
 
     def client_options(self) -> ClientOptions:

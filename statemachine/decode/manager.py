@@ -55,6 +55,7 @@ from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.decode.rooms import Rooms
 from statemachine.decode.routes import AddressPlan, Routes
+from statemachine.decode.silent import SilentAddresses
 from statemachine.decode.source import BootstrapQueries, BootstrapSource, as_source
 from statemachine.errors import BootstrapError, ConfigurationError, ManagerClosed
 from statemachine.pool import BootstrapPool, Generation
@@ -114,6 +115,9 @@ class ManagerStats:
     #: pool keys whose ranks are known dead, and requests failed at once on them (MGR-1)
     known_dead_keys: int = 0
     refused_known_dead: int = 0
+    #: bootstrap addresses held off as silent, and requests failed at once on them (MGR-22)
+    silent_addresses: int = 0
+    refused_silent: int = 0
 
 
 class DecodeManager:
@@ -121,7 +125,7 @@ class DecodeManager:
 
     Settings come as one :class:`~statemachine.decode.config.DecodeConfig`
     (``DecodeManager(config)``), or as its field names (``DecodeManager(layout=...,
-    health_interval_s=None)``), not both. The parts - ``source`` (default: a
+    liveness_timeout_s=1.0)``), not both. The parts - ``source`` (default: a
     :class:`~statemachine.decode.client.BootstrapClient`), ``pool``, ``transport``,
     ``backend`` or ``backend_factory(ack_ip, ack_port)`` - may be given (then the caller owns
     and closes them) or left to the manager (made here, closed by :meth:`close`).
@@ -197,8 +201,9 @@ class DecodeManager:
         backend_factory: Callable[[str, int], KVBackend] | None,
     ) -> None:
         config = self.config
+        bound = config.liveness  # every timeout on silence, from liveness_timeout_s (ZMQ-25)
         if source is None:
-            client = BootstrapClient()
+            client = BootstrapClient(**bound.client_options())
             self._owned.append(client.close_all)  # every thread's sessions, not only ours
             source = client
         self.source: BootstrapSource = as_source(source)
@@ -206,7 +211,11 @@ class DecodeManager:
             pool = self.source.shared_pool()  # the pool the source already retires from
         self.pool: BootstrapPool = BootstrapPool() if pool is None else pool
         if transport is None:
-            transport = self.transport_class(send_timeout_ms=config.send_timeout_ms)
+            # The bound's heartbeats and reconnects (ZMQ-25); a baseline without the monitor
+            # (SGLang's queueing sockets) ignores them and keeps its own options.
+            transport = self.transport_class(
+                send_timeout_ms=config.send_timeout_ms, **bound.transport_options()
+            )
             self._owned.append(transport.close)
         self.transport: ZmqTransport = transport
         kv_holds = holds.AbortHolds(config.kv_release_timeout_s, config.clock)
@@ -263,13 +272,15 @@ class DecodeManager:
         self.health: HealthMonitor | None = None
         # A source that finds dead prefills itself (etcd: the watch and the leases) needs no
         # probes, and there may be no HTTP server at the address to probe.
-        if config.health_interval_s is not None and self.source.health_by_probes:
+        #: bootstrap addresses judged dead by their probes, held off until one answers (MGR-22)
+        self.silent = SilentAddresses(clock=config.clock)
+        if config.health_probes and self.source.health_by_probes:
             monitor = HealthMonitor(
                 self.pool,
-                interval_s=config.health_interval_s,
-                failures_to_dead=config.failures_to_dead,
-                on_dead=self._fanout.address_dead,
+                on_dead=self._address_dead,
                 on_restart=self._fanout.address_restarted,
+                on_alive=self.silent.answered,
+                **bound.health_options(),
             )
             self.health = monitor
             monitor.start()
@@ -292,6 +303,7 @@ class DecodeManager:
             health=self.health,
             clock=config.clock,
             flight_timeout_s=config.flight_timeout_s,
+            silent=self.silent,
         )
         self._parts = Parts(
             config=config,
@@ -308,6 +320,12 @@ class DecodeManager:
             prefill_complete=config.prefill_complete,
             checks_stale_marks=bool(self.source.marks_generations),
         )
+
+    def _address_dead(self, addr: str, reason: str) -> None:
+        """The health monitor judged ``addr`` dead: hold it off first (so no request asks it
+        from now on), then fail every request in flight bound to it."""
+        self.silent.judged_silent(addr, reason)
+        self._fanout.address_dead(addr, reason)
 
     def close_with(self, closer: Callable[[], None]) -> None:
         """Call ``closer`` when this manager closes, after every part it made (a source made
@@ -458,6 +476,8 @@ class DecodeManager:
             dp_queries_in_flight=dp_in_flight,
             known_dead_keys=len(self.dead_keys),
             refused_known_dead=self.dead_keys.refused,
+            silent_addresses=len(self.silent),
+            refused_silent=self.silent.refused,
         )
 
     def close(self) -> None:
@@ -471,6 +491,7 @@ class DecodeManager:
             ManagerClosed("the decode manager was closed while this request was in flight")
         )
         self._fanout.close()
+        self.silent.clear()
         self._background.close()  # queries not started are cancelled; none is applied
         self._dp_ranks.close()
         self._routes.close()
@@ -493,8 +514,24 @@ class DecodeManager:
 _SETTINGS = frozenset(field.name for field in dataclasses.fields(DecodeConfig))
 
 
+#: Settings that one bound replaced (ZMQ-25), and what to write instead.
+_REPLACED = {
+    "health_interval_s": (
+        "health_interval_s is derived from liveness_timeout_s now (probes every bound/4): set "
+        "liveness_timeout_s=SECONDS, or health_probes=False for no probes"
+    ),
+    "failures_to_dead": (
+        "failures_to_dead is derived from liveness_timeout_s now (two failed probes within "
+        "the bound): set liveness_timeout_s=SECONDS"
+    ),
+}
+
+
 def _config_of(settings: Mapping[str, Any]) -> DecodeConfig:
     """A :class:`DecodeConfig` from keyword settings; ConfigurationError on an unknown name."""
+    for name, instead in _REPLACED.items():
+        if name in settings:
+            raise ConfigurationError(f"DecodeManager got {name}: {instead}")
     unknown = sorted(set(settings) - _SETTINGS)
     if unknown:
         raise ConfigurationError(

@@ -100,6 +100,16 @@ class PrometheusCollector:
             "Requests failed at once on a pool key whose ranks are known dead.",
             stats.refused_known_dead,
         )
+        yield gauge(
+            f"{p}_silent_addresses",
+            "Bootstrap addresses judged dead by their probes and not answering since (held off).",
+            stats.silent_addresses,
+        )
+        yield counter(
+            f"{p}_refused_silent",
+            "Requests failed at once on a bootstrap server judged silent (PrefillSilent).",
+            stats.refused_silent,
+        )
         yield gauge(f"{p}_zmq_sockets_open", "Cached ZMQ sockets open.", stats.sockets_open)
         yield gauge(
             f"{p}_endpoints_retained",

@@ -312,6 +312,9 @@ class BootstrapReceiver:
         when there are none (yet)."""
         if self._lost is not None:
             return self.fail(life.PEER_LOST, self._lost)
+        silent = self._parts.fetcher.silent.refusal(self.addr)
+        if silent is not None:  # its server was judged dead and has not answered since (MGR-22)
+            return self.fail(life.FETCH_FAIL, silent)
         routes = self._parts.routes
         plan = self.plan
         dp_rank = self._dp_rank

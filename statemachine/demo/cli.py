@@ -51,7 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--waiting-timeout", type=float, default=2.0, help="seconds after send_metadata"
     )
     parser.add_argument("--send-timeout-ms", type=int, default=1000, help="ZMQ SNDTIMEO")
-    parser.add_argument("--health-interval", type=float, default=1.0, help="heartbeat seconds")
+    parser.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=4.0,
+        help="seconds of silence before a prefill is judged dead (health probes every quarter)",
+    )
     parser.add_argument(
         "--zmq-mode",
         choices=("immediate", "queueing"),
@@ -106,8 +111,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--duration, --loops and --rate must be positive")
     if args.tp < 1 or args.pp < 1 or args.restarts < 0:
         parser.error("--tp and --pp must be >= 1 and --restarts >= 0")
-    if args.waiting_timeout <= 0 or args.send_timeout_ms < 1 or args.health_interval <= 0:
-        parser.error("--waiting-timeout, --send-timeout-ms and --health-interval must be > 0")
+    if args.waiting_timeout <= 0 or args.send_timeout_ms < 1 or args.liveness_timeout < 0.5:
+        parser.error(
+            "--waiting-timeout and --send-timeout-ms must be > 0, --liveness-timeout >= 0.5"
+        )
     if args.compare and (args.zmq_mode or args.no_invalidation or args.instance_id is not None):
         parser.error("--compare runs the three modes itself; drop the mode flags")
     if args.discovery == "etcd" and (
@@ -148,7 +155,7 @@ def _config(
         restarts=args.restarts,
         waiting_timeout_s=args.waiting_timeout,
         send_timeout_ms=args.send_timeout_ms,
-        health_interval_s=args.health_interval,
+        liveness_timeout_s=args.liveness_timeout,
         trace_path=args.trace,
         warm_restart=not args.cold_restart,
         etcd_endpoint=etcd_endpoint if mode is OURS_ETCD else None,

@@ -47,7 +47,7 @@ class DemoConfig:
     restarts: int = 1
     waiting_timeout_s: float = 2.0
     send_timeout_ms: int = 1000
-    health_interval_s: float = 1.0
+    liveness_timeout_s: float = 4.0  # probes every second
     max_requests: int | None = None
     warm_restart: bool = True
     catch_up: bool = False  # loops keep their schedule after a stall (load runs)
@@ -63,8 +63,8 @@ class DemoConfig:
             raise ValueError("tp and pp must be >= 1, restarts >= 0")
         if not self.waiting_timeout_s > 0 or self.send_timeout_ms < 1:
             raise ValueError("waiting timeout and send timeout must be positive")
-        if not self.health_interval_s > 0:
-            raise ValueError("health interval must be positive")
+        if not self.liveness_timeout_s >= 0.5:
+            raise ValueError("the liveness timeout must be at least 0.5 s")
 
     def restart_offsets(self) -> list[float]:
         """Seconds after the start at which the prefill restarts: evenly spaced."""
@@ -86,7 +86,7 @@ class DemoConfig:
             "restarts": self.restarts,
             "waiting_timeout_s": self.waiting_timeout_s,
             "send_timeout_ms": self.send_timeout_ms,
-            "health_interval_s": self.health_interval_s,
+            "liveness_timeout_s": self.liveness_timeout_s,
             "max_requests": self.max_requests,
             "warm_restart": self.warm_restart,
             "catch_up": self.catch_up,
@@ -200,7 +200,7 @@ def run_demo(
             backend_factory=backend,
             ack_ip=HOST,
             waiting_timeout_s=config.waiting_timeout_s,
-            health_interval_s=config.health_interval_s,
+            liveness_timeout_s=config.liveness_timeout_s,
         )
         stack.callback(manager.close)
         monitor = manager.health  # None with etcd: the watch replaces it

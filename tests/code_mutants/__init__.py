@@ -576,6 +576,45 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "one rank of the room proven gone releases it while another still runs and may write "
         "(the model's ReleaseOnOneRankGone)",
     ),
+    # --- silence (issue 27) ----------------------------------------------------------------------
+    CodeMutant(
+        "silent_address_not_held_off",
+        "statemachine/decode/silent.py",
+        (("            silent = self._silent.get(addr)\n", "            silent = None\n"),),
+        (
+            "tests/test_liveness_bound.py::"
+            "test_mgr22_a_request_for_an_address_judged_silent_fails_at_once_until_it_answers",
+        ),
+        "after the probes judged a bootstrap server dead, each request still fetches from it and "
+        "waits out the fetch timeout (MGR-22)",
+    ),
+    CodeMutant(
+        "answer_of_a_dead_address_not_reported",
+        "statemachine/decode/health.py",
+        (("        if was_dead and self._on_alive is not None:\n", "        if False:\n"),),
+        (
+            "tests/test_health.py::"
+            "test_health6_a_dead_address_is_rechecked_at_once_and_its_answer_reported",
+            "tests/test_liveness_bound.py::"
+            "test_mgr22_a_request_for_an_address_judged_silent_fails_at_once_until_it_answers",
+        ),
+        "a bootstrap server judged dead stays held off after it answers again (HEALTH-6)",
+    ),
+    CodeMutant(
+        "dead_address_probed_at_the_interval",
+        "statemachine/decode/health.py",
+        (
+            (
+                "            while not stop.wait(self._recheck_s if watch.dead else self._interval_s):\n",
+                "            while not stop.wait(self._interval_s):\n",
+            ),
+        ),
+        (
+            "tests/test_health.py::"
+            "test_health6_a_dead_address_is_rechecked_at_once_and_its_answer_reported",
+        ),
+        "a server judged dead is probed only every interval_s: its return is seen late (HEALTH-6)",
+    ),
     # --- server validation ----------------------------------------------------------------------
     CodeMutant(
         "bool_is_an_int",

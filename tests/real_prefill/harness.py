@@ -252,7 +252,7 @@ class LibraryDecode:
         tp_rank: int = 0,
         tp_size: int = 1,
         layout: Layout | None = None,
-        health_interval_s: float | None = 0.5,
+        liveness_timeout_s: float = 2.0,  # health probes every 0.5 s
         waiting_timeout_s: float = 30.0,
         **manager_options: Any,
     ) -> None:
@@ -298,7 +298,7 @@ class LibraryDecode:
             ),
             backend_factory=factory,
             ack_ip="127.0.0.1",
-            health_interval_s=health_interval_s,
+            liveness_timeout_s=liveness_timeout_s,
             waiting_timeout_s=waiting_timeout_s,
             **manager_options,
         )

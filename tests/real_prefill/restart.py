@@ -178,7 +178,7 @@ def run_restart(
     prefill = RealPrefill(backend, layout=layout).start()
     replacement = RealPrefill(backend, layout=layout, bootstrap_port=prefill.port)
     decodes: list[tuple[str, Any, int]] = [
-        ("library", LibraryDecode(backend, layout=layout, health_interval_s=0.25), LIBRARY_ROOMS)
+        ("library", LibraryDecode(backend, layout=layout, liveness_timeout_s=2.0), LIBRARY_ROOMS)
     ]
     if with_sglang:
         decodes.append(("sglang", SGLangDecode(backend, layout=layout), SGLANG_ROOMS))

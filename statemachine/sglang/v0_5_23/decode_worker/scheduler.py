@@ -37,6 +37,7 @@ from statemachine.errors import (
     ConfigurationError,
     FailedOnAnotherRank,
     PeerLost,
+    SGLangFeatureRefused,
     TopologyMismatch,
 )
 from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs
@@ -52,12 +53,6 @@ __all__ = [
     "PrefillInfo",
     "SGLangFeatureRefused",
 ]
-
-
-class SGLangFeatureRefused(ConfigurationError):
-    """An SGLang feature these classes do not implement was switched on: refused when the
-    manager is built (or the call is made), before anything is sent. The message names the
-    flag or environment variable to turn off."""
 
 
 def _module(name: str) -> Any:
@@ -185,8 +180,10 @@ class _DecodeKVManager:
                 layout=layout,
                 backend_factory=self._backend_factory(),
                 ack_ip=self.local_ip,
-                health_interval_s=max(float(_env("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL")), 2.0),
-                failures_to_dead=max(int(_env("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE")), 1),
+                # SGLang judges a prefill dead after MAX_FAILURE heartbeats INTERVAL apart: the
+                # same bound on silence, from which every other timeout follows (ZMQ-25).
+                liveness_timeout_s=max(float(_env("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL")), 2.0)
+                * max(int(_env("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE")), 1),
                 waiting_timeout_s=float(self.waiting_timeout),
                 send_timeout_ms=int(_env("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT")) * 1000,
                 kv_release_timeout_s=float(

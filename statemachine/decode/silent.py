@@ -1,0 +1,71 @@
+"""Bootstrap addresses judged silent: a request for one fails at once instead of waiting on a
+fetch from it (issue 27, MGR-22).
+
+When the health monitor judges an address dead (``failures_to_dead`` probes in a row failed:
+the server is stopped, cut off, or gone), every request in flight there fails through the
+fan-out, and the pool forgets the address's ranks. Without more, each later request would miss,
+ask the same server, and wait out the fetch timeout before failing with a ``TransportFailure``:
+a stall per request for as long as the server stays silent, and a request waiting on a server
+already known not to answer. :class:`SilentAddresses` holds such an address off: a request
+that would ask it fails at once with :class:`~statemachine.errors.PrefillSilent` (retryable),
+asking nothing and sending nothing. The monitor keeps probing a dead address, every few hundred
+milliseconds (HEALTH-6); its first answer lifts the hold-off, so the first request after the
+server returns is served.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from statemachine.errors import PrefillSilent
+
+__all__ = ["SilentAddresses"]
+
+
+class SilentAddresses:
+    """The bootstrap addresses held off until their next answered health probe."""
+
+    def __init__(self, *, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        #: address → (when it was judged silent, why)
+        self._silent: dict[str, tuple[float, str]] = {}
+        #: requests failed at once on a silent address
+        self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._silent)
+
+    def judged_silent(self, addr: str, reason: str) -> None:
+        """The health monitor judged ``addr`` dead: hold it off until it answers."""
+        with self._lock:
+            self._silent[addr] = (self._clock(), reason)
+
+    def answered(self, addr: str) -> None:
+        """A probe of ``addr`` answered: requests may ask it again."""
+        with self._lock:
+            self._silent.pop(addr, None)
+
+    def refusal(self, addr: str) -> PrefillSilent | None:
+        """The error a request that would ask ``addr`` fails with at once, or ``None``."""
+        if not self._silent:  # the common case: one truth test
+            return None
+        with self._lock:
+            silent = self._silent.get(addr)
+            if silent is None:
+                return None
+            self.refused += 1
+        since, reason = silent
+        return PrefillSilent(
+            f"the bootstrap server at {addr} is not answering: it was judged dead "
+            f"{self._clock() - since:.2f} s ago ({reason}) and no probe has answered since. "
+            "Nothing of this request was asked or sent; retry it shortly (the server is probed "
+            "again every few hundred milliseconds and the first request after it answers gets "
+            "through), or route it to another prefill",
+            addr=addr,
+        )
+
+    def clear(self) -> None:
+        with self._lock:
+            self._silent.clear()
