@@ -192,8 +192,10 @@ def run_restart(
         for driver in drivers:
             driver.start()
         time.sleep(kill_at_s)
-        prefill.kill()
+        # Stamped before the SIGKILL: a decode may see the ranks die before kill() has reaped
+        # them, and a failure settled then is one in flight at the kill.
         timeline["kill"] = time.monotonic()
+        prefill.kill()
         log(f"{backend}: prefill SIGKILLed at {timeline['kill'] - start:.2f} s")
         if warm:
             replacement.go()
