@@ -24,11 +24,12 @@ rounds of the variants are interleaved so a slow moment of a shared machine hits
 Goals: >= 500,000 requests/s through the manager on one thread, and >= 2x the model of SGLang's
 receiver in the same run.
 
-    .venv/bin/python -m benchmarks.bench_cache_hit
+    .venv/bin/python -m benchmarks.bench_cache_hit [--smoke]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
 import sys
@@ -54,6 +55,8 @@ ROUNDS = 5
 OPS_PER_ROUND = 200_000  # split across the threads of a round
 
 
+#: --smoke: one round of this many hits, goals not judged (it shows that the benchmark runs).
+SMOKE_OPS = 4_000
 #: Requests a decode holds in flight at once in the per-request variants.
 WINDOW = 1_000
 
@@ -138,13 +141,15 @@ _room_blocks = itertools.count()
 ONE_RANK = RankPlan()
 
 
-def _throughput(make: Callable[[int], Callable[[], float]], threads: int) -> tuple[float, float]:
+def _throughput(
+    make: Callable[[int], Callable[[], float]], threads: int, ops: int
+) -> tuple[float, float]:
     """(hits / wall time of the round, hits / timed seconds of the slowest thread).
 
     The first counts everything, a per-request variant's ends included; the second only the
     timed hit path (meaningful on one thread, where nothing else runs meanwhile).
     """
-    per_thread = OPS_PER_ROUND // threads
+    per_thread = ops // threads
     timed: list[float] = []
     runs = [make(per_thread) for _ in range(threads)]
     workers = [threading.Thread(target=lambda r=run: timed.append(r())) for run in runs]
@@ -159,8 +164,14 @@ def _throughput(make: Callable[[int], Callable[[], float]], threads: int) -> tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    del argv
     import logging
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_cache_hit")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one round of a few hits; goals not judged"
+    )
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    rounds, ops = (1, SMOKE_OPS) if args.smoke else (ROUNDS, OPS_PER_ROUND)
 
     logging.getLogger("transitions").setLevel(logging.WARNING)
     pool = BootstrapPool()
@@ -179,15 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         "model of SGLang receiver (hit)": lambda ops: _sglang_receiver_worker(ops, sglang_manager),
         "ours: manager receiver per request": lambda ops: _manager_worker(ops, manager),
     }
-    print(f"Python {sys.version.split()[0]}; {ROUNDS} rounds of {OPS_PER_ROUND:,} hits; medians")
+    print(f"Python {sys.version.split()[0]}; {rounds} rounds of {ops:,} hits; medians")
     print("(a shared machine while developing: figures are indicative, ratios more so)")
     print(f"{'variant':<38}" + "".join(f"{t:>11} thr" for t in THREAD_COUNTS) + "   vs anchor@1")
     samples: dict[str, list[list[float]]] = {name: [[] for _ in THREAD_COUNTS] for name in variants}
     hit_only: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for i, threads in enumerate(THREAD_COUNTS):
             for name, make in variants.items():
-                wall_rate, timed_rate = _throughput(make, threads)
+                wall_rate, timed_rate = _throughput(make, threads, ops)
                 samples[name][i].append(wall_rate)
                 if threads == 1:
                     hit_only[name].append(timed_rate)
@@ -221,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         f"ratios; SGLang's own code: bench_vs_sglang): "
         f"{ratio:.2f}x ({'met' if ok_ratio else 'NOT met'})"
     )
+    if args.smoke:
+        print("(--smoke: a few thousand hits show that the benchmark runs; goals not judged)")
     stats = manager.stats()
     manager.close()
     if stats.in_flight:

@@ -145,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-mb", type=int, default=150)
     parser.add_argument("--child", metavar="ENDPOINT", help=argparse.SUPPRESS)
     parser.add_argument("--until-first-reply", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="0.5 s storm, 2 MB reply")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.seconds, args.reply_mb = 0.5, 2
     if args.child:
         child(args.child, args.seconds, args.until_first_reply)
         return 0

@@ -225,7 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--frames", type=int, default=200_000)
     parser.add_argument("--ack-flood", type=int, default=1100)
+    parser.add_argument(
+        "--smoke", action="store_true", help="every figure once, at a tenth of the load"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.deadline, args.repeats, args.baseline_cap = 0.2, 1, 1.0
+        args.slowloris, args.slow_body, args.nofile, args.seconds = 60, 30, 128, 1.0
+        args.frames, args.ack_flood = 2_000, 110
     bench_trickle(args.deadline, args.repeats, args.baseline_cap)
     bench_attack(args.slowloris, args.slow_body, args.nofile, args.seconds)
     bench_rss(args.frames)

@@ -188,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waiting-timeout", type=float, default=2.0)
     parser.add_argument("--send-timeout-ms", type=int, default=1000)
     parser.add_argument("--outage-requests", type=int, default=6)
+    parser.add_argument("--smoke", action="store_true", help="one 1-second run per design")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.reps, args.duration, args.outage_requests = 1, 1.0, 2
 
     rows: dict[str, list[dict[str, object]]] = {mode.name: [] for mode in PRESETS}
     to_failed: dict[str, list[float | None]] = {mode.name: [] for mode in PRESETS}

@@ -7,3 +7,7 @@ from benchmarks import soak
 
 def main(argv: list[str] | None = None) -> int:
     return soak.main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

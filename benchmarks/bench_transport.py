@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restarts", type=int, default=100)
     parser.add_argument("--messages", type=int, default=500)
     parser.add_argument("--send-timeout-ms", type=int, default=1000)
+    parser.add_argument("--smoke", action="store_true", help="one short run of each figure")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.reps, args.requests, args.restarts, args.messages = 1, 1, 5, 20
 
     sends = args.messages * 20
     print(
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     print("\n2. SIGKILL of a connected peer -> alive=False (ours)")
-    detections = [detection_s() for _ in range(max(args.reps, 5))]
+    detections = [detection_s() for _ in range(max(args.reps, 1 if args.smoke else 5))]
     print(
         f"  median {_median(detections) * 1000:.2f} ms over {len(detections)} "
         f"(all: {', '.join(f'{d * 1000:.1f}' for d in detections)} ms)"

@@ -500,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--profile", action="store_true", help="cProfile ours per figure")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--smoke", action="store_true", help="one round")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.rounds = 1
     reason = sglang_unavailable()
     if reason is not None:
         print(f"skipped: {reason}")

@@ -12,7 +12,7 @@ Checks, each printed with its figure; exit status 1 if any fails:
   no more ZMQ sockets than the live generation has ranks, and no request is in flight or
   expected by the ack listener after the loops stopped.
 
-``python -m benchmarks.soak [--requests N] [--duration S] [--no-trace]``
+``python -m benchmarks.soak [--requests N] [--duration S] [--no-trace] [--smoke]``
 """
 
 from __future__ import annotations
@@ -68,7 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--restarts", type=int, default=2)
     parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="60 requests over 3 s, one restart; every check but the throughput-bound count",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.requests, args.duration, args.restarts = 60, 3.0, 1
 
     print(
         f"soak: {args.requests} requests over {args.duration:g} s through {args.restarts} prefill "
@@ -99,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
 
     total = report["requests_ok"] + report["requests_failed"]
     checks = [
-        (f"requests completed: {total} of {args.requests}", total >= 0.95 * args.requests),
+        # How many complete in the time depends on the machine: not judged in a smoke run.
+        (
+            f"requests completed: {total} of {args.requests}"
+            + (" (not judged: --smoke)" if args.smoke else ""),
+            args.smoke or total >= 0.95 * args.requests,
+        ),
         (
             f"restarts done: {len(result.restarts)} of {args.restarts}",
             len(result.restarts) == args.restarts,

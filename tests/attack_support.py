@@ -166,9 +166,8 @@ class SlowAttack:
 _SERVER_SCRIPT = r"""
 import json, logging, resource, sys, dataclasses
 nofile, kwargs = json.loads(sys.argv[1])
-if nofile:
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+if nofile:  # soft and hard: the server raises its soft limit to the hard one at start
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(levelname)s %(message)s")
 from statemachine.prefill.server import BootstrapServer
 server = BootstrapServer(**kwargs).start()
@@ -181,9 +180,10 @@ print("STATS", json.dumps(dataclasses.asdict(stats)), flush=True)
 
 
 class ServerProcess:
-    """A :class:`BootstrapServer` in a child process whose fd limit is ``nofile`` (so the
-    attack's own sockets, in this process, do not count against it). ``stop()`` returns the
-    server's final stats and everything it logged."""
+    """A :class:`BootstrapServer` in a child process whose fd limit, soft and hard, is
+    ``nofile`` (so the attack's own sockets, in this process, do not count against it, and the
+    server cannot raise it). ``stop()`` returns the server's final stats and everything it
+    logged."""
 
     def __init__(self, nofile: int | None = None, **kwargs: object) -> None:
         import json

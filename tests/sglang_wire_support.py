@@ -17,12 +17,13 @@ Everything here is test-only; the product never imports SGLang.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import threading
 import time
 import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import zmq
@@ -58,19 +59,39 @@ class _FakeNixlAgent:
         return "peer"
 
 
+def _stand_in_nixl_api() -> dict[str, types.ModuleType]:
+    api = types.ModuleType("nixl._api")
+    api.nixl_agent = _FakeNixlAgent  # type: ignore[attr-defined]
+    api.nixl_agent_config = lambda **fields: fields  # type: ignore[attr-defined]
+    api.nixl_thread_sync_t = types.SimpleNamespace(NIXL_THREAD_SYNC_STRICT=1)  # type: ignore[attr-defined]
+    package = types.ModuleType("nixl")
+    package._api = api  # type: ignore[attr-defined]
+    return {"nixl": package, "nixl._api": api}
+
+
+@contextmanager
+def stand_in_nixl() -> Iterator[None]:
+    """The stand-in ``nixl._api`` for the block, whatever was imported before: SGLang's NIXL
+    manager imports it inside its constructor, and the real package (installed for the
+    real-bytes tests, ``make .venv/.engines``) may already be loaded by another test."""
+    saved = {name: sys.modules.get(name) for name in ("nixl", "nixl._api")}
+    sys.modules.update(_stand_in_nixl_api())
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
 def nixl_module() -> Any:
-    """``sglang...nixl.conn`` with a stand-in ``nixl._api`` in ``sys.modules`` (left there: the
-    real package is never installed in the test venv, so nothing else can want it)."""
+    """``sglang...nixl.conn``; where no ``nixl`` package is installed, a stand-in ``nixl._api``
+    is put in ``sys.modules`` (and left there: nothing else can want the real one then)."""
     import_sglang()
-    if "nixl._api" not in sys.modules:
-        api = types.ModuleType("nixl._api")
-        api.nixl_agent = _FakeNixlAgent  # type: ignore[attr-defined]
-        api.nixl_agent_config = lambda **fields: fields  # type: ignore[attr-defined]
-        api.nixl_thread_sync_t = types.SimpleNamespace(NIXL_THREAD_SYNC_STRICT=1)  # type: ignore[attr-defined]
-        package = types.ModuleType("nixl")
-        package._api = api  # type: ignore[attr-defined]
-        sys.modules["nixl"] = package
-        sys.modules["nixl._api"] = api
+    if "nixl._api" not in sys.modules and importlib.util.find_spec("nixl") is None:
+        sys.modules.update(_stand_in_nixl_api())
     return importlib.import_module("sglang.srt.disaggregation.nixl.conn")
 
 
@@ -182,12 +203,13 @@ def sglang_prefill(backend: str, bootstrap_url: str, **server_fields: Any) -> It
             cls = _cpu_mooncake(mooncake_module().MooncakeKVManager)
         else:
             cls = _cpu_nixl(nixl_module().NixlKVManager)
-        manager = cls(
-            prefill_kv_args(backend),
-            conn.DisaggregationMode.PREFILL,
-            server_args,
-            is_mla_backend=False,
-        )
+        with stand_in_nixl() if backend == "nixl" else nullcontext():
+            manager = cls(
+                prefill_kv_args(backend),
+                conn.DisaggregationMode.PREFILL,
+                server_args,
+                is_mla_backend=False,
+            )
         if backend == "mooncake":
             thread = manager._worker_threads[0]
         else:

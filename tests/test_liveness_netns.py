@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from netns_support import NetNamespace, NetnsPrefill, netns_unavailable
 
+from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.liveness_bound import LivenessBound
@@ -28,7 +29,6 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import Endpoint, ZmqTransport
 from statemachine.errors import RankDead, SendFailed
-from statemachine.lifecycle import KVPoll
 from statemachine.pool import BootstrapPool
 
 pytestmark = pytest.mark.skipif(

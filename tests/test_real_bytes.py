@@ -27,8 +27,8 @@ from real_prefill.harness import LibraryDecode, PrefillPool, RealPrefill
 from real_prefill.pattern import aux_bytes, page_bytes
 from sglang_support import requires_sglang
 
+from statemachine.completion import KVPoll
 from statemachine.errors import TransferFailed
-from statemachine.lifecycle import KVPoll
 
 pytestmark = [requires_sglang, pytest.mark.slow]
 

@@ -451,6 +451,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "statemachine.lifecycle_cli",
             "statemachine.__main__",
             "statemachine",
+            # SGLang's decode classes built on a DecodeManager (issue 28): above the decode side.
+            "statemachine.sglang.v0_5_23.decode_worker",
         ),
     ),
 )

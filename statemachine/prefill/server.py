@@ -12,8 +12,10 @@ Standing under attack (HTTP-70..73): every connection goes through a :class:`_Gu
 wrapped around aiohttp's own, which knows what the connection is doing (idle, sending headers,
 sending a body, being answered) and since when. A sweeper closes connections that stay in one
 phase too long (header, body and idle deadlines); at the connection cap a new connection
-evicts the longest-stalled one instead of being refused, so a slowloris cannot lock
-legitimate clients out; accept failures (fd exhaustion) are logged as one rate-limited line.
+evicts a stalled one, else the least recently active idle one, instead of being refused, so
+neither a slowloris nor a fleet of keep-alive clients can lock newcomers out; the fd limit is
+raised to the hard limit at start; accept failures (fd exhaustion) are logged as one
+rate-limited line.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ DEFAULT_BODY_TIMEOUT = 10.0
 DEFAULT_IDLE_TIMEOUT = 60.0
 #: fds kept free under the process limit for everything that is not a client connection.
 FD_RESERVE = 64
+#: Most connections the default cap allows, whatever the fd limit: an idle aiohttp connection
+#: costs the server process about 10 KB, so this bounds that memory near 300 MB.
+MAX_CONNECTIONS_CEILING = 32_768
 #: Topologies claimed by registrations before one is complete (HTTP-54).
 MAX_CANDIDATES = 4
 #: SGLang's default ``load_balance_method``; it means ``follow_bootstrap_room`` is true.
@@ -96,8 +101,17 @@ ACCEPT_BATCH = 16
 #: Seconds accepting pauses after an accept failed for lack of fds, or at the cap with
 #: nothing to evict (HTTP-71/72).
 ACCEPT_PAUSE = 0.05
-#: A connection this young (seconds) is never evicted at the cap (HTTP-71).
+#: Seconds: a connection this young, or whose request started this recently, is never evicted
+#: at the cap; one mid-request or silent since connecting for longer is stalled (a legitimate
+#: client sends its request within milliseconds) (HTTP-71).
 EVICT_GRACE = 0.1
+#: Seconds an answered connection must have stayed idle before it may be evicted for a
+#: newcomer (HTTP-71): a client asking more often keeps its connection, even while attackers
+#: churn through the cap with connections younger than EVICT_GRACE, so that it is never the
+#: only one old enough to close; one asking once a second is evictable half of its time.
+IDLE_BEFORE_EVICTION = 0.5
+#: Connections one eviction looks at before it gives up (see ``_oldest_settled``).
+EVICT_LOOKS = 64
 
 _log = logging.getLogger(__name__)
 
@@ -347,19 +361,24 @@ class _Guard(asyncio.Protocol):
     """Wraps aiohttp's per-connection protocol to know each connection's phase and its start.
 
     The transport talks to this object; every call is forwarded to aiohttp's handler, with one
-    extra store on ``data_received`` (the first byte after an idle spell starts the header
-    clock). ``phase``/``since`` are also set by the server's middleware (headers parsed ->
-    ``BODY``; body read -> ``BUSY``; answered -> ``IDLE``). Loop thread only: no locks.
+    extra step on ``data_received`` (the first byte after an idle spell starts the header
+    clock). The server's middleware moves it on too (headers parsed -> ``BODY``; body read ->
+    ``BUSY``; answered -> ``IDLE``); each move that restarts ``since`` goes through the
+    server's ``_progress``, which keeps its recency order for eviction. Loop thread only.
     """
 
-    __slots__ = ("born", "inner", "owner", "phase", "served", "since", "transport")
+    __slots__ = ("born", "inner", "owner", "phase", "served", "since", "sock", "transport")
 
-    def __init__(self, owner: BootstrapServer, inner: asyncio.Protocol) -> None:
+    def __init__(
+        self, owner: BootstrapServer, inner: asyncio.Protocol, sock: socket.socket | None = None
+    ) -> None:
         self.owner = owner
         self.inner = inner
+        self.sock = sock  # the accepted socket (its transport owns it): peeked at eviction
         self.phase = IDLE
         self.since = self.born = 0.0
-        self.served = False  # completed a request: never evicted at the cap (HTTP-71)
+        # Completed a request: once idle it is evicted by recency, not as stalled (HTTP-71).
+        self.served = False
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -370,8 +389,7 @@ class _Guard(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.phase == IDLE:
-            self.phase = HEADERS
-            self.since = self.owner._now()
+            self.owner._progress(self, HEADERS)
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -390,6 +408,16 @@ class _Guard(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.abort()
+
+    def has_unread_bytes(self) -> bool:
+        """Bytes of a next request already wait in the kernel (the loop has not read them yet):
+        the client is active, whatever ``since`` says."""
+        if self.sock is None:
+            return False
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK))
+        except OSError:  # nothing to read (BlockingIOError), or the connection broke
+            return False
 
 
 def _guard_of(request: web.Request) -> _Guard | None:
@@ -423,11 +451,30 @@ class _RateLimitedLog:
 
 
 def default_max_connections() -> int:
-    """The connection cap: the fd limit less a reserve for everything else, in 16..4096."""
+    """The connection cap: the fd limit less a reserve for everything else, in
+    16..MAX_CONNECTIONS_CEILING."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return 4096
-    return max(16, min(4096, soft - FD_RESERVE))
+        return MAX_CONNECTIONS_CEILING
+    return max(16, min(MAX_CONNECTIONS_CEILING, soft - FD_RESERVE))
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft fd limit to its hard limit; ``(before, after)``.
+
+    Distributions start processes at a soft limit of 1,024 with a far higher hard limit; the
+    connection cap follows the soft limit, so without this a fleet of 1,100 decode ranks
+    would not fit. Where the kernel refuses the hard value (macOS caps it at OPEN_MAX, and an
+    unlimited hard limit is not a valid soft one), the limit stays as it was.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft >= hard:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, hard
 
 
 # --- the server -------------------------------------------------------------------------------
@@ -441,7 +488,9 @@ class BootstrapServer:
     token they answer 401 (fail closed, with a warning at construction) unless
     ``insecure=True`` (HTTP-53). ``clock`` is the time source for dp-rank expiry (tests pass a
     fake one). ``header_timeout``, ``body_timeout``, ``idle_timeout`` and ``max_connections``
-    (default: the fd limit less 64) bound what a client can hold (HTTP-70..72).
+    (default: the fd limit less 64, up to 32,768) bound what a client can hold (HTTP-70..72).
+    ``start()`` first raises the process's soft fd limit to its hard limit
+    (:func:`raise_fd_limit`; ``fd_limit`` holds before and after) and logs it at INFO.
     """
 
     def __init__(
@@ -497,6 +546,7 @@ class BootstrapServer:
         self._timeouts = {IDLE: idle_timeout, HEADERS: header_timeout, BODY: body_timeout}
         self._wanted_connections = max_connections
         self._max_connections = max_connections or 0
+        self.fd_limit = (0, 0)
         self._clock = clock
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -513,7 +563,12 @@ class BootstrapServer:
         self._pinned: _Topology | None = None
         self._candidates: dict[TopologyClaim, _Topology] = {}
         self._dp_ranks: OrderedDict[int, tuple[int, float]] = OrderedDict()
-        self._conns: dict[_Guard, None] = {}
+        # Every open connection is in exactly one of these, each ordered by ``since`` (oldest
+        # first), so eviction looks at the fronts instead of scanning every connection:
+        # connected, mid-request or being answered (a stalled one is first here) ...
+        self._pending: OrderedDict[_Guard, None] = OrderedDict()
+        # ... or idle after answering a request (the least recently active is first here).
+        self._answered: OrderedDict[_Guard, None] = OrderedDict()
         self._starting = 0  # accepted, transport not made yet
         self._accepted = 0
         self._peak = 0
@@ -538,6 +593,7 @@ class BootstrapServer:
         if self._thread is not None:
             raise RuntimeError("server already started")
         self._reset_state()
+        self.fd_limit = raise_fd_limit()
         self._max_connections = self._wanted_connections or default_max_connections()
         self.instance_id = secrets.token_hex(16)
         ready = threading.Event()
@@ -555,7 +611,22 @@ class BootstrapServer:
             raise failure[0]
         # A restart of this object keeps its address (a stable endpoint for its clients).
         self._wanted_port = self.port
+        _log.info("bootstrap server listening on %s: %s", self.address, self.limits())
         return self
+
+    @property
+    def max_connections(self) -> int:
+        """The connection cap in force (HTTP-71); 0 before the first ``start()``."""
+        return self._max_connections
+
+    def limits(self) -> str:
+        """The fd limit (raised or not) and the connection cap, in words, for a log line."""
+        before, after = self.fd_limit
+        if after > before:
+            fds = f"fd limit raised from {before:,} to the hard limit {after:,}"
+        else:
+            fds = f"fd limit {after:,} (the hard limit, or not raisable)"
+        return f"{fds}; at most {self._max_connections:,} connections at once"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Close every connection and the listening socket; idempotent."""
@@ -578,7 +649,7 @@ class BootstrapServer:
             self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
-        for guard in list(self._conns):
+        for guard in [*self._pending, *self._answered]:
             guard.close()
 
     def __enter__(self) -> BootstrapServer:
@@ -653,20 +724,26 @@ class BootstrapServer:
         Our own accept loop rather than asyncio's ``create_server``: asyncio accepts up to
         ``backlog`` connections per event before any protocol sees one (so a burst passes any
         cap), and on EMFILE it keeps looping, logging a traceback and scheduling a retry per
-        failed accept (41,352 of them in 12 s in the issue). Here the cap is applied before
-        each accept, and a failed accept evicts a stalled connection, logs one rate-limited
-        line and pauses accepting for ``ACCEPT_PAUSE`` seconds.
+        failed accept (41,352 of them in 12 s in the issue). Here the cap is applied to each
+        accept: at the cap a victim is chosen first and closed only once a newcomer was
+        accepted (the FD_RESERVE under the fd limit holds that one extra fd for a moment), so
+        an empty backlog costs no connection. A failed accept evicts one, logs one
+        rate-limited line and pauses accepting for ``ACCEPT_PAUSE`` seconds.
         """
         listener = self._listener
         loop = self._loop_or_running()
         if listener is None:
             return
         for _ in range(ACCEPT_BATCH):
-            if not self._make_room():
-                # Every connection is being answered or still starting: wait a moment
-                # (the backlog holds the newcomers) rather than pass the cap.
-                self._pause_accepting(loop, listener, ACCEPT_PAUSE)
-                return
+            victim = None
+            if self._open() + self._starting >= self._max_connections:
+                victim = self._victim()
+                if victim is None:
+                    # Every connection is being answered, starting or active within
+                    # EVICT_GRACE: wait a moment (the backlog holds the newcomers) rather
+                    # than pass the cap.
+                    self._pause_accepting(loop, listener, ACCEPT_PAUSE)
+                    return
             try:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -676,6 +753,15 @@ class BootstrapServer:
             except OSError as exc:
                 self._accept_failed(exc, loop, listener)
                 return
+            if victim is not None:
+                self._evict(victim)
+                self._ratelog.warning(
+                    "cap",
+                    f"bootstrap server at its cap of {self._max_connections} connections: "
+                    "closed a stalled or the least recently active one to admit a new one "
+                    "(raise the fd limit's hard value or max_connections if these are "
+                    "legitimate clients)",
+                )
             conn.setblocking(False)
             self._starting += 1
             loop.create_task(self._start_connection(conn))
@@ -685,7 +771,7 @@ class BootstrapServer:
         assert handlers is not None
         loop = asyncio.get_running_loop()
         try:
-            await loop.connect_accepted_socket(lambda: _Guard(self, handlers()), sock=conn)
+            await loop.connect_accepted_socket(lambda: _Guard(self, handlers(), conn), sock=conn)
         except OSError:
             conn.close()  # the client went away before its transport existed
         finally:
@@ -698,11 +784,13 @@ class BootstrapServer:
         self._ratelog.warning(
             "accept",
             f"bootstrap server cannot accept a connection: {exc.strerror} "
-            f"({len(self._conns)} open, cap {self._max_connections}); closing a stalled one "
+            f"({self._open()} open, cap {self._max_connections}); closing a stalled or idle one "
             f"and pausing accepts for {ACCEPT_PAUSE:g} s (raise the fd limit or lower "
             "max_connections)",
         )
-        self._evict()
+        victim = self._victim()
+        if victim is not None:
+            self._evict(victim)
         self._pause_accepting(loop, listener, ACCEPT_PAUSE)
 
     def _pause_accepting(
@@ -719,59 +807,76 @@ class BootstrapServer:
     def _loop_or_running(self) -> asyncio.AbstractEventLoop:
         return self._loop or asyncio.get_running_loop()
 
-    def _make_room(self) -> bool:
-        """Below the cap: True. At the cap, close the longest-stalled connection so the next
-        one can be admitted; False when there is none to close."""
-        if len(self._conns) + self._starting < self._max_connections:
-            return True
-        if not self._evict():
-            return False
-        self._ratelog.warning(
-            "cap",
-            f"bootstrap server at its cap of {self._max_connections} connections: closed "
-            "the longest-stalled one to admit a new one (raise the fd limit or "
-            "max_connections if these are legitimate clients)",
-        )
-        return True
+    def _open(self) -> int:
+        return len(self._pending) + len(self._answered)
 
-    def _evict(self) -> bool:
-        """Close the longest-stalled connection, never one being answered (HTTP-71).
+    def _victim(self) -> _Guard | None:
+        """The connection to close to make room, never one being answered (HTTP-71).
 
-        Connections that never completed a request go first, those stuck mid-request
-        (headers or body) before idle ones, the oldest first; one younger than EVICT_GRACE
-        is spared (a legitimate client sends its request within milliseconds of connecting,
-        so a burst of new connections cannot push out one that just connected). A
-        connection that completed a request is never closed here: it stays until its idle
-        deadline (or a phase deadline of its next request) closes it, so a crowd of clients
-        that each completed a request - attackers re-requesting /health included - never
-        pushes out a client using its keep-alive connection; newcomers wait in the backlog
-        instead. False when nothing may be closed now (the accept loop pauses instead).
+        First a stalled one: open for longer than EVICT_GRACE without completing its first
+        request, or mid-request (headers or body) for that long after an answered one (a
+        legitimate client sends its request within milliseconds), the oldest first. Else the
+        least recently active idle one, whatever how many requests it made: a client that asks
+        once a second has no better claim to a connection than a newcomer, and one that was
+        closed reconnects on its next request. An idle one answered
+        within the last IDLE_BEFORE_EVICTION is spared: closing it would swap one client in
+        mid-conversation for another (its reconnect would evict the next), and under a churn
+        of young attackers it would be the only one old enough to close; so while every
+        connection is that busy, newcomers wait in the backlog instead. None when nothing may
+        be closed now (the accept loop pauses instead).
         """
-        victim: _Guard | None = None
-        victim_key = (True, 0.0)
-        young = self._now() - EVICT_GRACE
-        for other in self._conns:
-            if other.phase == BUSY or other.served or other.born > young:
-                continue
-            key = (other.phase == IDLE, other.since)
-            if victim is None or key < victim_key:
-                victim, victim_key = other, key
-        if victim is None:
-            return False
+        now = self._now()
+        return self._oldest_settled(self._pending, now - EVICT_GRACE) or self._oldest_settled(
+            self._answered, now - IDLE_BEFORE_EVICTION
+        )
+
+    def _evict(self, victim: _Guard) -> None:
         self._evicted += 1
         victim.phase = BUSY  # closed once
         victim.close()
-        self._conns.pop(victim, None)  # its fd is freed on the next loop iteration
-        return True
+        self._release(victim)  # its fd is freed on the next loop iteration
+
+    @staticmethod
+    def _oldest_settled(conns: OrderedDict[_Guard, None], settled: float) -> _Guard | None:
+        """The first connection of ``conns`` that may be evicted, in their recency order: by
+        ``born`` until a connection's first answer (a connection open for EVICT_GRACE without
+        completing a request is stalled, whatever bytes it trickles), by ``since`` after.
+
+        One whose next request already waits unread is passed over: on a busy loop that client
+        is active though ``since`` is old, and closing it would fail the request it sent. At
+        most EVICT_LOOKS are looked at: past that the server is behind on reading, and pausing
+        accepts (the caller's fallback) is the right answer to overload.
+        """
+        for looked, guard in enumerate(conns):
+            if (guard.since if guard.served else guard.born) > settled or looked >= EVICT_LOOKS:
+                return None  # every later one is more recent still
+            if guard.phase != BUSY and not guard.has_unread_bytes():
+                return guard
+        return None
 
     def _admit(self, guard: _Guard) -> None:
-        conns = self._conns
-        conns[guard] = None
+        self._pending[guard] = None
         self._accepted += 1
-        self._peak = max(self._peak, len(conns))
+        self._peak = max(self._peak, self._open())
+
+    def _progress(self, guard: _Guard, phase: int) -> None:
+        """``guard`` enters ``phase`` now: restart its clock and move it to the recent end of
+        its recency order (one that never completed a request keeps its place by ``born``)."""
+        guard.phase = phase
+        guard.since = self._now()
+        if guard not in self._pending and guard not in self._answered:
+            return  # closed already (a deadline or an eviction): it stays out
+        if not guard.served:
+            return  # still in _pending, where it stays until its first answer
+        self._release(guard)
+        if phase == IDLE and guard.served:
+            self._answered[guard] = None
+        else:
+            self._pending[guard] = None
 
     def _release(self, guard: _Guard) -> None:
-        self._conns.pop(guard, None)
+        self._pending.pop(guard, None)
+        self._answered.pop(guard, None)
 
     async def _sweep(self) -> None:
         """Close connections that stayed in one phase past its deadline (HTTP-70)."""
@@ -780,7 +885,7 @@ class BootstrapServer:
         while True:
             await asyncio.sleep(tick)
             now = self._now()
-            for guard in list(self._conns):
+            for guard in [*self._pending, *self._answered]:
                 limit = timeouts.get(guard.phase)
                 if limit is not None and now - guard.since > limit:
                     self._timed_out += 1
@@ -800,7 +905,7 @@ class BootstrapServer:
             self._ratelog.warning(
                 "accept",
                 f"bootstrap server cannot accept connections: {exc.strerror} "
-                f"({len(self._conns)} open, cap {self._max_connections}); asyncio retries in "
+                f"({self._open()} open, cap {self._max_connections}); asyncio retries in "
                 "1 s (raise the fd limit or lower max_connections)",
             )
             return
@@ -822,7 +927,7 @@ class BootstrapServer:
     def _snapshot(self) -> ServerStats:
         return ServerStats(
             connections_accepted=self._accepted,
-            connections_open=len(self._conns),
+            connections_open=self._open(),
             connections_peak=self._peak,
             requests=dict(self._requests),
             connections_timed_out=self._timed_out,
@@ -843,8 +948,7 @@ class BootstrapServer:
         self._requests[label] = self._requests.get(label, 0) + 1
         guard = _guard_of(request)
         if guard is not None:
-            guard.phase = BODY
-            guard.since = self._now()
+            self._progress(guard, BODY)
         try:
             return await handler(request)
         except BadRequest as exc:
@@ -854,9 +958,8 @@ class BootstrapServer:
             return web.json_response({"error": "request body not received in time"}, status=408)
         finally:
             if guard is not None:
-                guard.phase = IDLE
-                guard.since = self._now()
                 guard.served = True
+                self._progress(guard, IDLE)
 
     def _authorised(self, request: web.Request) -> bool:
         """Bearer token check in constant time; no token configured -> closed unless insecure."""
@@ -1104,7 +1207,8 @@ def main(argv: list[str] | None = None) -> int:
         "Run the reference prefill bootstrap server (SGLang's routes) until Ctrl-C or SIGTERM.\n\n"
         "Prefill ranks register with PUT /route (python -m statemachine.prefill.rank starts\n"
         "one); decodes ask GET /route. Prints 'listening on HOST:PORT instance ID' once it\n"
-        "listens. State is in memory only: a restart forgets every rank. Needs the server\n"
+        "listens, and on stderr its fd limit (raised to the hard limit) and connection cap.\n"
+        "State is in memory only: a restart forgets every rank. Needs the server\n"
         "extra (aiohttp).",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -1142,6 +1246,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # One parseable line, so a parent process started with --port 0 learns the port.
         print(f"listening on {server.address} instance {server.instance_id}", flush=True)
+        # On stderr: the line above is what parents parse.
+        print(f"bootstrap server: {server.limits()}", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             pass
     finally:

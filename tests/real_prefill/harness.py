@@ -323,7 +323,7 @@ class LibraryDecode:
         state_index: int | None = None,
     ) -> Any:
         """``init()`` then ``send_metadata()``, as a decode scheduler does; returns the receiver."""
-        from statemachine.lifecycle import KVPoll
+        from statemachine.completion import KVPoll
 
         receiver = self.manager.receiver(address, room, prefill_dp_rank=0)
         if receiver.init() == KVPoll.WaitingForInput:

