@@ -12,7 +12,7 @@ parses the rest with ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from statemachine.completion import PrefillEvent
 from statemachine.errors import ConfigurationError, TopologyMismatch
@@ -25,12 +25,20 @@ from statemachine.sglang.v0_5_23.control import (
     decode_prefill_message,
 )
 from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs, pack_lists, pack_u32, pack_u64
-from statemachine.validation import InvalidArgument
+from statemachine.validation import InvalidArgument, Topology
 from statemachine.wire.metadata import MetadataRequest
 
-if TYPE_CHECKING:
-    from statemachine.decode.plan import DecodeLayout
-    from statemachine.validation import Topology
+
+class DecodeShape(Protocol):
+    """What :meth:`NixlBackend.check_topology` reads of the decode's ``DecodeLayout``."""
+
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def is_mla(self) -> bool: ...
+    @property
+    def is_hybrid_mla(self) -> bool: ...
+
 
 #: The first frame of every NIXL registration and metadata message (``nixl/conn.py:78``).
 GUARD = b"NixlMsgGuard"
@@ -143,7 +151,7 @@ class NixlBackend:
             agent.release_dlist_handle(handle)
         return cls.factory(agent.name, agent.get_agent_metadata(), kv_args)
 
-    def check_topology(self, addr: str, topology: Topology, layout: DecodeLayout) -> None:
+    def check_topology(self, addr: str, topology: Topology, layout: DecodeShape) -> None:
         """Refuse a prefill whose attention tp size differs from this decode's when the KV
         buffers are not all VRAM: SGLang 0.5.23's NIXL prefill moves KV between different tp
         sizes into GPU memory only, and raises NotImplementedError ("heterogeneous-TP
