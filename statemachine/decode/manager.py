@@ -252,7 +252,11 @@ class DecodeManager:
         self.backend: KVBackend = backend
         self._completions.backend = backend
         self._routes = Routes(
-            self.source, config.layout, staging=config.staging, background=self._background
+            self.source,
+            config.layout,
+            staging=config.staging,
+            background=self._background,
+            check_topology=getattr(backend, "check_topology", None),
         )
         self._dp_ranks = DpRankQueries(self.source, self._background)
         #: keys whose ranks are known dead: a miss on one fails at once (no refetch per

@@ -13,7 +13,7 @@ background workers so that a scheduler never waits on the network.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -58,10 +58,13 @@ class Routes:
         *,
         staging: bool,
         background: Background,
+        check_topology: Callable[[str, Topology, DecodeLayout], None] | None = None,
     ) -> None:
         self._source = source
         self.layout = layout
         self._staging = staging
+        #: the backend's own refusal of a prefill it cannot work with (raises TopologyMismatch)
+        self._check_topology = check_topology
         self._background = background
         #: init() runs :meth:`check_prefill` on a given plan, fetching the topology if needed
         #: (a layout is known); without one, :meth:`check_known` checks once it is known
@@ -150,11 +153,14 @@ class Routes:
     def check_prefill(self, addr: str) -> None:
         """SGLang 0.5.23's ``init()`` checks (MGR-16, MGR-17): this decode's allocation policy
         equals the prefill's, ``prefill_complete`` needs a prefill of attn tp, cp and pp 1, and
-        staging (not implemented here) is refused where it would be used. Without a layout
-        the decode's policy is SGLang's default, ``early``."""
+        staging (not implemented here) is refused where it would be used; then the backend's own
+        ``check_topology``, if it has one (it needs the decode's layout). Without a layout the
+        decode's policy is SGLang's default, ``early``."""
         topology = self.topology(addr)
         try:
             self._check_policy(addr, topology, self.layout)
+            if self._check_topology is not None and self.layout is not None:
+                self._check_topology(addr, topology, self.layout)
         except TopologyMismatch:
             self.forget(addr, topology)  # not remembered past its deployment
             raise

@@ -31,6 +31,10 @@ def loopback_environment() -> None:
     # UCX's crash handler writes a backtrace file (NAME.btr) into the working directory of any
     # process that aborts, i.e. into the repository; the crash still shows in the test's output.
     os.environ["UCX_HANDLE_ERRORS"] = "none"
+    # libfabric loads libpsm2/libinfinipath, whose own crash handlers replace Python's
+    # faulthandler (a C backtrace instead of every thread's Python stack): keep Python's.
+    os.environ["HFI_NO_BACKTRACE"] = "1"
+    os.environ["IPATH_NO_BACKTRACE"] = "1"
     os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
 
 

@@ -48,6 +48,8 @@ class DecodeReport:
     failure_kinds: dict[str, int] = field(default_factory=dict)
     #: when each hung request was issued, in seconds from the kill (negative: before it)
     hung_issued_from_kill: list[float] = field(default_factory=list)
+    #: per hung request: its poll() state and the prefill's verdict on its room (None: none)
+    hung_detail: list[tuple[float, int, str | None]] = field(default_factory=list)
     wrong_issued_from_kill: list[float] = field(default_factory=list)
 
 
@@ -167,7 +169,8 @@ def run_restart(
     kill_at_s: float = 1.5,
     after_ready_s: float = 2.0,
     interval_s: float = 0.02,
-    grace_s: float = 3.0,
+    grace_s: float = 4.0,
+    waiting_timeout_s: float = 2.5,
     with_sglang: bool = True,
     log: Any = print,
 ) -> tuple[list[DecodeReport], dict[str, float]]:
@@ -177,9 +180,13 @@ def run_restart(
     layout = Layout(geometry=RESTART_GEOMETRY)
     prefill = RealPrefill(backend, layout=layout).start()
     replacement = RealPrefill(backend, layout=layout, bootstrap_port=prefill.port)
-    decodes: list[tuple[str, Any, int]] = [
-        ("library", LibraryDecode(backend, layout=layout, liveness_timeout_s=2.0), LIBRARY_ROOMS)
-    ]
+    # The library's waiting timeout below the grace: a request issued while the replacement
+    # registered but before it served (its metadata reached the new rank, the prefill never
+    # got the request) ends typed (WaitingTimeout) within the run instead of outliving it.
+    library = LibraryDecode(
+        backend, layout=layout, liveness_timeout_s=2.0, waiting_timeout_s=waiting_timeout_s
+    )
+    decodes: list[tuple[str, Any, int]] = [("library", library, LIBRARY_ROOMS)]
     if with_sglang:
         decodes.append(("sglang", SGLangDecode(backend, layout=layout), SGLANG_ROOMS))
     timeline: dict[str, float] = {}
@@ -192,18 +199,23 @@ def run_restart(
         for driver in drivers:
             driver.start()
         time.sleep(kill_at_s)
-        prefill.kill()
+        # Stamped before the SIGKILL: a decode may see the ranks die before kill() has reaped
+        # them, and a failure settled then is one in flight at the kill.
         timeline["kill"] = time.monotonic()
+        prefill.kill()
         log(f"{backend}: prefill SIGKILLed at {timeline['kill'] - start:.2f} s")
         if warm:
             replacement.go()
         else:
             replacement.spawn()
-        # Requests from now on go to the replacement (its stdin holds them until it runs), as a
-        # router's would once the prefill's address answers again.
-        prefill.swap_in(replacement)
         replacement.wait_ready()
         timeline["ready"] = time.monotonic()
+        # Requests reach the replacement once it serves, as a router's do: one routed while the
+        # prefill is down is refused there (connection refused), never queued into the
+        # replacement's start (a flood of rooms whose decodes gave up long ago, each a sender
+        # the replacement's scheduler polls until its bootstrap timeout, slowing every live
+        # request behind them by seconds). The decodes' requests meanwhile fail on their own.
+        prefill.swap_in(replacement)
         down = timeline["ready"] - timeline["kill"]
         log(f"{backend}: replacement READY {down:.2f} s after the kill")
         time.sleep(after_ready_s)
@@ -223,6 +235,12 @@ def run_restart(
                 round(r.issued_at - timeline["kill"], 3) for r in driver.in_flight
             ]
             report.kv_held_pages = PAGES * len(driver.in_flight)
+            concluded = {**prefill.concluded, **replacement.concluded}
+            report.hung_detail = [
+                (round(r.issued_at - timeline["kill"], 3), int(r.handle.poll()),
+                 concluded.get(r.room))
+                for r in driver.in_flight
+            ]  # fmt: skip
             if name == "library":
                 snapshot = decode.manager.pool.snapshot()
                 report.stale_pool_entries = sum(

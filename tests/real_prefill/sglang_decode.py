@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from real_prefill import engines
@@ -108,6 +109,13 @@ class SGLangDecode:
             host="127.0.0.1", tp_size=1,
         )  # fmt: skip
         server_args = self._args_override.__enter__()
+        # enable_pd_role_switch only makes the manager's worker threads poll with a timeout
+        # (common/conn.py ``_make_worker_recv``), so that Mooncake's ``teardown()`` joins them
+        # before closing their sockets: with the plain blocking recv, the socket closed under a
+        # thread blocked in it aborts the whole process in libzmq (a signaler.cpp assertion).
+        # What a request sees is unchanged. Set on the instance: the override's declared value
+        # does not reach the attribute the manager reads.
+        msgspec.Struct.__setattr__(server_args, "enable_pd_role_switch", True)
         set_sglang_ranks(tp_rank=0)
         kv_args = KVArgs()
         state = self.has_state

@@ -12,10 +12,10 @@ parses the rest with ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from statemachine.completion import PrefillEvent
-from statemachine.errors import ConfigurationError, InvalidArgument
+from statemachine.errors import ConfigurationError, InvalidArgument, TopologyMismatch
 from statemachine.pool import RankInfo
 from statemachine.sglang.v0_5_23.control import (
     abort_message,
@@ -25,7 +25,20 @@ from statemachine.sglang.v0_5_23.control import (
     decode_prefill_message,
 )
 from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs, pack_lists, pack_u32, pack_u64
+from statemachine.validation import Topology
 from statemachine.wire.metadata import MetadataRequest
+
+
+class DecodeShape(Protocol):
+    """What :meth:`NixlBackend.check_topology` reads of the decode's ``DecodeLayout``."""
+
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def is_mla(self) -> bool: ...
+    @property
+    def is_hybrid_mla(self) -> bool: ...
+
 
 #: The first frame of every NIXL registration and metadata message (``nixl/conn.py:78``).
 GUARD = b"NixlMsgGuard"
@@ -137,6 +150,26 @@ class NixlBackend:
                 ) from exc
             agent.release_dlist_handle(handle)
         return cls.factory(agent.name, agent.get_agent_metadata(), kv_args)
+
+    def check_topology(self, addr: str, topology: Topology, layout: DecodeShape) -> None:
+        """Refuse a prefill whose attention tp size differs from this decode's when the KV
+        buffers are not all VRAM: SGLang 0.5.23's NIXL prefill moves KV between different tp
+        sizes into GPU memory only, and raises NotImplementedError ("heterogeneous-TP
+        direct-to-host KV transfer is not implemented") on its bootstrap thread when it reads
+        this decode's registration (``nixl/conn.py:1519-1594``), which ends that thread for
+        every decode. MLA pools are sent whole, so any tp sizes work."""
+        if layout.is_mla or layout.is_hybrid_mla or topology.attn_tp_size == layout.tp_size:
+            return
+        kinds = self.kv_args.kv_mem_kinds or ("VRAM",)
+        if any(kind != "VRAM" for kind in kinds):
+            raise TopologyMismatch(
+                f"{addr}: the prefill has attention tp {topology.attn_tp_size} and this decode "
+                f"{layout.tp_size}, with KV buffers of kinds {sorted(set(kinds))}: SGLang "
+                "0.5.23's NIXL prefill transfers between different tp sizes only "
+                "into VRAM, and a registration like this one would end its bootstrap thread for "
+                "every decode. Run this decode with the prefill's attention tp size, or with "
+                "its KV cache in GPU memory registered as VRAM (DecodeKVArgs(kv_mem_kinds=...))"
+            )
 
     def _build_registration(self, agent_metadata: bytes) -> list[bytes]:
         args = self.kv_args
