@@ -54,7 +54,7 @@ def _run(design: str, rooms: int, release_timeout_s: float) -> dict[str, float |
     manager = DecodeManager(
         source=client,
         transport=transport,
-        health_interval_s=None,
+        health_probes=False,
         kv_release_timeout_s=release_timeout_s,
     )
     try:
@@ -128,7 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="kv_release_timeout_s (SGLang's default 30 s; the anchor waits this long)",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds-long run for the tests: 2 rooms, a 2 s release timeout",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rooms, args.release_timeout = 2, 2.0
     rows = []
     for design in ("acks-or-timeout", "ours"):
         print(f"bench_kv_release: {design}: SIGKILL with {args.rooms} rooms in flight ...")

@@ -65,6 +65,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "(c) IntEnum+dict floor",
         "BootstrapPool.lookup + record",
     ),
+    "bench_kv_release": ("held at fail", "acks-or-timeout", "\nours ", "by proof"),
     "bench_liveness": ("hang      before", "partition bound=1s", "first success after heal"),
     "bench_recovery": ("design", "kill->ok s", "back->ok s"),
     "bench_soak": ("[ok] restarts done: 1 of 1", "[ok] open fds before/after"),

@@ -125,7 +125,7 @@ def test_the_etcd_manager_with_etcd_down_names_the_cause() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # closed again: nothing listens there
     endpoint = f"http://127.0.0.1:{port}"
-    manager = manager_on_etcd(endpoint, health_interval_s=None)
+    manager = manager_on_etcd(endpoint, health_probes=False)
     try:
         receiver = manager.receiver("127.0.0.1:8998", 1, prefill_dp_rank=0)
         receiver.init()
