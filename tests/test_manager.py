@@ -994,7 +994,7 @@ def test_bad_rooms_and_parts_are_rejected_at_construction_with_typed_errors() ->
         with pytest.raises(ConfigurationError):
             DecodeManager(health_probes=False, **bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="pool must be a BootstrapPool"):
-        DecodeManager(pool=object(), health_interval_s=None)  # type: ignore[arg-type]
+        DecodeManager(pool=object(), health_probes=False)  # type: ignore[arg-type]
     assert issubclass(ConfigurationError, BootstrapError)
 
 
