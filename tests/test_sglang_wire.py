@@ -183,12 +183,12 @@ def test_sgw7_abort_parses_with_and_without_generation(backend: str) -> None:
     backend_ = ours(backend, HARNESS_KV)
     legacy = conn.AbortNotification.from_zmq(backend_.abort_frames(REAL, 9, instance_id="inst"))
     assert (legacy.room, legacy.decode_ip, legacy.decode_port) == (9, LOOPBACK, 5555)
-    assert legacy.abort_seq is None
+    assert legacy.generation is None  # SGLang names its abort counter "generation"
     assert legacy.deferred_ack_target() is None  # nothing for the prefill to acknowledge
     armed = conn.AbortNotification.from_zmq(
         backend_.abort_frames(REAL, 9, instance_id="inst", abort_seq=3)
     )
-    assert (armed.room, armed.abort_seq) == (9, 3)
+    assert (armed.room, armed.generation) == (9, 3)
     assert tuple(armed.deferred_ack_target()) == (LOOPBACK, 5555, 3)
 
 
