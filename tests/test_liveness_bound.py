@@ -40,7 +40,7 @@ LOAD_MARGIN_S = 0.5  # what a loaded 2-core machine may add to a deadline
 
 
 @pytest.mark.parametrize("seconds", [DEFAULT_LIVENESS_TIMEOUT_S, 1.0, 0.5])
-def test_zmq24_every_verdict_of_silence_falls_within_the_bound(seconds: float) -> None:
+def test_zmq25_every_verdict_of_silence_falls_within_the_bound(seconds: float) -> None:
     bound = LivenessBound.from_timeout(seconds)
     assert bound.liveness_timeout_s == seconds
     assert bound.rank_detection_s <= seconds
@@ -55,12 +55,12 @@ def test_zmq24_every_verdict_of_silence_falls_within_the_bound(seconds: float) -
 
 
 @pytest.mark.parametrize("bad", [0.4, 0, -3, float("nan"), "3", True, None])
-def test_zmq24_a_bound_that_is_not_a_number_of_seconds_is_refused(bad: object) -> None:
+def test_zmq25_a_bound_that_is_not_a_number_of_seconds_is_refused(bad: object) -> None:
     with pytest.raises(InvalidArgument, match="liveness_timeout_s must be"):
         LivenessBound.from_timeout(bad)  # type: ignore[arg-type]
 
 
-def test_zmq24_heartbeats_are_refused_half_given_and_bad_values_are_named() -> None:
+def test_zmq25_heartbeats_are_refused_half_given_and_bad_values_are_named() -> None:
     with pytest.raises(InvalidArgument, match="need heartbeat_ivl_ms"):
         ZmqTransport(heartbeat_timeout_ms=500)
     with pytest.raises(InvalidArgument, match="heartbeat_ivl_ms must be a positive int"):
@@ -81,7 +81,7 @@ def stopped_peer() -> Iterator[SinkProcess]:
             os.kill(sink.proc.pid, signal.SIGCONT)
 
 
-def test_zmq24_heartbeats_find_a_stopped_peer_that_main_never_finds(
+def test_zmq25_heartbeats_find_a_stopped_peer_that_main_never_finds(
     stopped_peer: SinkProcess,
 ) -> None:
     """A SIGSTOPped peer keeps its TCP connections: without heartbeats (main's transport) no

@@ -85,6 +85,18 @@ def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
     return predicate()
 
 
+def assert_found_within_bound(
+    verdicts: Verdicts, deaths: list[tuple[float, str]], endpoints: list[Endpoint], since: float
+) -> None:
+    """Every rank socket judged dead, and the health monitor's verdict, within the bound of the
+    fault that began at ``since`` (plus the load margin)."""
+    assert wait_for(lambda: verdicts.all_dead(endpoints) and bool(deaths), 10.0)
+    rank_detection = verdicts.latest_dead(endpoints) - since
+    health_detection = deaths[0][0] - since
+    assert rank_detection <= BOUND.rank_detection_s + LOAD_MARGIN_S, rank_detection
+    assert health_detection <= BOUND.health_detection_s + LOAD_MARGIN_S, health_detection
+
+
 def first_send_after(transport: ZmqTransport, endpoints: list[Endpoint], since: float) -> float:
     """Send to every endpoint until each send succeeds; the seconds from ``since`` to the last."""
     left = list(endpoints)
@@ -144,7 +156,7 @@ def health(prefill: NetnsPrefill) -> Iterator[tuple[HealthMonitor, list[tuple[fl
         yield monitor, deaths
 
 
-def test_zmq24_a_stopped_prefill_is_found_within_the_bound_and_served_at_sigcont(
+def test_zmq25_a_stopped_prefill_is_found_within_the_bound_and_served_at_sigcont(
     prefill: NetnsPrefill,
     watched: tuple[ZmqTransport, Verdicts, Verdicts],
     health: tuple[HealthMonitor, list[tuple[float, str]]],
@@ -155,11 +167,7 @@ def test_zmq24_a_stopped_prefill_is_found_within_the_bound_and_served_at_sigcont
     stopped = time.monotonic()
     prefill.hang()
     try:
-        assert wait_for(lambda: verdicts.all_dead(endpoints) and bool(deaths), 10.0)
-        rank_detection = verdicts.latest_dead(endpoints) - stopped
-        health_detection = deaths[0][0] - stopped
-        assert rank_detection <= BOUND.rank_detection_s + LOAD_MARGIN_S, rank_detection
-        assert health_detection <= BOUND.health_detection_s + LOAD_MARGIN_S, health_detection
+        assert_found_within_bound(verdicts, deaths, endpoints, since=stopped)
         assert "disconnected" in verdicts.dead[endpoints[0]][1]
         assert "health probes in a row failed" in deaths[0][1]
         # Judged dead: a send fails at once, none waits on the stopped rank.
@@ -173,7 +181,7 @@ def test_zmq24_a_stopped_prefill_is_found_within_the_bound_and_served_at_sigcont
     assert first_send_after(transport, endpoints, resumed) <= RECOVERY_S + LOAD_MARGIN_S
 
 
-def test_zmq24_a_partition_without_resets_is_found_within_the_bound_and_heals_at_once(
+def test_zmq25_a_partition_without_resets_is_found_within_the_bound_and_heals_at_once(
     ns: NetNamespace,
     prefill: NetnsPrefill,
     watched: tuple[ZmqTransport, Verdicts, Verdicts],
@@ -185,11 +193,7 @@ def test_zmq24_a_partition_without_resets_is_found_within_the_bound_and_heals_at
     cut = time.monotonic()
     ns.partition()
     try:
-        assert wait_for(lambda: verdicts.all_dead(endpoints) and bool(deaths), 10.0)
-        rank_detection = verdicts.latest_dead(endpoints) - cut
-        health_detection = deaths[0][0] - cut
-        assert rank_detection <= BOUND.rank_detection_s + LOAD_MARGIN_S, rank_detection
-        assert health_detection <= BOUND.health_detection_s + LOAD_MARGIN_S, health_detection
+        assert_found_within_bound(verdicts, deaths, endpoints, since=cut)
         assert not without_heartbeats.dead
         # Let libzmq's reconnect attempts into the cut run a while: none may be left backing
         # off when the path returns.
@@ -203,7 +207,7 @@ def test_zmq24_a_partition_without_resets_is_found_within_the_bound_and_heals_at
         assert client.health(prefill.addr) == prefill.instance_id
 
 
-def test_zmq24_a_cut_of_the_rank_path_alone_is_found_while_the_server_answers(
+def test_zmq25_a_cut_of_the_rank_path_alone_is_found_while_the_server_answers(
     ns: NetNamespace,
     prefill: NetnsPrefill,
     watched: tuple[ZmqTransport, Verdicts, Verdicts],
@@ -328,7 +332,7 @@ def silence_through_manager(
     assert manager.stats().silent_addresses == 0
 
 
-def test_zmq24_a_replacement_behind_the_same_bootstrap_address_is_seen_as_a_restart(
+def test_zmq25_a_replacement_behind_the_same_bootstrap_address_is_seen_as_a_restart(
     prefill: NetnsPrefill,
     watched: tuple[ZmqTransport, Verdicts, Verdicts],
 ) -> None:

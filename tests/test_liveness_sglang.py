@@ -37,7 +37,7 @@ BOUND = LivenessBound.from_timeout(0.5)  # PINGs every 125 ms, a silent connecti
 HEARTBEAT_PERIODS = 8
 
 
-def test_zmq24_sglang_prefill_answers_the_heartbeats_and_its_server_the_probes() -> None:
+def test_zmq25_sglang_prefill_answers_the_heartbeats_and_its_server_the_probes() -> None:
     deaths: list[str] = []
     with (
         sglang_bootstrap_server() as url,
