@@ -30,7 +30,13 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
-from sglang_support import import_sglang, set_sglang_ranks, sglang_server_args
+from sglang_support import (
+    import_sglang,
+    retire_sglang_manager,
+    set_sglang_ranks,
+    sglang_server_args,
+    stoppable_worker_threads,
+)
 
 __all__ = [
     "KVPool",
@@ -241,7 +247,7 @@ def decode_queues(
     """SGLang's own ``DecodeTransferQueue`` and ``DecodePreallocQueue`` of one decode rank (tp
     1), built by their constructors; the prealloc queue's constructor builds the KV manager
     through ``get_kv_class`` (decode.py:608-806), so whatever is installed then is what runs.
-    The manager is closed after (SGLang's lives as long as its process)."""
+    The manager is retired after (``retire_sglang_manager``: SGLang's has no close())."""
     decode = decode_module()
     utils = importlib.import_module("sglang.srt.disaggregation.utils")
     runtime = importlib.import_module("sglang.srt.runtime_context")
@@ -254,6 +260,7 @@ def decode_queues(
     }
     with ExitStack() as stack:
         server_args = stack.enter_context(sglang_server_args(**fields))
+        stoppable_worker_threads(server_args)
         set_sglang_ranks(tp_rank=0)
         runtime.get_parallel().override_permanently(
             attn_tp_group=types.SimpleNamespace(cpu_group=None), dp_rank=None
@@ -285,19 +292,6 @@ def decode_queues(
         # tests): releasing them (decode.py:2812-2820) is recorded instead.
         transfer.released = []
         transfer._release_request = transfer.released.append
-        stack.callback(_close_manager, prealloc.kv_manager)
+        stack.callback(retire_sglang_manager, prealloc.kv_manager)
         yield prealloc, transfer
 
-
-def _close_manager(manager: Any) -> None:
-    close = getattr(manager, "close", None)
-    if close is not None:  # this library's manager
-        close()
-        return
-    # SGLang's own: stop its heartbeat, drop its sockets (it has no close()).
-    shutdown = getattr(manager, "_heartbeat_shutdown", None)
-    if shutdown is not None:
-        shutdown.set()
-    manager._zmq_ctx.destroy(linger=0)
-    conn = importlib.import_module("sglang.srt.disaggregation.common.conn")
-    conn.CommonKVReceiver.close_all_sockets()

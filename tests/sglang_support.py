@@ -226,7 +226,46 @@ def sglang_bootstrap_server() -> Iterator[str]:
 
 
 def _destroy(manager: Any) -> None:
+    """For ``CommonKVManager`` itself, which starts no thread: nothing reads its sockets."""
     manager._zmq_ctx.destroy(linger=0)
+
+
+def stoppable_worker_threads(server_args: Any) -> None:
+    """Make the KV manager built under ``server_args`` stoppable by its own ``teardown()``.
+
+    ``enable_pd_role_switch`` only makes the manager's worker threads poll with a 500 ms timeout
+    (common/conn.py ``_make_worker_recv``, its one use in the disaggregation code), so that
+    Mooncake's ``teardown()`` joins them before closing their sockets. With the plain blocking
+    recv, closing or destroying a socket under the thread blocked in it is undefined in libzmq:
+    measured here, it aborted the whole pytest process (``Fatal Python error: Aborted`` in
+    ``Context.term``) or, in CI, hung it until the job's time limit. What a request sees is
+    unchanged. Set on the instance: the override's declared value does not reach the attribute
+    the manager reads."""
+    msgspec = importlib.import_module("msgspec")
+    msgspec.Struct.__setattr__(server_args, "enable_pd_role_switch", True)
+
+
+def retire_sglang_manager(manager: Any) -> None:
+    """End a decode KV manager (this library's or SGLang's) without touching a socket that one
+    of its threads may be reading.
+
+    Ours has ``close()``. SGLang's Mooncake manager has ``teardown()`` (mooncake/conn.py
+    440-525), safe when built under :func:`stoppable_worker_threads`. SGLang's NIXL manager has
+    neither, and its listener is a ``while True`` blocking recv (nixl/conn.py 1017-1043): its
+    heartbeat is stopped and the listener left blocked with its context (a daemon thread, ended
+    with the process); its context is never destroyed under it. The receivers' class-level PUSH
+    sockets, used only from the caller's thread, are closed in every case."""
+    close = getattr(manager, "close", None)
+    if close is not None:
+        close()
+    else:
+        try:
+            manager.teardown()
+        except NotImplementedError:
+            heartbeat = getattr(manager, "_heartbeat_shutdown", None)
+            if heartbeat is not None:
+                heartbeat.set()
+    import_sglang().CommonKVReceiver.close_all_sockets()
 
 
 @contextmanager

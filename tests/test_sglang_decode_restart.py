@@ -280,9 +280,6 @@ def table(runs: list[Run]) -> str:
 
 
 @requires_sglang
-# SGLang's own decode manager has no close(): its decode thread ends with ContextTerminated when
-# the test destroys the manager's ZMQ context (tests/sglang_decode_support.py, _close_manager).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_prefill_restart_hangs_sglangs_classes_and_not_the_installed_ones(
     engine_environment: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

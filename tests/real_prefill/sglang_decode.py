@@ -88,7 +88,12 @@ class SGLangDecode:
         waiting_timeout_s: int = 300,
         heartbeat_interval_s: int = 2,
     ) -> None:
-        from sglang_support import import_sglang, set_sglang_ranks, sglang_server_args
+        from sglang_support import (
+            import_sglang,
+            set_sglang_ranks,
+            sglang_server_args,
+            stoppable_worker_threads,
+        )
 
         engines.loopback_environment()
         os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(waiting_timeout_s)
@@ -109,13 +114,7 @@ class SGLangDecode:
             host="127.0.0.1", tp_size=1,
         )  # fmt: skip
         server_args = self._args_override.__enter__()
-        # enable_pd_role_switch only makes the manager's worker threads poll with a timeout
-        # (common/conn.py ``_make_worker_recv``), so that Mooncake's ``teardown()`` joins them
-        # before closing their sockets: with the plain blocking recv, the socket closed under a
-        # thread blocked in it aborts the whole process in libzmq (a signaler.cpp assertion).
-        # What a request sees is unchanged. Set on the instance: the override's declared value
-        # does not reach the attribute the manager reads.
-        msgspec.Struct.__setattr__(server_args, "enable_pd_role_switch", True)
+        stoppable_worker_threads(server_args)
         set_sglang_ranks(tp_rank=0)
         kv_args = KVArgs()
         state = self.has_state
@@ -164,7 +163,6 @@ class SGLangDecode:
             )
             self.receiver_class = backend_conn.NixlKVReceiver
         self.kv_poll = common.KVPoll
-        self._common = common
 
     def request(self, address: str, room: int, dst_pages: Sequence[int], aux_index: int,
                 state_index: int | None = None) -> SGLangRequest:  # fmt: skip
@@ -187,11 +185,7 @@ class SGLangDecode:
         }
 
     def close(self) -> None:
-        try:
-            self.manager.teardown()  # Mooncake's: stops its threads, sockets, registrations
-        except NotImplementedError:  # NIXL's manager has none: stop what can be stopped
-            heartbeat = getattr(self.manager, "_heartbeat_shutdown", None)
-            if heartbeat is not None:
-                heartbeat.set()
-        self._common.CommonKVReceiver.close_all_sockets()
+        from sglang_support import retire_sglang_manager
+
+        retire_sglang_manager(self.manager)
         self._args_override.__exit__(None, None, None)
