@@ -15,7 +15,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from real_prefill import engines
