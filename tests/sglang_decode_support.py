@@ -294,4 +294,3 @@ def decode_queues(
         transfer._release_request = transfer.released.append
         stack.callback(retire_sglang_manager, prealloc.kv_manager)
         yield prealloc, transfer
-
