@@ -420,7 +420,9 @@ def report(figures: Figures, rounds: int) -> None:
     header = f"{'figure':<50}{'SGLang':>10}{'ours':>10}{'ratio':>8}{'floor':>10}"
     print(header)
     print("-" * len(header))
-    goals = {"hit": 3.0, "send": 1 / 0.35, "request": 2.5}
+    # The goals of the decode-core split (issue 25): it removed the aliases and stored bound
+    # methods that bought the hit its 3x (issue 18's goal), and asked the hit to stay >= 2x.
+    goals = {"hit": 2.0, "send": 1 / 0.35, "request": 2.5}
     verdicts = []
     for figure, label in (
         ("hit", "receiver + init() on a pool hit"),
