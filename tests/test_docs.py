@@ -80,3 +80,18 @@ def test_reference_page_cites_its_sources() -> None:
     for section in sections:
         title = section.splitlines()[0]
         assert re.search(r"#\d{4,5}|\.py`|measured here|repository", section), title
+
+
+def test_every_sglang_interop_test_file_is_listed() -> None:
+    """docs/sglang-interop.md's table names every test file that runs SGLang's own code (those
+    marked ``requires_sglang`` or importing it through ``import_sglang``)."""
+    page = (REPO / "docs" / "sglang-interop.md").read_text()
+    interop = [
+        path.relative_to(REPO).as_posix()
+        for path in sorted((REPO / "tests").glob("test_*.py"))
+        if path.name != Path(__file__).name  # this test names the markers too
+        and re.search(r"\b(requires_sglang|import_sglang)\b", path.read_text())
+    ]
+    assert interop, "no interop test file found: the pattern is stale"
+    missing = [name for name in interop if f"]({'../' + name})" not in page]
+    assert missing == [], f"docs/sglang-interop.md does not list {missing}"
