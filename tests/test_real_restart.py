@@ -103,6 +103,15 @@ def replacement(metadata_at: dict[int, float], concluded_at: dict[int, float]) -
         # ... or an answer it had in time and missed
         ({7: 9.0}, {7: 9.5}, False),
     ],
+    ids=[
+        "answered-after",
+        "never-answered",
+        "metadata-read-after",
+        "answer-in-transit",
+        "no-metadata",
+        "no-metadata-answered",
+        "answer-missed",
+    ],
 )
 def test_a_failure_after_ready_is_the_prefills_only_with_its_evidence(
     metadata_at: dict[int, float], concluded_at: dict[int, float], late: bool
