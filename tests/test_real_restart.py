@@ -5,7 +5,15 @@ A short warm run per engine: the replacement imported SGLang beforehand and star
 The library's column is asserted: no wrong byte, nothing hung, nothing issued after the
 replacement was READY failed, every failure was of a request in flight at the kill or issued
 while the prefill was down, and it verified a request after READY. SGLang's column is printed,
-not asserted (longer runs, cold replacements too: ``make demo-sglang``).
+not asserted (longer runs: ``make demo-sglang``).
+
+A short cold run on Mooncake: the replacement starts after the kill (it imports SGLang then,
+seconds on this machine). Asserted the same way, except that a request issued after READY may
+fail when the replacement answered it later than the run's short waiting timeout: the
+replacement got its metadata (the library addressed the live prefill) and had not answered
+when the library gave up. On this shared 2-core machine a replacement under load sometimes
+takes that long (docs/sglang-interop.md, "A cold replacement"); any other failure after READY
+fails the test.
 
 A request issued while the prefill is down reaches no prefill (a router's call to a dead
 prefill is refused, not queued into its replacement), so the library ends it typed: at once
@@ -15,14 +23,35 @@ the replacement before that served (the run sets it below the grace).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 from real_prefill.engines import engine_unavailable
-from real_prefill.restart import run_restart, table
+from real_prefill.restart import (
+    ANSWER_IN_TRANSIT_S,
+    DecodeReport,
+    Request,
+    prefill_was_late,
+    run_restart,
+    table,
+)
 from sglang_support import requires_sglang
 
-pytestmark = [requires_sglang, pytest.mark.slow]
+
+def assert_library_recovered(library: DecodeReport) -> None:
+    assert library.wrong_pages == 0
+    assert library.hung == 0, library.hung_issued_from_kill
+    assert library.failed == (
+        library.failed_in_flight_at_kill + library.failed_while_down + library.failed_after_ready
+    )
+    assert library.ready_to_first_success is not None
+    assert library.verified > 0 and library.kv_held_pages == 0
+    assert library.stale_pool_entries == 0
 
 
+@requires_sglang
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_library_recovers_from_a_prefill_restart_beside_sglangs_decode(backend: str) -> None:
     reason = engine_unavailable(backend)
@@ -31,9 +60,66 @@ def test_library_recovers_from_a_prefill_restart_beside_sglangs_decode(backend: 
     reports, timeline = run_restart(backend, warm=True, kill_at_s=1.0, after_ready_s=1.5)
     print(table(f"{backend}, warm replacement ({timeline})", reports))
     library = reports[0]
-    assert library.wrong_pages == 0
-    assert library.hung == 0, library.hung_issued_from_kill
+    assert_library_recovered(library)
     assert library.failed_after_ready == 0
-    assert library.failed == library.failed_in_flight_at_kill + library.failed_while_down
-    assert library.ready_to_first_success is not None
-    assert library.verified > 0 and library.kv_held_pages == 0
+
+
+@requires_sglang
+@pytest.mark.slow
+def test_library_recovers_from_a_cold_prefill_restart_beside_sglangs_decode() -> None:
+    reason = engine_unavailable("mooncake")
+    if reason is not None:
+        pytest.skip(reason)
+    reports, timeline = run_restart("mooncake", warm=False, kill_at_s=1.0, after_ready_s=1.5)
+    print(table(f"mooncake, cold replacement ({timeline})", reports))
+    library = reports[0]
+    assert_library_recovered(library)
+    assert library.failed_after_ready == library.failed_after_ready_prefill_late
+
+
+def failed_request(room: int, failed_at: float) -> Request:
+    request = Request(room, [0], 0, handle=None, issued_at=failed_at - 2.5)
+    request.failed_at = failed_at
+    return request
+
+
+def replacement(metadata_at: dict[int, float], concluded_at: dict[int, float]) -> Any:
+    return SimpleNamespace(metadata_at=metadata_at, concluded_at=concluded_at)
+
+
+@pytest.mark.parametrize(
+    ("metadata_at", "concluded_at", "late"),
+    [
+        # the replacement had it and answered after the library gave up, or never
+        ({7: 9.0}, {7: 10.5}, True),
+        ({7: 9.0}, {}, True),
+        # its metadata reached the replacement only after the library gave up (a slow reader)
+        ({7: 10.2}, {7: 10.4}, True),
+        # an answer still crossing to the library when it gave up
+        ({7: 9.0}, {7: 10.0 - ANSWER_IN_TRANSIT_S / 2}, True),
+        # the library's doing: metadata that never reached the replacement (a dead rank's port)
+        ({}, {}, False),
+        ({}, {7: 10.5}, False),
+        # ... or an answer it had in time and missed
+        ({7: 9.0}, {7: 9.5}, False),
+    ],
+    ids=[
+        "answered-after",
+        "never-answered",
+        "metadata-read-after",
+        "answer-in-transit",
+        "no-metadata",
+        "no-metadata-answered",
+        "answer-missed",
+    ],
+)
+def test_a_failure_after_ready_is_the_prefills_only_with_its_evidence(
+    metadata_at: dict[int, float], concluded_at: dict[int, float], late: bool
+) -> None:
+    request = failed_request(7, failed_at=10.0)
+    assert prefill_was_late(request, replacement(metadata_at, concluded_at)) is late
+
+
+def test_a_request_that_did_not_fail_is_never_counted_late() -> None:
+    request = Request(7, [0], 0, handle=None, issued_at=1.0)
+    assert not prefill_was_late(request, replacement({7: 1.0}, {}))

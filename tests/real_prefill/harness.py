@@ -79,6 +79,10 @@ class RealPrefill:
         self.procs: list[subprocess.Popen[str]] = []
         self.ready: list[dict[str, Any]] = []
         self.concluded: dict[int, str] = {}  # room -> "Success" / "Failed", as rank 0 saw it
+        #: room -> when rank 0 concluded it, and when the decode's metadata for it reached rank 0
+        #: (``time.monotonic()`` of the rank's process: the same clock as this one's)
+        self.concluded_at: dict[int, float] = {}
+        self.metadata_at: dict[int, float] = {}
         self._starts = 0
         self._warm = False
         self._lock = threading.Lock()  # transfer() from several threads, spawn() swapping procs
@@ -179,7 +183,12 @@ class RealPrefill:
         for line in proc.stdout:
             if line.startswith("{"):  # NIXL logs to stdout too
                 event = json.loads(line)
-                self.concluded[event["room"]] = event["status"]
+                room = event["room"]
+                if event.get("metadata_at") is not None:
+                    self.metadata_at[room] = event["metadata_at"]
+                if "status" in event:
+                    self.concluded_at[room] = event["at"]
+                    self.concluded[room] = event["status"]
 
     def transfer(
         self,

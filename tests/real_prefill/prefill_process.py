@@ -9,7 +9,11 @@ fill the pages (the "forward pass": the known pattern of :mod:`real_prefill.patt
 ``send(pages, state_indices)`` -> poll until Success or Failed -> ``clear()``.
 
 Commands come one JSON object a line on stdin; this process prints ``READY {...}`` once it is
-registered, then one ``{"room", "status"}`` line per request it concluded.
+registered, then per request one ``{"room", "metadata_at"}`` line when it sends (when the
+decode's metadata reached this rank) and one ``{"room", "status", "at", "metadata_at"}`` line
+when it concluded (``metadata_at`` null: the request ended before its metadata arrived).
+Times are ``time.monotonic()``, one clock for every process of the machine (Linux's
+CLOCK_MONOTONIC), so the harness can order them against the decode's own events.
 """
 
 from __future__ import annotations
@@ -95,6 +99,9 @@ class Prefill:
         self.free_pages = collections.deque(int(page) for page in order)
         self.free_aux = collections.deque(range(g.aux_slots))
         self.senders: dict[int, tuple[Any, dict[str, Any]]] = {}
+        #: room -> when the manager took the decode's metadata for it, when it concluded it
+        self.metadata_at: dict[int, float] = {}
+        self.concluded_at: dict[int, float] = {}
 
     def state_fields(self) -> dict[str, Any]:
         """One Mamba state buffer, Mooncake only: SGLang 0.5.23's NIXL manager registers state
@@ -202,7 +209,27 @@ class Prefill:
             self.sender_class = backend.NixlKVSender
             session = self.manager.agent.name
         self.kv_poll = common.KVPoll
+        self._stamp_statuses(common.KVPoll)
         return {"session": session, "rank_port": self.manager.rank_port, "pid": os.getpid()}
+
+    def _stamp_statuses(self, kv_poll: Any) -> None:
+        """Note when each room's metadata arrived and when the rank concluded it, as the manager
+        saw them: its bootstrap thread moves a room to WaitingForInput as it takes the decode's
+        metadata, its transfer worker to Success or Failed just before it tells the decode. So
+        the times are exact, not this loop's next poll (which lags under load). This observes
+        only: every call goes on as made."""
+        manager, metadata_at, concluded_at = self.manager, self.metadata_at, self.concluded_at
+        update_status = manager.update_status
+        ends = (kv_poll.Success, kv_poll.Failed)
+
+        def stamped(room: int, status: Any, *args: Any, **kwargs: Any) -> Any:
+            if status == kv_poll.WaitingForInput:
+                metadata_at.setdefault(room, time.monotonic())
+            elif status in ends:
+                concluded_at.setdefault(room, time.monotonic())
+            return update_status(room, status, *args, **kwargs)
+
+        manager.update_status = stamped
 
     def wait_registered(self, timeout: float) -> None:
         """The server answers a room's ranks once every rank registered; rank 0 waits for it
@@ -284,14 +311,21 @@ class Prefill:
                     pages, [np.asarray([state], dtype=np.int32)] if state is not None else None
                 )
                 request["sent"] = True
+                request["metadata_at"] = self.metadata_at.pop(room, time.monotonic())
+                print(json.dumps({"room": room, "metadata_at": request["metadata_at"]}), flush=True)
             elif status in (self.kv_poll.Success, self.kv_poll.Failed):
                 name = "Success" if status == self.kv_poll.Success else "Failed"
                 sender.clear()
                 del self.senders[room]
+                arrived = request.get("metadata_at", self.metadata_at.pop(room, None))
+                at = self.concluded_at.pop(room, time.monotonic())
                 if request.get("allocated"):
                     self.free_pages.extend(request["src_pages"])
                     self.free_aux.append(request["aux_index"])
-                print(json.dumps({"room": room, "status": name}), flush=True)
+                print(
+                    json.dumps({"room": room, "status": name, "at": at, "metadata_at": arrived}),
+                    flush=True,
+                )
 
     def run(self) -> None:
         threading.Thread(target=self.read_commands, daemon=True).start()

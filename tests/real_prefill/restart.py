@@ -37,6 +37,10 @@ class DecodeReport:
     failed_in_flight_at_kill: int = 0
     failed_while_down: int = 0
     failed_after_ready: int = 0
+    #: of those, the replacement's doing: it got the request's metadata and had not answered
+    #: when the decode gave up (a transfer slower than the decode's waiting timeout: load on
+    #: the prefill, not a request the decode lost; :func:`prefill_was_late`)
+    failed_after_ready_prefill_late: int = 0
     hung: int = 0
     wrong_pages: int = 0
     #: Successes whose bytes were wrong when polled and right 200 ms later
@@ -53,8 +57,8 @@ class DecodeReport:
     wrong_issued_from_kill: list[float] = field(default_factory=list)
 
 
-class _Request:
-    __slots__ = ("aux", "dst", "handle", "issued_at", "room")
+class Request:
+    __slots__ = ("aux", "dst", "failed_at", "handle", "issued_at", "room")
 
     def __init__(self, room: int, dst: list[int], aux: int, handle: Any, issued_at: float):
         self.room, self.dst, self.aux, self.handle, self.issued_at = (
@@ -64,6 +68,7 @@ class _Request:
             handle,
             issued_at,
         )
+        self.failed_at: float | None = None
 
 
 class Driver(threading.Thread):
@@ -76,7 +81,8 @@ class Driver(threading.Thread):
         self.timeline = timeline
         self.rooms = itertools.count(rooms)
         self.report = DecodeReport(name)
-        self.in_flight: list[_Request] = []
+        self.in_flight: list[Request] = []
+        self.failed_after_ready: list[Request] = []
         self.issuing = threading.Event()
         self.issuing.set()
         self.stopping = threading.Event()
@@ -90,10 +96,10 @@ class Driver(threading.Thread):
         aux = room % RESTART_GEOMETRY.aux_slots
         self.prefill.transfer(room, PAGES)  # the prefill allocates its own pages
         handle = self.decode.request(self.prefill.address, room, dst, aux)
-        self.in_flight.append(_Request(room, dst, aux, handle, now))
+        self.in_flight.append(Request(room, dst, aux, handle, now))
         self.report.issued += 1
 
-    def settle(self, request: _Request, success: bool, now: float) -> None:
+    def settle(self, request: Request, success: bool, now: float) -> None:
         report, timeline = self.report, self.timeline
         if success:
             wrong = self.decode.wrong_pages(request.room, request.dst, request.aux)
@@ -130,6 +136,8 @@ class Driver(threading.Thread):
         kill, ready = timeline.get("kill"), timeline.get("ready")
         if ready is not None and request.issued_at >= ready:
             report.failed_after_ready += 1
+            request.failed_at = now
+            self.failed_after_ready.append(request)
         elif kill is not None and request.issued_at >= kill:
             report.failed_while_down += 1
         elif kill is not None:
@@ -151,6 +159,25 @@ class Driver(threading.Thread):
 
 
 SUCCESS, FAILED = 4, 0  # KVPoll values, the same in SGLang and this library
+
+
+#: How long before a decode gave up the prefill's answer may have left and still count as not
+#: arrived: its status message crosses loopback and the decode's listener thread in about a
+#: millisecond, tens of them on this loaded 2-core machine. An answer sent earlier than this
+#: was lost or ignored by the decode.
+ANSWER_IN_TRANSIT_S = 0.05
+
+
+def prefill_was_late(request: Request, replacement: RealPrefill) -> bool:
+    """Whether a request issued after READY failed because the replacement was slow: the
+    decode's metadata reached the replacement's rank (so it addressed the live incarnation, not
+    a dead rank's port), and the rank had not answered by the time the decode gave up (it
+    answered later, or not within the run). False is the decode's doing: metadata that never
+    reached the replacement, or an answer the decode had in time and missed."""
+    if request.failed_at is None or request.room not in replacement.metadata_at:
+        return False
+    concluded_at = replacement.concluded_at.get(request.room)
+    return concluded_at is None or concluded_at > request.failed_at - ANSWER_IN_TRANSIT_S
 
 
 def failure_kind(handle: Any) -> str:
@@ -209,13 +236,15 @@ def run_restart(
         else:
             replacement.spawn()
         replacement.wait_ready()
-        timeline["ready"] = time.monotonic()
         # Requests reach the replacement once it serves, as a router's do: one routed while the
         # prefill is down is refused there (connection refused), never queued into the
         # replacement's start (a flood of rooms whose decodes gave up long ago, each a sender
         # the replacement's scheduler polls until its bootstrap timeout, slowing every live
         # request behind them by seconds). The decodes' requests meanwhile fail on their own.
+        # READY is stamped after the swap: a request counted as issued after READY was routed
+        # to the replacement.
         prefill.swap_in(replacement)
+        timeline["ready"] = time.monotonic()
         down = timeline["ready"] - timeline["kill"]
         log(f"{backend}: replacement READY {down:.2f} s after the kill")
         time.sleep(after_ready_s)
@@ -235,6 +264,9 @@ def run_restart(
                 round(r.issued_at - timeline["kill"], 3) for r in driver.in_flight
             ]
             report.kv_held_pages = PAGES * len(driver.in_flight)
+            report.failed_after_ready_prefill_late = sum(
+                prefill_was_late(r, replacement) for r in driver.failed_after_ready
+            )
             concluded = {**prefill.concluded, **replacement.concluded}
             report.hung_detail = [
                 (round(r.issued_at - timeline["kill"], 3), int(r.handle.poll()),
@@ -266,6 +298,7 @@ ROWS = [
     ("  in flight at the kill", "failed_in_flight_at_kill"),
     ("  issued while down", "failed_while_down"),
     ("  issued after READY", "failed_after_ready"),
+    ("    prefill answered late", "failed_after_ready_prefill_late"),
     ("hung (no answer at the end)", "hung"),
     ("wrong pages", "wrong_pages"),
     ("Success before its bytes", "late_bytes"),
