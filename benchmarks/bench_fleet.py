@@ -29,7 +29,7 @@ only.
 from __future__ import annotations
 
 import argparse
-import collections
+import heapq
 import importlib
 import json
 import os
@@ -249,12 +249,14 @@ def fleet(address: str, clients: int, seconds: float) -> int:
         client.sock, client.connected, client.waiting = None, False, False
         stats.reconnects += 1
 
-    # Each client's next probe, in due order: a probe is due PROBE_INTERVAL after the last.
-    due: collections.deque[tuple[float, int]] = collections.deque()
+    # Each client's next probe, a heap by due time: a probe is due PROBE_INTERVAL after the
+    # last. (A FIFO is in due order only while the ramp is shorter than PROBE_INTERVAL: past
+    # that, three quarters of 10,000 clients fell due together at each whole second.)
+    due: list[tuple[float, int]] = []
     start = time.monotonic()
     ramp = clients / CONNECTS_PER_S
     for index in range(clients):
-        due.append((start + ramp * index / clients, index))
+        due.append((start + ramp * index / clients, index))  # sorted: a heap already
     opened = 0
     ready_by = start + ramp + 10.0
     ready = False
@@ -265,8 +267,8 @@ def fleet(address: str, clients: int, seconds: float) -> int:
             open_one(opened)
             opened += 1
         while due and due[0][0] <= now:
-            when, index = due.popleft()
-            due.append((when + PROBE_INTERVAL, index))
+            when, index = heapq.heappop(due)
+            heapq.heappush(due, (when + PROBE_INTERVAL, index))
             client = fleet_clients[index]
             if client.sock is None:
                 if index < opened:
