@@ -14,7 +14,10 @@ the fleet is up, this process times ``GET /route`` for ``--seconds``:
 
 Reported per server: p50/p99 in ms and failures of both (a failure is a typed error, e.g.
 ``TransportFailure`` at the client's 5 s deadline), probes answered and reconnects of the
-fleet, and the server's counters (ours: connections evicted, peak open; RSS of the process).
+fleet, and the server's counters (ours: connections evicted, peak open; RSS of the process);
+the CPU the server process and the fleet process each used while the fleet ran (in % of one
+core; the fleet shares the machine's cores with the server it measures), and the server's CPU
+microseconds per request answered (probes and queries).
 Settings: the issue's (1,100 clients, fd limit 1,024 soft, the machine's hard limit), the
 same with a hard limit of 1,024 (nothing to raise: the cap of 960 binds and eviction serves
 the newcomers), and 10,000 clients at a soft limit of 1,024. Goal: p99 <= 50 ms. Loopback
@@ -26,7 +29,7 @@ only.
 from __future__ import annotations
 
 import argparse
-import collections
+import heapq
 import importlib
 import json
 import os
@@ -141,6 +144,9 @@ class ServerChild:
         _, port, self.limits = line.rstrip("\n").split(" ", 2)
         self.address = f"{HOST}:{port}"
 
+    def cpu_seconds(self) -> float:
+        return _cpu_seconds(self.proc.pid)
+
     def stop(self) -> dict[str, float]:
         try:
             out, _ = self.proc.communicate(input="", timeout=60)
@@ -152,6 +158,17 @@ class ServerChild:
                 stats: dict[str, float] = json.loads(line[len("STATS ") :])
                 return stats
         return {}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process used so far (Linux /proc; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            # Fields after the command name (which may hold spaces): utime, stime are 14, 15.
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _child(argv: list[str]) -> subprocess.Popen[str]:
@@ -232,12 +249,14 @@ def fleet(address: str, clients: int, seconds: float) -> int:
         client.sock, client.connected, client.waiting = None, False, False
         stats.reconnects += 1
 
-    # Each client's next probe, in due order: a probe is due PROBE_INTERVAL after the last.
-    due: collections.deque[tuple[float, int]] = collections.deque()
+    # Each client's next probe, a heap by due time: a probe is due PROBE_INTERVAL after the
+    # last. (A FIFO is in due order only while the ramp is shorter than PROBE_INTERVAL: past
+    # that, three quarters of 10,000 clients fell due together at each whole second.)
+    due: list[tuple[float, int]] = []
     start = time.monotonic()
     ramp = clients / CONNECTS_PER_S
     for index in range(clients):
-        due.append((start + ramp * index / clients, index))
+        due.append((start + ramp * index / clients, index))  # sorted: a heap already
     opened = 0
     ready_by = start + ramp + 10.0
     ready = False
@@ -248,8 +267,8 @@ def fleet(address: str, clients: int, seconds: float) -> int:
             open_one(opened)
             opened += 1
         while due and due[0][0] <= now:
-            when, index = due.popleft()
-            due.append((when + PROBE_INTERVAL, index))
+            when, index = heapq.heappop(due)
+            heapq.heappush(due, (when + PROBE_INTERVAL, index))
             client = fleet_clients[index]
             if client.sock is None:
                 if index < opened:
@@ -313,6 +332,9 @@ class FleetChild:
             _, err = self.proc.communicate(timeout=30)
             raise RuntimeError(f"the fleet did not start: {err[-2000:]!r}")
         self.connected = int(words[0])
+
+    def cpu_seconds(self) -> float:
+        return _cpu_seconds(self.proc.pid)
 
     def wait(self) -> dict[str, int]:
         try:
@@ -384,8 +406,15 @@ def run_one(kind: str, setting: Setting, seconds: float, deadline: float) -> tup
         payload = route_payload(rank_ip=HOST, rank_port=5000)
         register_rank(server.address, TOKEN, payload, attempts=3)
         fleet_child = FleetChild(server.address, setting.clients, seconds + 1.0)
+        # CPU used while the fleet runs: the server's per request, and the fleet's own (it
+        # shares the machine's cores with the server it measures).
+        began = time.monotonic()
+        server_cpu, fleet_cpu = server.cpu_seconds(), fleet_child.cpu_seconds()
         keep_alive, fresh = measure(server.address, seconds, deadline)
+        fleet_cpu = fleet_child.cpu_seconds() - fleet_cpu
         probes = fleet_child.wait()
+        server_cpu = server.cpu_seconds() - server_cpu
+        window = time.monotonic() - began
     finally:
         stats = server.stop()
     evicted = stats.get("evicted")
@@ -395,12 +424,20 @@ def run_one(kind: str, setting: Setting, seconds: float, deadline: float) -> tup
         f"{probes.get('connected', 0):>6,} {probes.get('answered', 0):>8,} "
         f"{probes.get('reconnects', 0):>6,} "
         f"{_count(evicted):>8} {_count(peak):>6} "
-        f"{_count(stats.get('rss_mb')):>7}   {server.limits}"
+        f"{_count(stats.get('rss_mb')):>7} "
+        f"{100 * server_cpu / window:>5.0f}% {100 * fleet_cpu / seconds:>5.0f}% "
+        f"{_per_request_us(server_cpu, probes, keep_alive, fresh):>6}   {server.limits}"
     )
     met = max(keep_alive.p99(), fresh.p99()) <= GOAL_P99_MS and not (
         keep_alive.failures or fresh.failures
     )
     return row, met
+
+
+def _per_request_us(cpu: float, probes: dict[str, int], *legit: Timings) -> str:
+    """The server's CPU microseconds per request it answered (fleet probes and legit queries)."""
+    answered = probes.get("answered", 0) + sum(len(t.latencies_ms) for t in legit)
+    return f"{1e6 * cpu / answered:,.0f}" if answered else "-"
 
 
 def _count(value: float | None) -> str:
@@ -410,7 +447,8 @@ def _count(value: float | None) -> str:
 HEADER = (
     f"{'server':<7}{'keep-alive p50':>14} {'p99':>8} {'fail':>9}  "
     f"{'new-conn p50':>12} {'p99':>8} {'fail':>9}  "
-    f"{'fleet':>6} {'probes':>8} {'reconn':>6} {'evicted':>8} {'peak':>6} {'RSS MB':>7}   limits"
+    f"{'fleet':>6} {'probes':>8} {'reconn':>6} {'evicted':>8} {'peak':>6} {'RSS MB':>7} "
+    f"{'srvCPU':>6} {'fltCPU':>6} {'us/req':>6}   limits"
 )
 
 

@@ -1,5 +1,5 @@
 """The reference bootstrap server against hostile clients and SGLang's full wire
-(spec/protocol.md, HTTP-51..58, HTTP-63, HTTP-70..73).
+(spec/protocol.md, HTTP-51..58, HTTP-63, HTTP-70..73; HTTP-74 in test_health_fast_path.py).
 
 Real servers on 127.0.0.1: in this process, or in a child process whose fd limit is lowered
 with ``resource`` so that an attack from this process can exhaust it. Attacks are bounded in

@@ -95,6 +95,7 @@ T_LIVE = "tests/test_liveness.py::"
 T_ETCD = "tests/test_etcd_receiver.py::"
 T_MARK = T_ETCD + "test_a_watch_event_marks_a_held_generation_no_longer_in_the_pool"
 T_LISTEN = T_ETCD + "test_a_watch_event_fails_a_transfer_on_a_generation_no_longer_in_the_pool"
+T_FAST = "tests/test_health_fast_path.py::"
 
 MUTANTS: tuple[CodeMutant, ...] = (
     # --- manager: failure fan-out -------------------------------------------------------------
@@ -622,6 +623,29 @@ MUTANTS: tuple[CodeMutant, ...] = (
         ((" or (kind is int and isinstance(value, bool)) or ", " or "),),
         ("tests/test_server.py::test_http63_json_true_is_not_an_integer_field",),
         'the server takes "page_size": true as page size 1 and pins it for the address',
+    ),
+    # --- server: the /health fast path (HTTP-74) -------------------------------------------------
+    CodeMutant(
+        "fast_path_ignores_what_aiohttp_holds",
+        SERVER,
+        (
+            (
+                'if self.handed == b"" and not self.paused and self.owner._answer_health(',
+                "if not self.paused and self.owner._answer_health(",
+            ),
+        ),
+        (
+            T_FAST + "test_http74_a_body_that_looks_like_a_probe_is_a_body",
+            T_FAST + "test_http74_pipelined_requests_are_answered_in_order_by_aiohttp",
+        ),
+        "a body that reads as a probe is answered as one (a second reply on the connection)",
+    ),
+    CodeMutant(
+        "settle_ignores_the_body_length",
+        SERVER,
+        ((" and body == (request.content_length or 0)", ""),),
+        (T_FAST + "test_http74_a_body_that_looks_like_a_probe_is_a_body",),
+        "aiohttp is taken to hold nothing while the body of a request it answered is still due",
     ),
 )
 
