@@ -79,6 +79,7 @@ class RealPrefill:
         self.procs: list[subprocess.Popen[str]] = []
         self.ready: list[dict[str, Any]] = []
         self.concluded: dict[int, str] = {}  # room -> "Success" / "Failed", as rank 0 saw it
+        self.events: dict[int, dict[str, Any]] = {}  # room -> rank 0's event, with timestamps
         self._starts = 0
         self._warm = False
         self._lock = threading.Lock()  # transfer() from several threads, spawn() swapping procs
@@ -180,6 +181,7 @@ class RealPrefill:
             if line.startswith("{"):  # NIXL logs to stdout too
                 event = json.loads(line)
                 self.concluded[event["room"]] = event["status"]
+                self.events[event["room"]] = event
 
     def transfer(
         self,

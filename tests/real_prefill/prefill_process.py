@@ -9,7 +9,10 @@ fill the pages (the "forward pass": the known pattern of :mod:`real_prefill.patt
 ``send(pages, state_indices)`` -> poll until Success or Failed -> ``clear()``.
 
 Commands come one JSON object a line on stdin; this process prints ``READY {...}`` once it is
-registered, then one ``{"room", "status"}`` line per request it concluded.
+registered, then one ``{"room", "status", ...}`` line per request it concluded, with this
+process's ``time.monotonic()`` (the clock of every process on the machine) when the sender was
+made (``t_init``), when ``send()`` was called (``t_sent``: the decode's metadata had arrived) and
+when the sender polled Success or Failed (``t_end``).
 """
 
 from __future__ import annotations
@@ -265,7 +268,7 @@ class Prefill:
             sender = self.sender_class(self.manager, f"127.0.0.1:{self.args.bootstrap_port}", room)
             pages = command.get("pages") or len(command["src_pages"])
             sender.init(pages, command.get("aux_index"))
-            self.senders[room] = (sender, {**command, "sent": False})
+            self.senders[room] = (sender, {**command, "sent": False, "t_init": time.monotonic()})
         for room, (sender, request) in list(self.senders.items()):
             status = sender.poll()
             if not request["sent"] and status == self.kv_poll.WaitingForInput:
@@ -284,6 +287,7 @@ class Prefill:
                     pages, [np.asarray([state], dtype=np.int32)] if state is not None else None
                 )
                 request["sent"] = True
+                request["t_sent"] = time.monotonic()
             elif status in (self.kv_poll.Success, self.kv_poll.Failed):
                 name = "Success" if status == self.kv_poll.Success else "Failed"
                 sender.clear()
@@ -291,7 +295,9 @@ class Prefill:
                 if request.get("allocated"):
                     self.free_pages.extend(request["src_pages"])
                     self.free_aux.append(request["aux_index"])
-                print(json.dumps({"room": room, "status": name}), flush=True)
+                times = {key: request[key] for key in ("t_init", "t_sent") if key in request}
+                event = {"room": room, "status": name, **times, "t_end": time.monotonic()}
+                print(json.dumps(event), flush=True)
 
     def run(self) -> None:
         threading.Thread(target=self.read_commands, daemon=True).start()
