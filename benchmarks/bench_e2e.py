@@ -37,7 +37,7 @@ costs. NIXL has no floor row here.
 
 Everything runs on loopback TCP on a CPU machine shared with other work: indicative only.
 
-    .venv/bin/python -m benchmarks bench_e2e            # Mooncake and NIXL, ~5 minutes
+    .venv/bin/python -m benchmarks bench_e2e            # Mooncake and NIXL, ~2 minutes
     .venv/bin/python -m benchmarks.bench_e2e --smoke    # seconds: Mooncake, 1 and 8 pages
 """
 
