@@ -15,8 +15,20 @@ every one polled until it ends. Figures: requests/s over the round (first ``init
 Success), and p50/p99 of each request's ``init()`` → Success. Every Success is then checked byte
 for byte (outside the timed window, the same check for both); a wrong byte or a failure makes
 the benchmark exit 1. Rounds interleave the decodes (their order alternating); each figure is
-the median over rounds; the ratio is ours over SGLang's for requests/s and SGLang's over ours
-for latencies (> 1: ours is better).
+the median over rounds. The ratio row pairs the two decodes round by round (they ran back to
+back): the median of the per-round ratios, ours over SGLang's for requests/s and SGLang's over
+ours for latencies (> 1: ours is better), and in how many rounds ours was faster. A round's time
+is heavy-tailed here (a transfer on the prefill stalls for 0.3-0.8 s in some rounds, whichever
+decode runs), so five rounds are too few: 15 by default.
+
+Where a request's time goes, from the prefill's own timestamps (p50 per round, then the median):
+``to send``: ``init()`` -> the prefill's ``send()`` (the metadata arrived and the prefill's
+scheduler acted on it); ``xfer``: ``send()`` -> the prefill's sender polled Success; ``seen``:
+that -> the decode's ``poll()`` said Success. The first two are the prefill's work, the same
+frames for both decodes; only ``seen`` (and the metadata's way there) is the decode's. And what
+the decode costs its scheduler's thread, in CPU time (which the machine's load does not stretch
+as it stretches wall time): ``init µs`` per ``request()`` (``init()`` and ``send_metadata()``),
+``poll µs`` per ``poll()``; their ratios are SGLang's over ours.
 
 The floor (Mooncake): the same bytes written by a second engine in this process with
 ``transfer_sync_write``, one call per page per buffer and one for aux (as the prefill's
@@ -25,7 +37,7 @@ costs. NIXL has no floor row here.
 
 Everything runs on loopback TCP on a CPU machine shared with other work: indicative only.
 
-    .venv/bin/python -m benchmarks bench_e2e            # Mooncake and NIXL, a few minutes
+    .venv/bin/python -m benchmarks bench_e2e            # Mooncake and NIXL, ~2 minutes
     .venv/bin/python -m benchmarks.bench_e2e --smoke    # seconds: Mooncake, 1 and 8 pages
 """
 
@@ -66,11 +78,19 @@ def unavailable(backend: str) -> str | None:
 
 @dataclass
 class Figures:
-    """One decode's rounds for one request size."""
+    """One decode's rounds for one request size (lists aligned by round)."""
 
     rps: list[float] = field(default_factory=list)
     p50_ms: list[float] = field(default_factory=list)
     p99_ms: list[float] = field(default_factory=list)
+    #: per round, the p50 of each phase of a request as the prefill saw it (ms; empty for the
+    #: floor): init() -> the prefill's send() (the metadata arrived and its scheduler acted),
+    #: send() -> the prefill's sender polled Success, that -> the decode's poll() said Success
+    phases: list[tuple[float, float, float]] = field(default_factory=list)
+    #: per round, the calling thread's CPU time (µs) per ``request()`` (``init()`` and
+    #: ``send_metadata()``) and per ``poll()``: what the decode costs its scheduler's thread,
+    #: a figure the machine's load does not stretch as it stretches wall time
+    cpu_us: list[tuple[float, float]] = field(default_factory=list)
 
     def add(self, elapsed_s: float, latencies_s: list[float]) -> None:
         ordered = sorted(latencies_s)
@@ -84,6 +104,33 @@ class Figures:
             statistics.median(self.p50_ms),
             statistics.median(self.p99_ms),
         )
+
+    def cpu_medians(self) -> tuple[float, float] | None:
+        if not self.cpu_us:
+            return None
+        request, poll = zip(*self.cpu_us, strict=True)
+        return statistics.median(request), statistics.median(poll)
+
+    def phase_medians(self) -> tuple[float, float, float] | None:
+        if not self.phases:
+            return None
+        to_send, transfer, seen = zip(*self.phases, strict=True)
+        return statistics.median(to_send), statistics.median(transfer), statistics.median(seen)
+
+
+def paired(ours: Figures, sglang: Figures) -> tuple[float, float, float, int, int]:
+    """Ours against SGLang's round by round (the two ran back to back, so a load swing on the
+    shared machine hits both): the medians of the per-round ratios (> 1: ours is better), and
+    in how many of the rounds ours had the higher requests/s."""
+    rounds = list(zip(ours.rps, sglang.rps, ours.p50_ms, sglang.p50_ms, ours.p99_ms,
+                      sglang.p99_ms, strict=True))  # fmt: skip
+    return (
+        statistics.median(o / s for o, s, *_ in rounds),
+        statistics.median(s50 / o50 for _, _, o50, s50, _, _ in rounds),
+        statistics.median(s99 / o99 for *_, o99, s99 in rounds),
+        sum(o > s for o, s, *_ in rounds),
+        len(rounds),
+    )
 
 
 class Bench:
@@ -133,24 +180,32 @@ class Bench:
     def round(self, name: str, pages: int, figures: Figures) -> None:
         decode = self.decodes[name]
         requests = []
-        started = time.perf_counter()
+        cpu = time.thread_time
+        request_cpu = poll_cpu = 0.0
+        polls = 0
+        # time.monotonic: the prefill process stamps its events with the same clock
+        started = time.monotonic()
         for index in range(self.batch):
             room = next(self.rooms)
             dst, aux = self.destination(index, pages), index
             self.prefill.transfer(room, pages)
-            issued = time.perf_counter()
-            requests.append(
-                [room, dst, aux, decode.request(self.prefill.address, room, dst, aux), issued, None]
-            )
+            issued = time.monotonic()
+            before = cpu()
+            handle = decode.request(self.prefill.address, room, dst, aux)
+            request_cpu += cpu() - before
+            requests.append([room, dst, aux, handle, issued, None])
         pending = list(requests)
         while pending:
             for request in list(pending):
+                before = cpu()
                 state = int(request[3].poll())
+                poll_cpu += cpu() - before
+                polls += 1
                 if state in (SUCCESS, FAILED):
-                    request[5] = time.perf_counter() if state == SUCCESS else -1.0
+                    request[5] = time.monotonic() if state == SUCCESS else -1.0
                     pending.remove(request)
             time.sleep(0.0005)  # a scheduler's iteration: the decodes' own threads get the GIL
-        finished = time.perf_counter()
+        finished = time.monotonic()
         for room, dst, aux, handle, _issued, done in requests:
             if done == -1.0:
                 self.failed.append(f"{name} room {room}: {getattr(handle, 'failure', None)}")
@@ -161,6 +216,25 @@ class Bench:
         latencies = [r[5] - r[4] for r in requests if r[5] != -1.0]
         if latencies:
             figures.add(finished - started, latencies)
+            figures.cpu_us.append((1e6 * request_cpu / len(requests), 1e6 * poll_cpu / polls))
+            self._phases([(r[0], r[4], r[5]) for r in requests if r[5] != -1.0], figures)
+
+    def _phases(self, done: list[tuple[int, float, float]], figures: Figures) -> None:
+        """Each request's phases from the prefill's own timestamps (its event lines arrive on
+        a reader thread, shortly after the decode saw Success: waited for, a bounded time)."""
+        events = self.prefill.events
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(room not in events for room, *_ in done):
+            time.sleep(0.005)
+        rows = [(events[room], issued, seen) for room, issued, seen in done if room in events]
+        rows = [(e, issued, seen) for e, issued, seen in rows if "t_sent" in e]
+        if not rows:
+            return
+        figures.phases.append((
+            1000 * statistics.median(e["t_sent"] - issued for e, issued, _ in rows),
+            1000 * statistics.median(e["t_end"] - e["t_sent"] for e, _, _ in rows),
+            1000 * statistics.median(seen - e["t_end"] for e, _, seen in rows),
+        ))  # fmt: skip
 
     def floor_round(self, pages: int, figures: Figures) -> None:
         """The same bytes, one ``transfer_sync_write`` per page per buffer and one for aux."""
@@ -219,28 +293,52 @@ def table(backend: str, results: dict[tuple[int, str], Figures], batch: int, rou
     lines = [
         f"{backend}: SGLang 0.5.23's real prefill (tp 1) -> one decode (tp 1), {batch} requests "
         f"a round, medians of {rounds} rounds",
-        f"{'pages':>5}  {'decode':<28}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}",
+        f"{'pages':>5}  {'decode':<28}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'to send':>9}{'xfer':>9}{'seen':>9}{'init µs':>9}{'poll µs':>9}",
     ]
     labels = {"floor": "floor (transfer_sync_write)", "sglang": "SGLang's decode", "ours": "ours"}
     for pages in sorted({p for p, _ in results}):
         for name in ("floor", "sglang", "ours"):
             if (pages, name) in results:
                 rps, p50, p99 = results[pages, name].medians()
-                lines.append(f"{pages:>5}  {labels[name]:<28}{rps:>9.0f}{p50:>9.2f}{p99:>9.2f}")
+                phases = results[pages, name].phase_medians()
+                cpu = results[pages, name].cpu_medians()
+                tail = "".join(f"{ms:>9.2f}" for ms in phases) if phases else ""
+                tail += "".join(f"{us:>9.1f}" for us in cpu) if cpu else ""
+                lines.append(
+                    f"{pages:>5}  {labels[name]:<28}{rps:>9.0f}{p50:>9.2f}{p99:>9.2f}{tail}"
+                )
         if (pages, "ours") in results and (pages, "sglang") in results:
-            o_rps, o_p50, o_p99 = results[pages, "ours"].medians()
-            s_rps, s_p50, s_p99 = results[pages, "sglang"].medians()
-            lines.append(
-                f"{pages:>5}  {'ratio ours/SGLang (>1 better)':<28}{o_rps / s_rps:>8.2f}x"
-                f"{s_p50 / o_p50:>8.2f}x{s_p99 / o_p99:>8.2f}x"
+            ours, sglang = results[pages, "ours"], results[pages, "sglang"]
+            rps_x, p50_x, p99_x, won, of = paired(ours, sglang)
+            (o_init, o_poll), (s_init, s_poll) = (
+                ours.cpu_medians() or (1, 1),
+                sglang.cpu_medians() or (1, 1),
             )
+            lines.append(
+                f"{pages:>5}  {'ratio ours/SGLang (>1 better)':<28}{rps_x:>8.2f}x"
+                f"{p50_x:>8.2f}x{p99_x:>8.2f}x{'':>27}"
+                f"{s_init / o_init:>8.2f}x{s_poll / o_poll:>8.2f}x"
+                f"   ours faster in {won} of {of} rounds"
+            )
+    lines.append(
+        "  ratios: medians of the per-round ratios (each round runs both decodes back to back); "
+        "phases (p50 ms, from the prefill's timestamps): init() -> the prefill's send(), "
+        "send() -> its Success, -> the decode's Success; init/poll µs: the calling thread's "
+        "CPU time per request() (init + send_metadata) and per poll()"
+    )
     return "\n".join(lines)
+
+
+def load_average() -> str:
+    with open("/proc/loadavg") as f:
+        return "load average " + " ".join(f.read().split()[:3])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="mooncake,nixl", help="comma-separated")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per decode and size")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds per decode and size")
     parser.add_argument("--batch", type=int, default=32, help="requests per round")
     parser.add_argument("--smoke", action="store_true", help="seconds: Mooncake, 1 and 8 pages")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -254,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             print(f"bench_e2e {backend} skipped: {reason}")
             continue
+        before = load_average()
         results, wrong, failed = run(backend, sizes, rounds, batch, lambda s: print(s, flush=True))
         print(table(backend, results, batch, rounds))
+        print(f"  {before} before, {load_average()} after (2 cores here)")
         print(f"  wrong byte ranges: {wrong}; failed requests: {len(failed)}", flush=True)
         for failure in failed[:5]:
             print(f"    {failure}")

@@ -83,6 +83,7 @@ class RealPrefill:
         #: (``time.monotonic()`` of the rank's process: the same clock as this one's)
         self.concluded_at: dict[int, float] = {}
         self.metadata_at: dict[int, float] = {}
+        self.events: dict[int, dict[str, Any]] = {}  # room -> rank 0's conclusion, with its times
         self._starts = 0
         self._warm = False
         self._lock = threading.Lock()  # transfer() from several threads, spawn() swapping procs
@@ -189,6 +190,7 @@ class RealPrefill:
                 if "status" in event:
                     self.concluded_at[room] = event["at"]
                     self.concluded[room] = event["status"]
+                    self.events[room] = event
 
     def transfer(
         self,

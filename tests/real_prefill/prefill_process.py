@@ -10,10 +10,12 @@ fill the pages (the "forward pass": the known pattern of :mod:`real_prefill.patt
 
 Commands come one JSON object a line on stdin; this process prints ``READY {...}`` once it is
 registered, then per request one ``{"room", "metadata_at"}`` line when it sends (when the
-decode's metadata reached this rank) and one ``{"room", "status", "at", "metadata_at"}`` line
-when it concluded (``metadata_at`` null: the request ended before its metadata arrived).
-Times are ``time.monotonic()``, one clock for every process of the machine (Linux's
-CLOCK_MONOTONIC), so the harness can order them against the decode's own events.
+decode's metadata reached this rank) and one ``{"room", "status", "at", "metadata_at", "t_init",
+"t_sent", "t_end"}`` line when it concluded: ``at`` when its manager set the room's final status,
+``metadata_at`` when the metadata arrived (null: the request ended before it did), ``t_init`` when
+the sender was made, ``t_sent`` when ``send()`` was called, ``t_end`` when the sender polled
+Success or Failed. Times are ``time.monotonic()``, one clock for every process of the machine
+(Linux's CLOCK_MONOTONIC), so the harness can order them against the decode's own events.
 """
 
 from __future__ import annotations
@@ -292,7 +294,7 @@ class Prefill:
             sender = self.sender_class(self.manager, f"127.0.0.1:{self.args.bootstrap_port}", room)
             pages = command.get("pages") or len(command["src_pages"])
             sender.init(pages, command.get("aux_index"))
-            self.senders[room] = (sender, {**command, "sent": False})
+            self.senders[room] = (sender, {**command, "sent": False, "t_init": time.monotonic()})
         for room, (sender, request) in list(self.senders.items()):
             status = sender.poll()
             if not request["sent"] and status == self.kv_poll.WaitingForInput:
@@ -311,7 +313,8 @@ class Prefill:
                     pages, [np.asarray([state], dtype=np.int32)] if state is not None else None
                 )
                 request["sent"] = True
-                request["metadata_at"] = self.metadata_at.pop(room, time.monotonic())
+                request["t_sent"] = time.monotonic()
+                request["metadata_at"] = self.metadata_at.pop(room, request["t_sent"])
                 print(json.dumps({"room": room, "metadata_at": request["metadata_at"]}), flush=True)
             elif status in (self.kv_poll.Success, self.kv_poll.Failed):
                 name = "Success" if status == self.kv_poll.Success else "Failed"
@@ -322,10 +325,9 @@ class Prefill:
                 if request.get("allocated"):
                     self.free_pages.extend(request["src_pages"])
                     self.free_aux.append(request["aux_index"])
-                print(
-                    json.dumps({"room": room, "status": name, "at": at, "metadata_at": arrived}),
-                    flush=True,
-                )
+                times = {key: request[key] for key in ("t_init", "t_sent") if key in request}
+                event = {"room": room, "status": name, "at": at, "metadata_at": arrived, **times}
+                print(json.dumps({**event, "t_end": time.monotonic()}), flush=True)
 
     def run(self) -> None:
         threading.Thread(target=self.read_commands, daemon=True).start()
