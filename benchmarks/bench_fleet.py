@@ -14,7 +14,9 @@ the fleet is up, this process times ``GET /route`` for ``--seconds``:
 
 Reported per server: p50/p99 in ms and failures of both (a failure is a typed error, e.g.
 ``TransportFailure`` at the client's 5 s deadline), probes answered and reconnects of the
-fleet, and the server's counters (ours: connections evicted, peak open; RSS of the process);
+fleet, and the server's counters (ours: connections evicted, peak open; RSS of the process;
+its garbage collections by generation, count, total and longest pause, during the fleet's
+ramp and during the measured window, timed with ``gc.callbacks``);
 the CPU the server process and the fleet process each used while the fleet ran (in % of one
 core; the fleet shares the machine's cores with the server it measures), and the server's CPU
 microseconds per request answered (probes and queries).
@@ -29,6 +31,7 @@ only.
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import importlib
 import json
@@ -82,9 +85,43 @@ SMOKE = (Setting(60, 100, 100),)
 # --- the server process ----------------------------------------------------------------------
 
 
+class GcPauses:
+    """Times every garbage collection of this process by generation (``gc.callbacks``), in
+    two phases: the fleet's ramp, then the measured window (from :meth:`measuring` on)."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[str, tuple[list[float], ...]] = {
+            "ramp": ([], [], []),
+            "window": ([], [], []),
+        }
+        self._phase = "ramp"
+        self._began = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def measuring(self) -> None:
+        self._phase = "window"
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            pause = time.perf_counter() - self._began
+            self.pauses[self._phase][info["generation"]].append(pause)
+
+    def summary(self) -> dict[str, float | None]:
+        """Per phase and generation: collections, total and longest pause in ms."""
+        out: dict[str, float | None] = {}
+        for phase, by_gen in self.pauses.items():
+            for gen, pauses in enumerate(by_gen):
+                out[f"{phase}_gc{gen}_n"] = len(pauses)
+                out[f"{phase}_gc{gen}_total_ms"] = 1e3 * sum(pauses)
+                out[f"{phase}_gc{gen}_max_ms"] = 1e3 * max(pauses, default=0.0)
+        return out
+
+
 def serve(kind: str, soft: int, hard: int | None) -> int:
     """Child: lower the fd limit, start the server, print ``PORT n``, serve until stdin closes,
-    then print ``STATS {json}``."""
+    then print ``STATS {json}``; ours also times its GC pauses, split at stdin's first line."""
     _, machine_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, machine_hard if hard is None else hard))
     stats: dict[str, float | None] = {}
@@ -92,10 +129,14 @@ def serve(kind: str, soft: int, hard: int | None) -> int:
         from statemachine.prefill.server import BootstrapServer
 
         server = BootstrapServer(HOST, 0, token=TOKEN).start()
+        pauses = GcPauses()
         print(f"PORT {server.port} {server.limits()}", flush=True)
+        sys.stdin.readline()  # the fleet is up: the measured window begins
+        pauses.measuring()
         sys.stdin.read()
         snapshot = server.stats()
         stats.update(evicted=snapshot.connections_evicted, peak=snapshot.connections_peak)
+        stats.update(pauses.summary())
         stats["rss_mb"] = _rss_mb()
         server.stop()
     else:
@@ -146,6 +187,12 @@ class ServerChild:
 
     def cpu_seconds(self) -> float:
         return _cpu_seconds(self.proc.pid)
+
+    def mark_measuring(self) -> None:
+        """Tell the server process the measured window begins."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("measuring\n")
+        self.proc.stdin.flush()
 
     def stop(self) -> dict[str, float]:
         try:
@@ -410,6 +457,7 @@ def run_one(kind: str, setting: Setting, seconds: float, deadline: float) -> tup
         # shares the machine's cores with the server it measures).
         began = time.monotonic()
         server_cpu, fleet_cpu = server.cpu_seconds(), fleet_child.cpu_seconds()
+        server.mark_measuring()
         keep_alive, fresh = measure(server.address, seconds, deadline)
         fleet_cpu = fleet_child.cpu_seconds() - fleet_cpu
         probes = fleet_child.wait()
@@ -428,6 +476,14 @@ def run_one(kind: str, setting: Setting, seconds: float, deadline: float) -> tup
         f"{100 * server_cpu / window:>5.0f}% {100 * fleet_cpu / seconds:>5.0f}% "
         f"{_per_request_us(server_cpu, probes, keep_alive, fresh):>6}   {server.limits}"
     )
+    if kind == "ours":
+        for phase in ("ramp", "window"):
+            row += f"\n       GC pauses, {phase:<6} (ms): " + ", ".join(
+                f"gen {gen} {_count(stats.get(f'{phase}_gc{gen}_n'))} collections "
+                f"total {_count(stats.get(f'{phase}_gc{gen}_total_ms'))} "
+                f"longest {_ms(stats.get(f'{phase}_gc{gen}_max_ms'))}"
+                for gen in range(3)
+            )
     met = max(keep_alive.p99(), fresh.p99()) <= GOAL_P99_MS and not (
         keep_alive.failures or fresh.failures
     )
@@ -438,6 +494,10 @@ def _per_request_us(cpu: float, probes: dict[str, int], *legit: Timings) -> str:
     """The server's CPU microseconds per request it answered (fleet probes and legit queries)."""
     answered = probes.get("answered", 0) + sum(len(t.latencies_ms) for t in legit)
     return f"{1e6 * cpu / answered:,.0f}" if answered else "-"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
 
 
 def _count(value: float | None) -> str:

@@ -54,6 +54,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "evicted",
         "\nours ",
         "at most 36 connections at once",
+        "GC pauses, window (ms): gen 0 ",
     ),
     "bench_hostile": (
         "init() against a server trickling",
