@@ -72,6 +72,13 @@ class Setting:
     soft: int  # the server process's fd limit at start
     hard: int | None  # None: the machine's hard limit
 
+    @property
+    def judged(self) -> bool:
+        """The goal (p99, no failure) is the server's where it can raise its fd limit past the
+        fleet. At a hard limit of 1,024 the cap of 960 binds and each probe past it evicts
+        another prober (HTTP-71): that setting shows newcomers still get in, not how fast."""
+        return self.hard is None
+
     def describe(self) -> str:
         hard = "the machine's" if self.hard is None else f"{self.hard:,}"
         return f"{self.clients:,} clients, server fd limit {self.soft:,} soft / {hard} hard"
@@ -547,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{seconds:g} s per run; ms; goal p99 <= {GOAL_P99_MS:g} ms, no failure; "
         f"machine's hard fd limit {hard:,}; nproc {os.cpu_count()}"
     )
-    all_met = True
+    verdicts: list[str] = []
     for setting in settings:
         print(f"\n-- {setting.describe()}")
         if setting.clients + 64 > hard:
@@ -559,11 +566,13 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:
             row, met = run_one(kind, setting, seconds, deadline)
             print(row, flush=True)
-            all_met = all_met and (met or kind != "ours")
+            if kind == "ours":
+                verdict = ("met" if met else "NOT met") if setting.judged else "not judged"
+                verdicts.append(f"goal (ours), {setting.describe()}: {verdict}")
     if args.smoke:
         print("goal: not judged (--smoke)")
     else:
-        print(f"goal (ours): {'met' if all_met else 'NOT met'}")
+        print("\n".join(verdicts))
     return 0
 
 
