@@ -1,7 +1,7 @@
 """Long steps say what they are doing and roughly for how long before they go quiet.
 
 The first ``make`` installs for about a minute with pip kept quiet; ``make crosshair`` runs for
-75-100 s without output; the soak for about a minute. Each prints a line first.
+25-60 s (two processes) without output; the soak for about a minute. Each prints a line first.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_crosshair_says_how_long_it_takes() -> None:
     plan = _make_dry_run("crosshair")
     assert (
         "echo \"crosshair: symbolic check of statemachine/pool.py's contracts "
-        '(45-100 s on an idle 2-core machine, minutes under load)..."'
+        '(25-60 s on an idle 2-core machine, minutes under load)..."'
     ) in plan
     assert 'echo "crosshair: still checking' in plan  # a line every 15 s while it runs
 

@@ -8,7 +8,8 @@ that the trace order is the pool's order.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from statemachine import pool as pool_module
 from statemachine import trace
 from statemachine.demo.baselines import UnmonitoredTransport
 from statemachine.errors import TraceFormatError
-from statemachine.model.validate import main, read_trace, validate
+from statemachine.model.validate import Report, main, read_trace, validate
 from statemachine.pool import Generation, PoolKey
 
 K = ["h:80", 0, 0, 0]
@@ -267,16 +268,49 @@ def test_real_trace_of_a_by_key_invalidation_is_caught(
 # --- many threads: the pool stress workload and concurrent receivers through a restart ---------
 
 
-def test_trace_of_the_threaded_pool_stress_run_is_allowed(tmp_path: Path) -> None:
+@dataclass
+class StressTrace:
+    result: dict[str, object]
+    events: list[dict[str, Any]]
+    report: Report
+
+
+#: The real pool's stress run (seed 5: it retires instances) and each failing variant's (seed 3).
+POOL_SEED, VARIANT_SEED = 5, 3
+
+
+@pytest.fixture(scope="module")
+def stress_trace(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], StressTrace]:
+    """The traced stress run of the pool (``"pool"``) or of a pool variant, run once per module:
+    the tests below judge the same run in different ways (each run costs 1-3 s)."""
+    runs: dict[tuple[str, int], StressTrace] = {}
+
+    def get(name: str, seed: int) -> StressTrace:
+        if (name, seed) not in runs:
+            where = tmp_path_factory.mktemp(f"stress_{name}_{seed}")
+            if name == "pool":
+                module: Any = pool_module
+            else:
+                mutants.write_mutant(mutants.BY_NAME[name], where)
+                module = mutants.load_module(where / f"pool_{name}.py")
+            with trace.tracing(where / "trace.ndjson") as path:
+                result = stress.run_stress(module, seed=seed)
+            events = read_trace(path)
+            runs[name, seed] = StressTrace(result, events, validate(events))
+        return runs[name, seed]
+
+    return get
+
+
+def test_trace_of_the_threaded_pool_stress_run_is_allowed(
+    stress_trace: Callable[[str, int], StressTrace],
+) -> None:
     """IdentitySafe / ExactNodeFailure on the 8-thread stress workload's trace: pool events are
     numbered under the pool lock, so replaying in seq order is the order the lock chose."""
-    with trace.tracing(tmp_path / "stress.ndjson") as path:
-        result = stress.run_stress(pool_module, seed=3)
-    stress.check_accounting(result)
-    events = read_trace(path)
-    assert sum(e["action"] == "PoolInvalidate" for e in events) > 100
-    report = validate(events)
-    assert report.ok, report.violation
+    run = stress_trace("pool", POOL_SEED)
+    stress.check_accounting(run.result)
+    assert sum(e["action"] == "PoolInvalidate" for e in run.events) > 100
+    assert run.report.ok, run.report.violation
 
 
 def test_trace_of_concurrent_receivers_through_a_restart_is_allowed(
@@ -329,15 +363,11 @@ def test_trace_of_concurrent_receivers_through_a_restart_is_allowed(
     ],
 )
 def test_trace_of_the_stress_run_on_a_failing_pool_variant_is_caught(
-    name: str, rule: str, tmp_path: Path
+    name: str, rule: str, stress_trace: Callable[[str, int], StressTrace]
 ) -> None:
     """The same threaded workload on each pool variant the stress accounting catches yields a
     trace the validator rejects, naming the rule: it has teeth on concurrent traces too."""
-    mutants.write_mutant(mutants.BY_NAME[name], tmp_path)
-    mutant = mutants.load_module(tmp_path / f"pool_{name}.py")
-    with trace.tracing(tmp_path / "mutant.ndjson") as path:
-        stress.run_stress(mutant, seed=3)
-    report = validate(read_trace(path))
+    report = stress_trace(name, VARIANT_SEED).report
     assert report.violation is not None
     assert report.violation.rule == rule
 
@@ -419,20 +449,18 @@ def test_retirement_that_leaves_the_instance_behind_is_caught() -> None:
     assert "left" in report.violation.reason
 
 
-def test_stress_trace_has_retirements_and_the_old_rule_is_rejected(tmp_path: Path) -> None:
+def test_stress_trace_has_retirements_and_the_old_rule_is_rejected(
+    stress_trace: Callable[[str, int], StressTrace],
+) -> None:
     """The threaded stress run retires replaced instances while receivers publish the new one;
-    its trace validates. The same run on the pool with the old rule ("drop every instance but
-    the one named") drops live entries, and its trace is rejected."""
-    with trace.tracing(tmp_path / "stress.ndjson") as path:
-        stress.check_accounting(stress.run_stress(pool_module, seed=5))
-    events = read_trace(path)
-    assert sum(e["action"] == "PoolRetireInstance" for e in events) > 0
-    assert validate(events).ok
-    mutants.write_mutant(mutants.BY_NAME["retire_all_but_observed"], tmp_path)
-    mutant = mutants.load_module(tmp_path / "pool_retire_all_but_observed.py")
-    with trace.tracing(tmp_path / "mutant.ndjson") as path:
-        stress.run_stress(mutant, seed=5)
-    report = validate(read_trace(path))
+    its trace validates. The same workload on the pool with the old rule ("drop every instance
+    but the one named") drops live entries, and its trace is rejected. (The runs are those of
+    the two tests above: one stress run each, judged here for retirements.)"""
+    run = stress_trace("pool", POOL_SEED)
+    stress.check_accounting(run.result)
+    assert sum(e["action"] == "PoolRetireInstance" for e in run.events) > 0
+    assert run.report.ok, run.report.violation
+    report = stress_trace("retire_all_but_observed", VARIANT_SEED).report
     assert report.violation is not None and report.violation.rule == "ExactNodeFailure"
 
 
