@@ -50,6 +50,8 @@ class DecodeReport:
     stale_pool_entries: int = 0
     kv_held_pages: int = 0
     failure_kinds: dict[str, int] = field(default_factory=dict)
+    #: per failure after READY: seconds from READY to its issue, and its error (cut at 160)
+    failed_after_ready_detail: list[tuple[float, str]] = field(default_factory=list)
     #: when each hung request was issued, in seconds from the kill (negative: before it)
     hung_issued_from_kill: list[float] = field(default_factory=list)
     #: per hung request: its poll() state and the prefill's verdict on its room (None: none)
@@ -136,6 +138,8 @@ class Driver(threading.Thread):
         kill, ready = timeline.get("kill"), timeline.get("ready")
         if ready is not None and request.issued_at >= ready:
             report.failed_after_ready += 1
+            failure = str(getattr(request.handle, "failure", None))[:160]
+            report.failed_after_ready_detail.append((round(request.issued_at - ready, 3), failure))
             request.failed_at = now
             self.failed_after_ready.append(request)
         elif kill is not None and request.issued_at >= kill:
