@@ -237,6 +237,13 @@ def cause_chain(exc: BaseException) -> Iterator[BaseException]:
         todo.extend(e for e in wrapped if isinstance(e, BaseException))
 
 
+def connection_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is a connect the peer's host refused: nothing listens on that port, and
+    the host said so at once (unlike a silent peer, which leaves a caller waiting out a
+    timeout)."""
+    return any(isinstance(c, ConnectionRefusedError) for c in cause_chain(exc))
+
+
 def deadline_cut(exc: BaseException, exchange: Exchange | None) -> bool:
     """Whether ``exc`` ended ``exchange`` because its deadline passed: the watchdog shut it
     down, or a read timeout ran out with the deadline (a read timeout >= the time left)."""
@@ -275,7 +282,7 @@ def transport_reason(
     if any(issubclass(k, socket.gaierror) for k in kinds):
         gai = next(c for c in causes if isinstance(c, socket.gaierror))
         return f"host name did not resolve ({gai.strerror})"
-    if any(issubclass(k, ConnectionRefusedError) for k in kinds):
+    if connection_refused(exc):
         return f"connection refused (is {server} listening there?)"
     if any(issubclass(k, requests.exceptions.SSLError) for k in kinds):
         return "TLS handshake failed (check the CA file and the URL's scheme)"

@@ -315,3 +315,98 @@ def test_health6_a_dead_address_is_rechecked_at_once_and_its_answer_reported() -
         assert monitor.stats().deaths_seen == 1 and monitor.stats().restarts_seen == 1
     finally:
         second.stop()
+
+
+def test_health7_silence_and_its_end_are_reported_refusals_are_not_silence() -> None:
+    """HEALTH-7: a dead address whose probes go unanswered (a listener that never replies) is
+    reported silent, before it is reported dead; a refused probe (the listener closed: the host
+    answers at once) ends the silence, and a later answer calls ``on_alive`` alone. An address
+    refused from the start (a server stopped outright) is judged dead and never silent."""
+    events: list[str] = []
+    monitor = HealthMonitor(
+        BootstrapPool(),
+        interval_s=3600,
+        probe_timeout_s=0.2,
+        on_dead=lambda addr, reason: events.append("dead"),
+        on_silent=lambda addr, reason: events.append(f"silent ({reason})"),
+        on_heard=lambda addr: events.append("heard"),
+        on_alive=lambda addr: events.append("alive"),
+    )
+    listener = socket.create_server(("127.0.0.1", 0), backlog=16)
+    port = listener.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    server = None
+    try:
+        monitor.watch(addr, instance_id="unknown")  # no baseline probe
+        monitor.probe_once()
+        monitor.probe_once()  # two unanswered: dead, and silent
+        assert len(events) == 2 and events[1] == "dead", events
+        assert events[0].startswith("silent (2 health probes in a row failed"), events
+        assert "no complete reply within the 0.2 s" in events[0], events
+        monitor.probe_once()  # unanswered again: still the same silence
+        assert len(events) == 2
+        listener.close()
+        monitor.probe_once()  # refused: heard, still dead
+        monitor.probe_once()
+        assert events[2:] == ["heard"]
+        server = BootstrapServer("127.0.0.1", port, insecure=True).start()
+        monitor.probe_once()
+        assert events[2:] == ["heard", "alive"]
+        server.stop()
+        events.clear()
+        monitor.probe_once()
+        monitor.probe_once()  # refused twice in a row: dead, never silent
+        assert events == ["dead"]
+    finally:
+        listener.close()
+        if server is not None:
+            server.stop()
+
+
+def test_health7_a_silent_address_that_answers_is_heard_then_alive() -> None:
+    """A silence that ends with an answer (a stopped server continued; here a listener that
+    starts replying on the same socket): ``on_heard`` then ``on_alive``."""
+    events: list[str] = []
+    monitor = HealthMonitor(
+        BootstrapPool(),
+        interval_s=3600,
+        probe_timeout_s=0.2,
+        on_dead=lambda addr, reason: events.append("dead"),
+        on_silent=lambda addr, reason: events.append("silent"),
+        on_heard=lambda addr: events.append("heard"),
+        on_alive=lambda addr: events.append("alive"),
+    )
+    listener = socket.create_server(("127.0.0.1", 0), backlog=16)
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    stop = threading.Event()
+
+    def answer_health() -> None:
+        """Answers each connection's requests with 200 until the client closes it."""
+        listener.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                conn.settimeout(5.0)
+                try:
+                    while conn.recv(4096):
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                except OSError:
+                    pass
+
+    replier = threading.Thread(target=answer_health, daemon=True)
+    try:
+        monitor.watch(addr, instance_id="unknown")  # no baseline probe
+        monitor.probe_once()
+        monitor.probe_once()
+        assert events == ["silent", "dead"]
+        replier.start()
+        monitor.probe_once()
+        assert events == ["silent", "dead", "heard", "alive"]
+    finally:
+        stop.set()
+        listener.close()
+        if replier.is_alive():
+            replier.join(10)

@@ -32,6 +32,7 @@ from statemachine.errors import (
     NotReady,
     PrefillSilent,
     SendFailed,
+    TransportFailure,
 )
 from statemachine.pool import BootstrapPool
 from statemachine.prefill.server import BootstrapServer
@@ -170,11 +171,58 @@ def test_zmq25_the_manager_takes_one_setting_and_names_what_it_replaced() -> Non
 
 
 def test_mgr22_a_request_for_an_address_judged_silent_fails_at_once_until_it_answers() -> None:
-    """The hold-off on a real manager: the health monitor's verdict on an address (a bootstrap
-    server that stopped) makes every request for it fail at once with ``PrefillSilent`` -
-    retryable, naming the address and what to do - without a fetch; the monitor's first answered
-    recheck lifts it and the next request fetches again. The verdict and the answer are the
-    monitor's own callbacks, driven by ``probe_once`` (its thread probes once an hour here)."""
+    """The hold-off on a real manager: a bootstrap address whose probes go unanswered (a
+    listener whose kernel completes each connect and nobody ever replies: a stopped server)
+    makes every request for it fail at once with ``PrefillSilent`` - retryable, naming the
+    address and what to do - without a fetch. A refused probe (the listener closed: nothing
+    listens now, and the host says so at once) lifts it: the next request asks, is refused in
+    turn, and the one after a server listens there again is served. The manager's own monitor
+    probes every bound/4 = 0.25 s."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+    port = listener.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    plan = RankPlan(tp_ranks=(0,))
+    server = None
+    with DecodeManager(liveness_timeout_s=1.0) as manager:
+        try:
+            assert manager.health is not None
+            manager.health.watch(addr, instance_id="unknown")  # no baseline probe
+            assert wait_until(lambda: manager.stats().silent_addresses == 1, 10.0)
+            for room in (1, 2):
+                receiver = manager.receiver(addr, room, plan, prefill_dp_rank=0)
+                assert receiver.init() == KVPoll.Failed
+                failure = receiver.failure
+                assert isinstance(failure, PrefillSilent) and isinstance(failure, NotReady)
+                assert failure.addr == addr
+                assert f"the bootstrap server at {addr} is not answering" in str(failure)
+                assert "Nothing of this request was asked or sent; retry it shortly" in str(failure)
+            assert manager.stats().refused_silent == 2
+            assert manager.stats().misses == 0  # no fetch was made
+            listener.close()  # refused from now on: heard, the hold-off is lifted
+            assert wait_until(lambda: manager.stats().silent_addresses == 0, 10.0)
+            receiver = manager.receiver(addr, 3, plan, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.Failed
+            assert "connection refused" in str(receiver.failure), receiver.failure
+            server = BootstrapServer("127.0.0.1", port, insecure=True).start()
+            receiver = manager.receiver(addr, 4, plan, prefill_dp_rank=0)
+            receiver.init()  # asks the server (no rank registered: NotReady)
+            assert isinstance(receiver.failure, NotReady), receiver.failure
+            assert not isinstance(receiver.failure, PrefillSilent), receiver.failure
+            assert manager.stats().refused_silent == 2 and manager.stats().misses == 2
+        finally:
+            listener.close()
+            if server is not None:
+                server.stop()
+
+
+def test_mgr22_an_address_that_refuses_connections_is_judged_dead_but_not_held_off() -> None:
+    """A bootstrap server that is gone, its host up (SIGKILL: the port refuses at once): the
+    probes judge it dead, and a request fails at once all the same - its fetch is refused
+    (``TransportFailure``, retryable) - so it is not held off: the first request after a
+    server listens there again is served at once, with no probe in between (the probes run
+    once an hour here). Held off, it would have failed with ``PrefillSilent`` until the next
+    recheck: in a cold restart of SGLang's prefill, the requests of up to one recheck interval
+    after the replacement was READY."""
     server = BootstrapServer("127.0.0.1", 0, insecure=True).start()
     addr, port = server.address, server.port
     plan = RankPlan(tp_ranks=(0,))
@@ -184,24 +232,18 @@ def test_mgr22_a_request_for_an_address_judged_silent_fails_at_once_until_it_ans
         server.stop()
         manager.health.probe_once()
         manager.health.probe_once()  # two failures in a row: judged dead
-        assert manager.stats().silent_addresses == 1
-        for room in (1, 2):
-            receiver = manager.receiver(addr, room, plan, prefill_dp_rank=0)
-            assert receiver.init() == KVPoll.Failed
-            failure = receiver.failure
-            assert isinstance(failure, PrefillSilent) and isinstance(failure, NotReady)
-            assert failure.addr == addr
-            assert f"the bootstrap server at {addr} is not answering" in str(failure)
-            assert "Nothing of this request was asked or sent; retry it shortly" in str(failure)
-        assert manager.stats().refused_silent == 2
-        assert manager.stats().misses == 0  # no fetch was made
+        assert manager.health.stats().deaths_seen == 1
+        assert manager.stats().silent_addresses == 0
+        receiver = manager.receiver(addr, 1, plan, prefill_dp_rank=0)
+        assert receiver.init() == KVPoll.Failed
+        assert isinstance(receiver.failure, TransportFailure), receiver.failure
+        assert "connection refused" in str(receiver.failure)
         server = BootstrapServer("127.0.0.1", port, insecure=True).start()
         try:
-            manager.health.probe_once()  # answered: the hold-off is lifted
-            assert manager.stats().silent_addresses == 0
-            receiver = manager.receiver(addr, 3, plan, prefill_dp_rank=0)
+            receiver = manager.receiver(addr, 2, plan, prefill_dp_rank=0)
             receiver.init()  # asks the server again (no rank registered: NotReady)
+            assert isinstance(receiver.failure, NotReady), receiver.failure
             assert not isinstance(receiver.failure, PrefillSilent), receiver.failure
-            assert manager.stats().refused_silent == 2
+            assert manager.stats().refused_silent == 0 and manager.stats().misses == 2
         finally:
             server.stop()

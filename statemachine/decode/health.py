@@ -13,8 +13,15 @@ exact-address operations:
 * ``failures_to_dead`` probes in a row failed: the node is dead; ``pool.invalidate_address``
   drops every entry of exactly that address (POOL-5); then ``on_dead(addr, reason)``. From then
   on the address is probed every ``recheck_s`` (each connect bounded by as much), and its first
-  answer calls ``on_alive(addr)``: a manager holds requests off a dead address until then, so
-  that answer must come as soon as the server does (HEALTH-6).
+  answer calls ``on_alive(addr)`` (HEALTH-6).
+
+A dead address is also *silent* while its probes fail other than by a refused connect: they
+wait out their timeouts (the server is stopped, or the path drops packets), where a refused
+one fails at once (nothing listens on the port, and its host says so).
+``on_silent(addr, reason)`` reports the start of a silence (at the verdict, or at a later
+recheck), ``on_heard(addr)`` its end: a probe answered, or was refused at once. A manager holds
+requests off a silent address, where a fetch would wait, and not off a refused one, where a
+fetch fails at once and is the first to find the server back (HEALTH-7).
 
 ``watch()`` validates the address (``InvalidArgument``) and takes a *baseline*: the instance
 id the caller already knows (from the reply of a fetch), or one probe made there and then, so
@@ -35,6 +42,7 @@ from dataclasses import dataclass
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.liveness_bound import DEFAULT_LIVENESS_TIMEOUT_S, LivenessBound
 from statemachine.errors import BootstrapHTTPError
+from statemachine.http_exchange import connection_refused
 from statemachine.pool import BootstrapPool
 from statemachine.validation import parse_addr
 
@@ -43,6 +51,8 @@ _log = logging.getLogger(__name__)
 OnDead = Callable[[str, str], None]
 OnRestart = Callable[[str, str, str], None]
 OnAlive = Callable[[str], None]
+OnSilent = Callable[[str, str], None]
+OnHeard = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +71,15 @@ class HealthStats:
 class _Watch:
     """One watched address. ``failures``/``instance_id``/``dead`` change under ``lock``."""
 
-    __slots__ = ("addr", "dead", "failures", "instance_id", "lock", "stop", "thread")
+    __slots__ = ("addr", "dead", "failures", "instance_id", "lock", "silent", "stop", "thread")
 
     def __init__(self, addr: str, instance_id: str | None) -> None:
         self.addr = addr
         self.lock = threading.Lock()
         self.failures = 0
         self.dead = False
+        #: dead, and its last probe went unanswered (not refused): see the module docstring
+        self.silent = False
         self.instance_id = instance_id
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
@@ -107,6 +119,8 @@ class HealthMonitor:
         on_dead: OnDead | None = None,
         on_restart: OnRestart | None = None,
         on_alive: OnAlive | None = None,
+        on_silent: OnSilent | None = None,
+        on_heard: OnHeard | None = None,
         probe_timeout_s: float | None = None,
         recheck_s: float = _DEFAULT.health_recheck_s,
     ) -> None:
@@ -140,6 +154,8 @@ class HealthMonitor:
         self._on_dead = on_dead
         self._on_restart = on_restart
         self._on_alive = on_alive
+        self._on_silent = on_silent
+        self._on_heard = on_heard
         self._lock = threading.Lock()  # guards _watches, _running and the counters
         self._watches: dict[str, _Watch] = {}
         self._running = False
@@ -304,11 +320,12 @@ class HealthMonitor:
     def _probe(self, watch: _Watch, stop: threading.Event | None = None) -> None:
         addr = watch.addr
         client = self._recheck_client if watch.dead else self._client
+        refused = False
         try:
             instance_id = client.health(addr)
             reason = None
         except BootstrapHTTPError as exc:
-            instance_id, reason = None, str(exc)
+            instance_id, reason, refused = None, str(exc), connection_refused(exc)
         except Exception as exc:  # a bug must not silence the heartbeat of every address
             instance_id, reason = None, f"the probe raised {type(exc).__name__}: {exc}"
             with self._lock:
@@ -321,14 +338,17 @@ class HealthMonitor:
             if reason is not None:
                 self._failures += 1
         if reason is not None:
-            self._probe_failed(watch, reason)
+            self._probe_failed(watch, reason, refused)
             return
         with watch.lock:
             watch.failures = 0
             was_dead, watch.dead = watch.dead, False
+            was_silent, watch.silent = watch.silent, False
             old = watch.instance_id
             if instance_id is not None:
                 watch.instance_id = instance_id
+        if was_silent and self._on_heard is not None:
+            self._call(self._on_heard, addr)
         if was_dead and self._on_alive is not None:
             self._call(self._on_alive, addr)
         if old is None or instance_id is None or old == instance_id:
@@ -339,19 +359,31 @@ class HealthMonitor:
         if self._on_restart is not None:
             self._call(self._on_restart, addr, old, instance_id)
 
-    def _probe_failed(self, watch: _Watch, reason: str) -> None:
+    def _probe_failed(self, watch: _Watch, reason: str, refused: bool) -> None:
         with watch.lock:
             watch.failures += 1
             dies = watch.failures == self._failures_to_dead
             if dies:
                 watch.dead = True
+            # Silent while a dead address's probes go unanswered; a refusal ends the silence:
+            # its host answers at once, so a request asking it would not wait (HEALTH-7).
+            falls_silent = watch.dead and not refused and not watch.silent
+            heard = watch.silent and refused
+            watch.silent = watch.dead and not refused
+        if dies:
+            reason = f"{self._failures_to_dead} health probes in a row failed (last: {reason})"
+        if falls_silent and self._on_silent is not None:
+            # Before on_dead: a manager holds the address off before it fails the requests
+            # in flight there, so none asks it in between.
+            self._call(self._on_silent, watch.addr, reason)
+        if heard and self._on_heard is not None:
+            self._call(self._on_heard, watch.addr)
         if not dies:
             return
         with self._lock:
             self._deaths += 1
         self._pool.invalidate_address(watch.addr)
         if self._on_dead is not None:
-            reason = f"{self._failures_to_dead} health probes in a row failed (last: {reason})"
             self._call(self._on_dead, watch.addr, reason)
 
     def _call(self, callback: Callable[..., None], *args: str) -> None:

@@ -276,14 +276,16 @@ class DecodeManager:
         self.health: HealthMonitor | None = None
         # A source that finds dead prefills itself (etcd: the watch and the leases) needs no
         # probes, and there may be no HTTP server at the address to probe.
-        #: bootstrap addresses judged dead by their probes, held off until one answers (MGR-22)
+        #: bootstrap addresses judged dead whose probes go unanswered, held off until one is
+        #: answered or refused (MGR-22)
         self.silent = SilentAddresses(clock=config.clock)
         if config.health_probes and self.source.health_by_probes:
             monitor = HealthMonitor(
                 self.pool,
-                on_dead=self._address_dead,
+                on_silent=self.silent.judged_silent,
+                on_heard=self.silent.heard,
+                on_dead=self._fanout.address_dead,
                 on_restart=self._fanout.address_restarted,
-                on_alive=self.silent.answered,
                 **bound.health_options(),
             )
             self.health = monitor
@@ -324,12 +326,6 @@ class DecodeManager:
             prefill_complete=config.prefill_complete,
             checks_stale_marks=bool(self.source.marks_generations),
         )
-
-    def _address_dead(self, addr: str, reason: str) -> None:
-        """The health monitor judged ``addr`` dead: hold it off first (so no request asks it
-        from now on), then fail every request in flight bound to it."""
-        self.silent.judged_silent(addr, reason)
-        self._fanout.address_dead(addr, reason)
 
     def close_with(self, closer: Callable[[], None]) -> None:
         """Call ``closer`` when this manager closes, after every part it made (a source made

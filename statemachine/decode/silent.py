@@ -1,16 +1,20 @@
 """Bootstrap addresses judged silent: a request for one fails at once instead of waiting on a
 fetch from it (issue 27, MGR-22).
 
-When the health monitor judges an address dead (``failures_to_dead`` probes in a row failed:
-the server is stopped, cut off, or gone), every request in flight there fails through the
-fan-out, and the pool forgets the address's ranks. Without more, each later request would miss,
-ask the same server, and wait out the fetch timeout before failing with a ``TransportFailure``:
-a stall per request for as long as the server stays silent, and a request waiting on a server
-already known not to answer. :class:`SilentAddresses` holds such an address off: a request
-that would ask it fails at once with :class:`~statemachine.errors.PrefillSilent` (retryable),
-asking nothing and sending nothing. The monitor keeps probing a dead address, every few hundred
-milliseconds (HEALTH-6); its first answer lifts the hold-off, so the first request after the
-server returns is served.
+When the health monitor judges an address dead (``failures_to_dead`` probes in a row failed),
+every request in flight there fails through the fan-out, and the pool forgets the address's
+ranks. If those probes went unanswered (the server is stopped or cut off: each waited out its
+timeout), each later request would miss, ask the same server, and wait out the fetch timeout
+before failing with a ``TransportFailure``: a stall per request for as long as the server stays
+silent. :class:`SilentAddresses` holds such an address off: a request that would ask it fails at
+once with :class:`~statemachine.errors.PrefillSilent` (retryable), asking nothing and sending
+nothing. The monitor keeps probing a dead address every ``health_recheck_s`` (HEALTH-6); a
+probe that is answered, or refused at once, lifts the hold-off (HEALTH-7).
+
+An address whose connects are refused (the process is gone, its host up) is not held off: a
+fetch from it fails as fast as the hold-off would, and it is the request itself that finds the
+replacement listening, the moment it does. Holding it off until the next probe would fail
+requests sent to a server already back (up to one recheck interval of them).
 """
 
 from __future__ import annotations
@@ -38,12 +42,12 @@ class SilentAddresses:
         return len(self._silent)
 
     def judged_silent(self, addr: str, reason: str) -> None:
-        """The health monitor judged ``addr`` dead: hold it off until it answers."""
+        """``addr`` is dead and its probes go unanswered: hold it off until one is heard."""
         with self._lock:
             self._silent[addr] = (self._clock(), reason)
 
-    def answered(self, addr: str) -> None:
-        """A probe of ``addr`` answered: requests may ask it again."""
+    def heard(self, addr: str) -> None:
+        """A probe of ``addr`` was answered or refused at once: asking it no longer waits."""
         with self._lock:
             self._silent.pop(addr, None)
 
@@ -58,11 +62,11 @@ class SilentAddresses:
             self.refused += 1
         since, reason = silent
         return PrefillSilent(
-            f"the bootstrap server at {addr} is not answering: it was judged dead "
-            f"{self._clock() - since:.2f} s ago ({reason}) and no probe has answered since. "
-            "Nothing of this request was asked or sent; retry it shortly (the server is probed "
-            "again every few hundred milliseconds and the first request after it answers gets "
-            "through), or route it to another prefill",
+            f"the bootstrap server at {addr} is not answering: its health probes have gone "
+            f"unanswered for {self._clock() - since:.2f} s ({reason}). Nothing of this request "
+            "was asked or sent; retry it shortly (the server is probed again every 200 ms or "
+            "less, and the first request after a probe is answered gets through), or route it to "
+            "another prefill",
             addr=addr,
         )
 

@@ -596,10 +596,35 @@ MUTANTS: tuple[CodeMutant, ...] = (
         (
             "tests/test_health.py::"
             "test_health6_a_dead_address_is_rechecked_at_once_and_its_answer_reported",
+        ),
+        "an answer of a bootstrap server judged dead is not reported (HEALTH-6)",
+    ),
+    CodeMutant(
+        "end_of_silence_by_an_answer_not_reported",
+        "statemachine/decode/health.py",
+        (("        if was_silent and self._on_heard is not None:\n", "        if False:\n"),),
+        ("tests/test_health.py::test_health7_a_silent_address_that_answers_is_heard_then_alive",),
+        "a silent bootstrap server stays held off after it answers again (HEALTH-7)",
+    ),
+    CodeMutant(
+        "refused_probe_taken_for_silence",
+        "statemachine/decode/health.py",
+        (
+            (
+                "            instance_id, reason, refused = None, str(exc), connection_refused(exc)\n",
+                "            instance_id, reason, refused = None, str(exc), False\n",
+            ),
+        ),
+        (
+            "tests/test_health.py::"
+            "test_health7_silence_and_its_end_are_reported_refusals_are_not_silence",
             "tests/test_liveness_bound.py::"
             "test_mgr22_a_request_for_an_address_judged_silent_fails_at_once_until_it_answers",
+            "tests/test_liveness_bound.py::"
+            "test_mgr22_an_address_that_refuses_connections_is_judged_dead_but_not_held_off",
         ),
-        "a bootstrap server judged dead stays held off after it answers again (HEALTH-6)",
+        "a bootstrap server whose port refuses is held off until the next recheck: requests sent "
+        "to a replacement already serving fail with PrefillSilent (HEALTH-7, MGR-22)",
     ),
     CodeMutant(
         "dead_address_probed_at_the_interval",
