@@ -317,13 +317,10 @@ def test_health6_a_dead_address_is_rechecked_at_once_and_its_answer_reported() -
         second.stop()
 
 
-def test_health7_silence_and_its_end_are_reported_refusals_are_not_silence() -> None:
-    """HEALTH-7: a dead address whose probes go unanswered (a listener that never replies) is
-    reported silent, before it is reported dead; a refused probe (the listener closed: the host
-    answers at once) ends the silence, and a later answer calls ``on_alive`` alone. An address
-    refused from the start (a server stopped outright) is judged dead and never silent."""
-    events: list[str] = []
-    monitor = HealthMonitor(
+def recording_monitor(events: list[str]) -> HealthMonitor:
+    """A monitor that only ``probe_once`` drives (its interval is an hour), each probe bounded
+    by 0.2 s, appending its callbacks to ``events`` (``silent`` with its reason)."""
+    return HealthMonitor(
         BootstrapPool(),
         interval_s=3600,
         probe_timeout_s=0.2,
@@ -332,6 +329,15 @@ def test_health7_silence_and_its_end_are_reported_refusals_are_not_silence() -> 
         on_heard=lambda addr: events.append("heard"),
         on_alive=lambda addr: events.append("alive"),
     )
+
+
+def test_health7_silence_and_its_end_are_reported_refusals_are_not_silence() -> None:
+    """HEALTH-7: a dead address whose probes go unanswered (a listener that never replies) is
+    reported silent, before it is reported dead; a refused probe (the listener closed: the host
+    answers at once) ends the silence, and a later answer calls ``on_alive`` alone. An address
+    refused from the start (a server stopped outright) is judged dead and never silent."""
+    events: list[str] = []
+    monitor = recording_monitor(events)
     listener = socket.create_server(("127.0.0.1", 0), backlog=16)
     port = listener.getsockname()[1]
     addr = f"127.0.0.1:{port}"
@@ -367,15 +373,7 @@ def test_health7_a_silent_address_that_answers_is_heard_then_alive() -> None:
     """A silence that ends with an answer (a stopped server continued; here a listener that
     starts replying on the same socket): ``on_heard`` then ``on_alive``."""
     events: list[str] = []
-    monitor = HealthMonitor(
-        BootstrapPool(),
-        interval_s=3600,
-        probe_timeout_s=0.2,
-        on_dead=lambda addr, reason: events.append("dead"),
-        on_silent=lambda addr, reason: events.append("silent"),
-        on_heard=lambda addr: events.append("heard"),
-        on_alive=lambda addr: events.append("alive"),
-    )
+    monitor = recording_monitor(events)
     listener = socket.create_server(("127.0.0.1", 0), backlog=16)
     addr = f"127.0.0.1:{listener.getsockname()[1]}"
     stop = threading.Event()
@@ -401,10 +399,10 @@ def test_health7_a_silent_address_that_answers_is_heard_then_alive() -> None:
         monitor.watch(addr, instance_id="unknown")  # no baseline probe
         monitor.probe_once()
         monitor.probe_once()
-        assert events == ["silent", "dead"]
+        assert events[0].startswith("silent (") and events[1:] == ["dead"], events
         replier.start()
         monitor.probe_once()
-        assert events == ["silent", "dead", "heard", "alive"]
+        assert events[1:] == ["dead", "heard", "alive"], events
     finally:
         stop.set()
         listener.close()
