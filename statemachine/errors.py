@@ -190,11 +190,12 @@ class NotReady(BootstrapHTTPError):
 
 
 class PrefillSilent(NotReady):
-    """The prefill's bootstrap server at ``addr`` was judged dead by its health probes and has
-    not answered one since: the request failed at once, without asking it (a fetch would wait
-    out its timeout) and without sending anything to its ranks. Retryable, as any
-    ``NotReady``: the first request after a probe answers again gets through (the server is
-    probed every few hundred milliseconds meanwhile)."""
+    """The prefill's bootstrap server at ``addr`` was judged dead by its health probes, which
+    have gone unanswered since (a stopped server, a cut path; one whose port refuses is not
+    held off): the request failed at once, without asking it (a fetch would wait out its
+    timeout) and without sending anything to its ranks. Retryable, as any ``NotReady``: the
+    first request after a probe is answered gets through (the server is probed every 200 ms or
+    less meanwhile)."""
 
 
 class NotFound(BootstrapHTTPError):
