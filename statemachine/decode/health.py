@@ -65,11 +65,12 @@ class HealthStats:
     restarts_seen: int
     deaths_seen: int
     probe_errors: int  # probes that raised something other than BootstrapHTTPError
-    callback_errors: int  # on_dead/on_restart calls that raised
+    callback_errors: int  # callback calls (on_dead, on_restart, ...) that raised
 
 
 class _Watch:
-    """One watched address. ``failures``/``instance_id``/``dead`` change under ``lock``."""
+    """One watched address. ``failures``/``instance_id``/``dead``/``silent`` change under
+    ``lock``."""
 
     __slots__ = ("addr", "dead", "failures", "instance_id", "lock", "silent", "stop", "thread")
 
