@@ -355,7 +355,10 @@ class Prefill:
 
     @staticmethod
     def publish(room: int, report: RoomReport) -> None:
-        print(json.dumps({"room": room, **asdict(report)}), flush=True)
+        # One write: print() writes the text and its newline apart, and another thread's
+        # write to stdout between them would join this line (the reader could not parse it).
+        sys.stdout.write(json.dumps({"room": room, **asdict(report)}) + "\n")
+        sys.stdout.flush()
 
     def run(self) -> None:
         threading.Thread(target=self.read_commands, daemon=True).start()
