@@ -23,12 +23,14 @@ decode runs), so five rounds are too few: 15 by default.
 
 Where a request's time goes, from the prefill's own timestamps (p50 per round, then the median):
 ``to send``: ``init()`` -> the prefill's ``send()`` (the metadata arrived and the prefill's
-scheduler acted on it); ``xfer``: ``send()`` -> the prefill's sender polled Success; ``seen``:
-that -> the decode's ``poll()`` said Success. The first two are the prefill's work, the same
-frames for both decodes; only ``seen`` (and the metadata's way there) is the decode's. And what
-the decode costs its scheduler's thread, in CPU time (which the machine's load does not stretch
-as it stretches wall time): ``init µs`` per ``request()`` (``init()`` and ``send_metadata()``),
-``poll µs`` per ``poll()``; their ratios are SGLang's over ours.
+scheduler acted on it); ``xfer``: ``send()`` -> the prefill's manager set Success (the bytes
+written, just before it tells the decode); ``seen``: that -> the decode's ``poll()`` said
+Success (the status message's way, the decode's reading of it and its next poll). The first
+two are the prefill's work, the same frames for both decodes; only ``seen`` (and the
+metadata's way there) is the decode's. And what the decode costs its scheduler's thread, in
+CPU time (which the machine's load does not stretch as it stretches wall time): ``init µs``
+per ``request()`` (``init()`` and ``send_metadata()``), ``poll µs`` per ``poll()``; their
+ratios are SGLang's over ours.
 
 The floor (Mooncake): the same bytes written by a second engine in this process with
 ``transfer_sync_write``, one call per page per buffer and one for aux (as the prefill's
@@ -85,7 +87,7 @@ class Figures:
     p99_ms: list[float] = field(default_factory=list)
     #: per round, the p50 of each phase of a request as the prefill saw it (ms; empty for the
     #: floor): init() -> the prefill's send() (the metadata arrived and its scheduler acted),
-    #: send() -> the prefill's sender polled Success, that -> the decode's poll() said Success
+    #: send() -> the prefill's manager set Success, that -> the decode's poll() said Success
     phases: list[tuple[float, float, float]] = field(default_factory=list)
     #: per round, the calling thread's CPU time (µs) per ``request()`` (``init()`` and
     #: ``send_metadata()``) and per ``poll()``: what the decode costs its scheduler's thread,
@@ -220,20 +222,26 @@ class Bench:
             self._phases([(r[0], r[4], r[5]) for r in requests if r[5] != -1.0], figures)
 
     def _phases(self, done: list[tuple[int, float, float]], figures: Figures) -> None:
-        """Each request's phases from the prefill's own timestamps (its event lines arrive on
+        """Each request's phases from the prefill's own timestamps (its report lines arrive on
         a reader thread, shortly after the decode saw Success: waited for, a bounded time)."""
-        events = self.prefill.events
+        prefill = self.prefill
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and any(room not in events for room, *_ in done):
+        while time.monotonic() < deadline and any(
+            prefill.report(room).concluded_at is None for room, *_ in done
+        ):
             time.sleep(0.005)
-        rows = [(events[room], issued, seen) for room, issued, seen in done if room in events]
-        rows = [(e, issued, seen) for e, issued, seen in rows if "t_sent" in e]
+        rows = [(prefill.report(room), issued, seen) for room, issued, seen in done]
+        rows = [
+            (r, issued, seen)
+            for r, issued, seen in rows
+            if r.sent_at is not None and r.concluded_at is not None
+        ]
         if not rows:
             return
         figures.phases.append((
-            1000 * statistics.median(e["t_sent"] - issued for e, issued, _ in rows),
-            1000 * statistics.median(e["t_end"] - e["t_sent"] for e, _, _ in rows),
-            1000 * statistics.median(seen - e["t_end"] for e, _, seen in rows),
+            1000 * statistics.median(r.sent_at - issued for r, issued, _ in rows),
+            1000 * statistics.median(r.concluded_at - r.sent_at for r, _, _ in rows),
+            1000 * statistics.median(seen - r.concluded_at for r, _, seen in rows),
         ))  # fmt: skip
 
     def floor_round(self, pages: int, figures: Figures) -> None:
@@ -324,8 +332,8 @@ def table(backend: str, results: dict[tuple[int, str], Figures], batch: int, rou
     lines.append(
         "  ratios: medians of the per-round ratios (each round runs both decodes back to back); "
         "phases (p50 ms, from the prefill's timestamps): init() -> the prefill's send(), "
-        "send() -> its Success, -> the decode's Success; init/poll µs: the calling thread's "
-        "CPU time per request() (init + send_metadata) and per poll()"
+        "send() -> its manager's Success, -> the decode's Success; init/poll µs: the calling "
+        "thread's CPU time per request() (init + send_metadata) and per poll()"
     )
     return "\n".join(lines)
 

@@ -23,11 +23,10 @@ the replacement before that served (the run sets it below the grace).
 from __future__ import annotations
 
 import warnings
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 from real_prefill.engines import engine_unavailable
+from real_prefill.prefill_process import RoomReport
 from real_prefill.restart import (
     ANSWER_IN_TRANSIT_S,
     DecodeReport,
@@ -97,25 +96,21 @@ def failed_request(room: int, failed_at: float) -> Request:
     return request
 
 
-def replacement(metadata_at: dict[int, float], concluded_at: dict[int, float]) -> Any:
-    return SimpleNamespace(metadata_at=metadata_at, concluded_at=concluded_at)
-
-
 @pytest.mark.parametrize(
     ("metadata_at", "concluded_at", "late"),
     [
         # the replacement had it and answered after the library gave up, or never
-        ({7: 9.0}, {7: 10.5}, True),
-        ({7: 9.0}, {}, True),
+        (9.0, 10.5, True),
+        (9.0, None, True),
         # its metadata reached the replacement only after the library gave up (a slow reader)
-        ({7: 10.2}, {7: 10.4}, True),
+        (10.2, 10.4, True),
         # an answer still crossing to the library when it gave up
-        ({7: 9.0}, {7: 10.0 - ANSWER_IN_TRANSIT_S / 2}, True),
+        (9.0, 10.0 - ANSWER_IN_TRANSIT_S / 2, True),
         # the library's doing: metadata that never reached the replacement (a dead rank's port)
-        ({}, {}, False),
-        ({}, {7: 10.5}, False),
+        (None, None, False),
+        (None, 10.5, False),
         # ... or an answer it had in time and missed
-        ({7: 9.0}, {7: 9.5}, False),
+        (9.0, 9.5, False),
     ],
     ids=[
         "answered-after",
@@ -128,12 +123,13 @@ def replacement(metadata_at: dict[int, float], concluded_at: dict[int, float]) -
     ],
 )
 def test_a_failure_after_ready_is_the_prefills_only_with_its_evidence(
-    metadata_at: dict[int, float], concluded_at: dict[int, float], late: bool
+    metadata_at: float | None, concluded_at: float | None, late: bool
 ) -> None:
     request = failed_request(7, failed_at=10.0)
-    assert prefill_was_late(request, replacement(metadata_at, concluded_at)) is late
+    report = RoomReport(metadata_at=metadata_at, concluded_at=concluded_at)
+    assert prefill_was_late(request, report) is late
 
 
 def test_a_request_that_did_not_fail_is_never_counted_late() -> None:
     request = Request(7, [0], 0, handle=None, issued_at=1.0)
-    assert not prefill_was_late(request, replacement({7: 1.0}, {}))
+    assert not prefill_was_late(request, RoomReport(metadata_at=1.0))

@@ -6,8 +6,8 @@ The API the end-to-end tests, the SGLang demo and ``benchmarks/bench_e2e.py`` bu
   (:mod:`real_prefill.prefill_process`), rank 0 hosting SGLang's bootstrap server, each rank
   SGLang's Mooncake or NIXL prefill manager on a real engine with CPU buffers. ``start()``,
   ``transfer(room, src_pages, aux_index, state_index)`` (what the prefill's scheduler does for a
-  request), ``kill()`` (SIGKILL every rank), ``start()`` again behind the same bootstrap port,
-  ``close()``.
+  request), ``report(room)`` (what rank 0 saw of it, with its times), ``kill()`` (SIGKILL every
+  rank), ``start()`` again behind the same bootstrap port, ``close()``.
 * :class:`LibraryDecode` — this library's ``DecodeManager`` with its own engine or agent and
   registered buffers; ``request(...)`` starts a room, ``wrong_pages(...)`` checks byte for byte.
 * :class:`Layout` — the model both sides agree on (heads, layers, page size, MLA).
@@ -35,10 +35,11 @@ from http_support import free_port
 
 from real_prefill import engines
 from real_prefill.pattern import Geometry, aux_bytes, page_bytes, state_bytes
-from real_prefill.prefill_process import has_state
+from real_prefill.prefill_process import RoomReport, has_state
 
 _TESTS = Path(__file__).resolve().parent.parent
 _names = itertools.count()
+_NOTHING_REPORTED = RoomReport()
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,8 @@ class RealPrefill:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="real-prefill-"))
         self.procs: list[subprocess.Popen[str]] = []
         self.ready: list[dict[str, Any]] = []
-        self.concluded: dict[int, str] = {}  # room -> "Success" / "Failed", as rank 0 saw it
-        #: room -> when rank 0 concluded it, and when the decode's metadata for it reached rank 0
-        #: (``time.monotonic()`` of the rank's process: the same clock as this one's)
-        self.concluded_at: dict[int, float] = {}
-        self.metadata_at: dict[int, float] = {}
-        self.events: dict[int, dict[str, Any]] = {}  # room -> rank 0's conclusion, with its times
+        #: room -> rank 0's latest report of it (each line replaces the room's entry whole)
+        self._reports: dict[int, RoomReport] = {}
         self._starts = 0
         self._warm = False
         self._lock = threading.Lock()  # transfer() from several threads, spawn() swapping procs
@@ -146,7 +143,7 @@ class RealPrefill:
                 log = (self.log_dir / f"rank{rank}-start{self._starts}.log").read_text()[-3000:]
                 raise RuntimeError(f"SGLang prefill rank {rank} did not start ({line!r}):\n{log}")
             self.ready.append(json.loads(line[6:]))
-        threading.Thread(target=self._read_conclusions, args=(self.procs[0],), daemon=True).start()
+        threading.Thread(target=self._read_reports, args=(self.procs[0],), daemon=True).start()
 
     def start(self, timeout: float = 120.0) -> RealPrefill:
         self.spawn()
@@ -179,18 +176,18 @@ class RealPrefill:
         reader.join(max(0.0, deadline - time.monotonic()))
         return result[0] if result else "<no READY line in time>"
 
-    def _read_conclusions(self, proc: subprocess.Popen[str]) -> None:
+    def _read_reports(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("{"):  # NIXL logs to stdout too
-                event = json.loads(line)
-                room = event["room"]
-                if event.get("metadata_at") is not None:
-                    self.metadata_at[room] = event["metadata_at"]
-                if "status" in event:
-                    self.concluded_at[room] = event["at"]
-                    self.concluded[room] = event["status"]
-                    self.events[room] = event
+                fields = json.loads(line)
+                room = fields.pop("room")
+                self._reports[room] = RoomReport(**fields)
+
+    def report(self, room: int) -> RoomReport:
+        """What rank 0 reported of ``room`` so far (every field None: nothing yet). Its times are
+        ``time.monotonic()`` of the rank's process, the same clock as this one's."""
+        return self._reports.get(room, _NOTHING_REPORTED)
 
     def transfer(
         self,

@@ -9,13 +9,9 @@ fill the pages (the "forward pass": the known pattern of :mod:`real_prefill.patt
 ``send(pages, state_indices)`` -> poll until Success or Failed -> ``clear()``.
 
 Commands come one JSON object a line on stdin; this process prints ``READY {...}`` once it is
-registered, then per request one ``{"room", "metadata_at"}`` line when it sends (when the
-decode's metadata reached this rank) and one ``{"room", "status", "at", "metadata_at", "t_init",
-"t_sent", "t_end"}`` line when it concluded: ``at`` when its manager set the room's final status,
-``metadata_at`` when the metadata arrived (null: the request ended before it did), ``t_init`` when
-the sender was made, ``t_sent`` when ``send()`` was called, ``t_end`` when the sender polled
-Success or Failed. Times are ``time.monotonic()``, one clock for every process of the machine
-(Linux's CLOCK_MONOTONIC), so the harness can order them against the decode's own events.
+registered, then per request a :class:`RoomReport` line (``{"room", "status", "metadata_at",
+"sent_at", "concluded_at"}``) when it sends and again when the request ends, each line the
+room's whole report so far (a later one replaces an earlier one).
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +42,28 @@ STATE_FIELDS = (
     "state_layer_ids",
     "state_dim_per_tensor",
 )
+
+
+@dataclass(frozen=True)
+class RoomReport:
+    """What a rank reports of one room. Times are ``time.monotonic()``, one clock for every
+    process of the machine (Linux's CLOCK_MONOTONIC), so a reader can order them against the
+    decode's own events; None: not (yet) happened. ``metadata_at`` and ``concluded_at`` come
+    from the manager's own threads (:meth:`Prefill._stamp_statuses`), ``sent_at`` from the
+    scheduler loop. Read through ``RealPrefill.report``: by ``restart.prefill_was_late``
+    (``metadata_at``, ``concluded_at``) and by ``bench_e2e``'s phases (``sent_at``,
+    ``concluded_at``)."""
+
+    #: "Success" or "Failed", as the rank's sender polled it at the end; None: in flight
+    status: str | None = None
+    #: the manager took the decode's metadata (the room went to WaitingForInput); if the
+    #: stamp is missing when the loop sends, the send time (the metadata had arrived by then)
+    metadata_at: float | None = None
+    #: the scheduler loop called ``send()``, the room's pages filled; None: never sent
+    sent_at: float | None = None
+    #: the manager set Success or Failed, just before it told the decode; if it never did
+    #: (the sender concluded on its own), when the loop polled the end
+    concluded_at: float | None = None
 
 
 def has_state(backend: str) -> bool:
@@ -101,7 +120,7 @@ class Prefill:
         self.free_pages = collections.deque(int(page) for page in order)
         self.free_aux = collections.deque(range(g.aux_slots))
         self.senders: dict[int, tuple[Any, dict[str, Any]]] = {}
-        #: room -> when the manager took the decode's metadata for it, when it concluded it
+        #: room -> the manager's stamps (:meth:`_stamp_statuses`), until the loop reports them
         self.metadata_at: dict[int, float] = {}
         self.concluded_at: dict[int, float] = {}
 
@@ -294,10 +313,11 @@ class Prefill:
             sender = self.sender_class(self.manager, f"127.0.0.1:{self.args.bootstrap_port}", room)
             pages = command.get("pages") or len(command["src_pages"])
             sender.init(pages, command.get("aux_index"))
-            self.senders[room] = (sender, {**command, "sent": False, "t_init": time.monotonic()})
+            self.senders[room] = (sender, {**command, "report": RoomReport()})
         for room, (sender, request) in list(self.senders.items()):
             status = sender.poll()
-            if not request["sent"] and status == self.kv_poll.WaitingForInput:
+            report: RoomReport = request["report"]
+            if report.sent_at is None and status == self.kv_poll.WaitingForInput:
                 if "src_pages" not in request:
                     if not self.allocate(request):
                         continue  # no free pages: wait for a request to end, as a scheduler does
@@ -312,22 +332,33 @@ class Prefill:
                 sender.send(
                     pages, [np.asarray([state], dtype=np.int32)] if state is not None else None
                 )
-                request["sent"] = True
-                request["t_sent"] = time.monotonic()
-                request["metadata_at"] = self.metadata_at.pop(room, request["t_sent"])
-                print(json.dumps({"room": room, "metadata_at": request["metadata_at"]}), flush=True)
+                sent_at = time.monotonic()
+                report = replace(
+                    report, metadata_at=self.metadata_at.pop(room, sent_at), sent_at=sent_at
+                )
+                request["report"] = report
+                self.publish(room, report)
             elif status in (self.kv_poll.Success, self.kv_poll.Failed):
-                name = "Success" if status == self.kv_poll.Success else "Failed"
                 sender.clear()
                 del self.senders[room]
-                arrived = request.get("metadata_at", self.metadata_at.pop(room, None))
-                at = self.concluded_at.pop(room, time.monotonic())
+                report = replace(
+                    report,
+                    status="Success" if status == self.kv_poll.Success else "Failed",
+                    # once sent, the report holds the stamp (the send popped it)
+                    metadata_at=self.metadata_at.pop(room, report.metadata_at),
+                    concluded_at=self.concluded_at.pop(room, time.monotonic()),
+                )
                 if request.get("allocated"):
                     self.free_pages.extend(request["src_pages"])
                     self.free_aux.append(request["aux_index"])
-                times = {key: request[key] for key in ("t_init", "t_sent") if key in request}
-                event = {"room": room, "status": name, "at": at, "metadata_at": arrived, **times}
-                print(json.dumps({**event, "t_end": time.monotonic()}), flush=True)
+                self.publish(room, report)
+
+    @staticmethod
+    def publish(room: int, report: RoomReport) -> None:
+        # One write: print() writes the text and its newline apart, and another thread's
+        # write to stdout between them would join this line (the reader could not parse it).
+        sys.stdout.write(json.dumps({"room": room, **asdict(report)}) + "\n")
+        sys.stdout.flush()
 
     def run(self) -> None:
         threading.Thread(target=self.read_commands, daemon=True).start()

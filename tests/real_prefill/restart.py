@@ -19,6 +19,7 @@ from typing import Any
 
 from real_prefill.harness import Layout, LibraryDecode, RealPrefill
 from real_prefill.pattern import Geometry
+from real_prefill.prefill_process import RoomReport
 
 PAGES = 4
 #: Room numbers: the two decodes never share one.
@@ -172,15 +173,16 @@ SUCCESS, FAILED = 4, 0  # KVPoll values, the same in SGLang and this library
 ANSWER_IN_TRANSIT_S = 0.05
 
 
-def prefill_was_late(request: Request, replacement: RealPrefill) -> bool:
-    """Whether a request issued after READY failed because the replacement was slow: the
-    decode's metadata reached the replacement's rank (so it addressed the live incarnation, not
-    a dead rank's port), and the rank had not answered by the time the decode gave up (it
-    answered later, or not within the run). False is the decode's doing: metadata that never
-    reached the replacement, or an answer the decode had in time and missed."""
-    if request.failed_at is None or request.room not in replacement.metadata_at:
+def prefill_was_late(request: Request, report: RoomReport) -> bool:
+    """Whether a request issued after READY failed because the replacement was slow, from the
+    replacement's ``report`` of its room: the decode's metadata reached the replacement's rank
+    (so it addressed the live incarnation, not a dead rank's port), and the rank had not
+    answered by the time the decode gave up (it answered later, or not within the run). False
+    is the decode's doing: metadata that never reached the replacement, or an answer the
+    decode had in time and missed."""
+    if request.failed_at is None or report.metadata_at is None:
         return False
-    concluded_at = replacement.concluded_at.get(request.room)
+    concluded_at = report.concluded_at
     return concluded_at is None or concluded_at > request.failed_at - ANSWER_IN_TRANSIT_S
 
 
@@ -269,12 +271,11 @@ def run_restart(
             ]
             report.kv_held_pages = PAGES * len(driver.in_flight)
             report.failed_after_ready_prefill_late = sum(
-                prefill_was_late(r, replacement) for r in driver.failed_after_ready
+                prefill_was_late(r, replacement.report(r.room)) for r in driver.failed_after_ready
             )
-            concluded = {**prefill.concluded, **replacement.concluded}
             report.hung_detail = [
                 (round(r.issued_at - timeline["kill"], 3), int(r.handle.poll()),
-                 concluded.get(r.room))
+                 replacement.report(r.room).status or prefill.report(r.room).status)
                 for r in driver.in_flight
             ]  # fmt: skip
             if name == "library":
