@@ -177,12 +177,25 @@ class RealPrefill:
         return result[0] if result else "<no READY line in time>"
 
     def _read_reports(self, proc: subprocess.Popen[str]) -> None:
+        """Rank 0's report lines, until its stdout closes (its exit, or ``kill()`` closing it
+        under this read). Other writers share that stdout (NIXL logs to it, from C++): a line
+        is read as the reports it starts with, and text after them is skipped, so no other
+        writer's text can cost a report or end this reader."""
         assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("{"):  # NIXL logs to stdout too
-                fields = json.loads(line)
-                room = fields.pop("room")
-                self._reports[room] = RoomReport(**fields)
+        decoder = json.JSONDecoder()
+        try:
+            for line in proc.stdout:
+                text = line.strip()
+                while text.startswith("{"):
+                    try:
+                        fields, end = decoder.raw_decode(text)
+                    except json.JSONDecodeError:
+                        break
+                    room = fields.pop("room")
+                    self._reports[room] = RoomReport(**fields)
+                    text = text[end:].lstrip()
+        except (ValueError, OSError):
+            return  # kill() closed the stream: there is nothing more to read
 
     def report(self, room: int) -> RoomReport:
         """What rank 0 reported of ``room`` so far (every field None: nothing yet). Its times are
