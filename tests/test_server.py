@@ -269,7 +269,10 @@ def test_http53_registration_needs_the_bearer_token(
 
 
 def test_http53_without_token_registration_fails_closed() -> None:
-    with running_server() as srv:
+    with (
+        pytest.warns(RuntimeWarning, match="BootstrapServer without a token: every registration"),
+        running_server() as srv,
+    ):
         assert put_rank(srv, rank_payload(tp=0, tp_size=1), headers={}).status_code == 401
         assert put_rank(srv, rank_payload(tp=0, tp_size=1)).status_code == 401
         # Reads stay open.
