@@ -6,16 +6,15 @@ Requirement IDs refer to ``spec/zmq.md``.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
-from zmq_support import LOOPBACK, AckRecorder
+from zmq_support import LOOPBACK, AckRecorder, first_send_failure
 
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.errors import PrefillRankStartFailed, SendFailed
+from statemachine.errors import PrefillRankStartFailed
 from statemachine.pool import Generation, RankInfo
 from statemachine.prefill.rank import PrefillRankProcess, parse_args
 from statemachine.prefill.server import BootstrapServer
@@ -127,19 +126,11 @@ def test_zmq13_sigkill_then_restart_gets_a_new_port_and_serves_again(
         old_port = rank.port
         rank.kill()
         # Sends in the moment before libzmq sees the disconnect are queued and dropped with
-        # the connection (see test_transport ZMQ-8); then sends fail. Bounded in time, not in
-        # sends (a send takes microseconds: a count can run out before libzmq sees the reset).
-        deadline = time.monotonic() + 5.0
-        room = 0
-        while True:
-            try:
-                transport.send_metadata(old, backend, MetadataRequest(room, (), 0))
-            except SendFailed as exc:
-                assert exc.endpoint == f"tcp://{LOOPBACK}:{old_port}"
-                break
-            assert time.monotonic() < deadline, "libzmq did not see the rank's exit in 5 s"
-            room += 1
-            time.sleep(0.001)
+        # the connection (see test_transport ZMQ-8); then sends fail.
+        failure = first_send_failure(
+            lambda room: transport.send_metadata(old, backend, MetadataRequest(room, (), 0))
+        )
+        assert failure.endpoint == f"tcp://{LOOPBACK}:{old_port}"
         new_port = rank.restart()
         assert new_port != old_port and rank.starts == 2
         client = BootstrapClient()

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import zmq
 
+from statemachine.errors import SendFailed
 from statemachine.prefill.readiness import read_ready
 
 LOOPBACK = "127.0.0.1"
@@ -106,6 +107,25 @@ def with_deadline(fn: Callable[[], T], seconds: float) -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+def first_send_failure(send: Callable[[int], None], seconds: float = 5.0) -> SendFailed:
+    """Call ``send(0)``, ``send(1)``, ... until one raises ``SendFailed``, and return it.
+
+    After a peer is killed, libzmq sees the reset on its I/O thread a moment later; sends in
+    that window are queued on the dying connection and dropped with it. The window is a time,
+    not a number of sends (a send takes microseconds: 1,000 of them once ran out before the
+    reset was seen), so the wait is bounded by ``seconds`` (then AssertionError)."""
+    deadline = time.monotonic() + seconds
+    attempt = 0
+    while True:
+        try:
+            send(attempt)
+        except SendFailed as exc:
+            return exc
+        assert time.monotonic() < deadline, f"libzmq did not see the peer's exit in {seconds:g} s"
+        attempt += 1
+        time.sleep(0.001)
 
 
 def fd_count() -> int:
