@@ -46,6 +46,7 @@ Everything runs on loopback TCP on a CPU machine shared with other work: indicat
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -339,8 +340,7 @@ def table(backend: str, results: dict[tuple[int, str], Figures], batch: int, rou
 
 
 def load_average() -> str:
-    with open("/proc/loadavg") as f:
-        return "load average " + " ".join(f.read().split()[:3])
+    return "load average " + " ".join(f"{load:.2f}" for load in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:

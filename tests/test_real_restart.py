@@ -11,8 +11,9 @@ A short cold run on Mooncake: the replacement starts after the kill (it imports 
 seconds on this machine). Asserted the same way; a request issued after READY may fail only if
 the replacement got its metadata and had not answered when the library's waiting timeout ended
 it (the prefill's doing, reported as a warning). The replacement's bootstrap server listens
-only tens of milliseconds before READY: the library asks it at once because a port that refused
-is not held off until a probe answers (HEALTH-7; docs/sglang-interop.md, "A cold replacement").
+only a few hundred milliseconds before READY, answering slowly meanwhile: the library asks it
+at once because a port that refused is not held off until a probe answers (HEALTH-7;
+docs/sglang-interop.md, "A cold replacement").
 
 A request issued while the prefill is down reaches no prefill (a router's call to a dead
 prefill is refused, not queued into its replacement), so the library ends it typed: at once
