@@ -58,7 +58,7 @@ from sglang_wire_support import mooncake_module
 
 from statemachine.errors import ConfigurationError
 from statemachine.sglang.v0_5_23 import decode_worker
-from statemachine.sglang.v0_5_23.decode_worker import scheduler as ours
+from statemachine.sglang.v0_5_23.decode_worker import conn as ours
 
 pytestmark = requires_sglang
 
@@ -314,7 +314,7 @@ def test_the_launcher_installs_in_the_processes_sglang_spawns() -> None:
         check=False,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-1] == "statemachine.sglang.v0_5_23.decode_worker.scheduler"
+    assert run.stdout.split()[-1] == "statemachine.sglang.v0_5_23.decode_worker.conn"
 
 
 @requires_sglang

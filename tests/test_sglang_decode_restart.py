@@ -323,7 +323,7 @@ def test_the_nixl_classes_receive_real_bytes_from_sglangs_prefill(
     conn = import_sglang()
     from sglang_support import make_kv_args, set_sglang_ranks, sglang_server_args
 
-    from statemachine.sglang.v0_5_23.decode_worker import scheduler as ours
+    from statemachine.sglang.v0_5_23.decode_worker import conn as ours
 
     pool = KVPool(buffers=GEOMETRY.buffers, pages=GEOMETRY.slots, page_bytes=GEOMETRY.item_len)
     metadata = MetadataBuffers(GEOMETRY.aux_slots, GEOMETRY.aux_item_len)

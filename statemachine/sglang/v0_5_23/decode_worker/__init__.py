@@ -1,7 +1,7 @@
 """SGLang 0.5.23's decode KV manager and receivers, built on a ``DecodeManager``.
 
 :func:`install` makes SGLang 0.5.23's decode scheduler build its KV manager and receivers from
-:mod:`.scheduler` for the chosen transfer backends; :func:`uninstall` (or leaving
+:mod:`.conn` for the chosen transfer backends; :func:`uninstall` (or leaving
 ``with install(...):``) undoes it. ``docs/sglang-decode.md`` says how to deploy it.
 
 This package sits above the decode runtime (it composes a ``DecodeManager`` with SGLang's

@@ -3,7 +3,7 @@
 SGLang has no plug-in point for them: ``decode.py`` imports ``get_kv_class`` by name from
 ``sglang.srt.disaggregation.utils`` and asks it for the manager (``decode.py:765``) and for one
 receiver per request (``decode.py:905``). :func:`install` replaces the name ``decode.py``
-holds with a function that answers the classes of :mod:`.scheduler` for the chosen transfer backends
+holds with a function that answers the classes of :mod:`.conn` for the chosen transfer backends
 and defers to SGLang's own for everything else (KVArgs, the prefill's sender and bootstrap server,
 other backends). Nothing else of SGLang is touched; :func:`uninstall` (or leaving the ``with``
 block) puts SGLang's function back. Only SGLang 0.5.23 is accepted: another release is refused,
@@ -23,7 +23,7 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 from statemachine.errors import ConfigurationError
-from statemachine.sglang.v0_5_23.decode_worker import scheduler
+from statemachine.sglang.v0_5_23.decode_worker import conn
 
 __all__ = ["BACKENDS", "Installation", "install", "install_on_import", "installed", "uninstall"]
 
@@ -31,8 +31,8 @@ __all__ = ["BACKENDS", "Installation", "install", "install_on_import", "installe
 SUPPORTED_SGLANG = "0.5.23"
 #: SGLang transfer backend name -> (manager class, receiver class).
 BACKENDS: dict[str, tuple[type, type]] = {
-    "mooncake": (scheduler.MooncakeKVManager, scheduler.MooncakeKVReceiver),
-    "nixl": (scheduler.NixlKVManager, scheduler.NixlKVReceiver),
+    "mooncake": (conn.MooncakeKVManager, conn.MooncakeKVReceiver),
+    "nixl": (conn.NixlKVManager, conn.NixlKVReceiver),
 }
 _DECODE_MODULE = "sglang.srt.disaggregation.decode"
 
