@@ -84,7 +84,9 @@ def main() -> int:
     from sglang.srt.utils.common import kill_process_tree
 
     try:
-        infos = launch_follower_node(server_args) if mode == "tp" else launch_schedulers(server_args)
+        infos = (
+            launch_follower_node(server_args) if mode == "tp" else launch_schedulers(server_args)
+        )
     except RuntimeError as exc:
         print(f"launch failed: {exc}", file=sys.stderr, flush=True)
         return 3

@@ -82,9 +82,10 @@ def activate() -> None:
 
 
 def _log_at_scheduler_start() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    import importlib
 
-    HookRegistry.register(_SCHEDULER_START, _after_scheduler_configured, HookType.AFTER)
+    hooks = importlib.import_module("sglang.srt.plugins.hook_registry")
+    hooks.HookRegistry.register(_SCHEDULER_START, _after_scheduler_configured, hooks.HookType.AFTER)
 
 
 def _after_scheduler_configured(result: Any, *args: Any, **kwargs: Any) -> None:
@@ -95,11 +96,8 @@ def scheduler_line() -> str:
     """The start-up line: library and SGLang versions, what was installed, and the manager and
     receiver classes this process's ``decode.py`` answers for this scheduler's transfer backend
     (asked of ``decode.get_kv_class`` itself, as the scheduler will ask it)."""
+    import importlib
     import importlib.metadata
-
-    from sglang.srt.disaggregation import decode
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
-    from sglang.srt.runtime_context import get_disagg
 
     from statemachine import __version__
     from statemachine.sglang.v0_5_23.decode_worker import installer
@@ -109,14 +107,16 @@ def scheduler_line() -> str:
         f"{importlib.metadata.version('sglang')}: decode classes installed for "
         f"{','.join(sorted(installer.installed())) or '(none)'}"
     )
-    disagg = get_disagg()
+    decode = importlib.import_module("sglang.srt.disaggregation.decode")
+    utils = importlib.import_module("sglang.srt.disaggregation.utils")
+    disagg = importlib.import_module("sglang.srt.runtime_context").get_disagg()
     mode = str(disagg.disaggregation_mode)
     backend = str(disagg.disaggregation_transfer_backend)
     if mode != "decode":
         return f"{head}; this scheduler (disaggregation mode {mode}) keeps SGLang's classes"
-    transfer = TransferBackend(backend)
-    manager = decode.get_kv_class(transfer, KVClassType.MANAGER)
-    receiver = decode.get_kv_class(transfer, KVClassType.RECEIVER)
+    transfer = utils.TransferBackend(backend)
+    manager = decode.get_kv_class(transfer, utils.KVClassType.MANAGER)
+    receiver = decode.get_kv_class(transfer, utils.KVClassType.RECEIVER)
     return (
         f"{head}; this decode scheduler ({backend}) uses "
         f"{manager.__module__}.{manager.__qualname__} and {receiver.__qualname__}"
