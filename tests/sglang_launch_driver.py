@@ -1,4 +1,4 @@
-"""``python sglang_launch_driver.py {tp,dp} MODEL_DIR``: SGLang's own launcher, on CPU.
+"""``python sglang_launch_driver.py {tp,dp} MODEL_DIR [NAME=VALUE...]``: SGLang's own launcher.
 
 A plain driver that imports nothing of this library; SGLang loads whatever plug-ins are
 installed. ``tp``: SGLang 0.5.23's ``Engine._launch_subprocesses`` (the code
@@ -14,7 +14,8 @@ data-parallel controller (``run_data_parallel_controller_process``) that hands t
 and the wait for ready. The model directory holds a config.json only; the test's observer
 plug-in stands in for the model-serving Scheduler and reports what each scheduler got. Prints
 the init infos SGLang's launcher received as one JSON line, then ends the processes it started
-(the dp controller serves until stopped); exits 3 with SGLang's error if the launch failed.
+(the dp controller serves until stopped). NAME=VALUE pairs are set for the spawned processes
+only. Exits 3 with SGLang's error if the launch failed.
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ def launch_schedulers(server_args: Any) -> list[dict[str, Any]]:
 
 def main() -> int:
     mode, model = sys.argv[1], sys.argv[2]
+    child_env = dict(arg.split("=", 1) for arg in sys.argv[3:])
+    if child_env:
+        # Load the plug-ins here first (Engine.__init__ does the same; _launch_subprocesses's
+        # own call is then a no-op), then give the processes SGLang spawns another environment:
+        # a scheduler whose settings differ from its launcher's.
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        os.environ.update(child_env)
     from sglang.srt.server_args import ServerArgs
 
     fields: dict[str, Any] = {
