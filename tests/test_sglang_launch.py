@@ -176,3 +176,56 @@ def test_a_scheduler_that_refuses_at_start_fails_sglangs_launch_naming_the_rank(
     assert "launch failed: Rank 0 scheduler died during initialization (exit code: 1)" in (
         run.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "code", "says"),
+    [
+        (
+            {"PD_BOOTSTRAP_SGLANG_DECODE": "mooncake"},
+            0,
+            f"  mooncake: {OURS}.MooncakeKVManager / MooncakeKVReceiver (the library's: as asked)",
+        ),
+        (
+            {"PD_BOOTSTRAP_SGLANG_DECODE": "mooncake,bogus"},
+            1,
+            "error: SGLang's load_plugins() stops here, as it would stop a scheduler at start: "
+            "pd-bootstrap-statemachine: PD_BOOTSTRAP_SGLANG_DECODE=mooncake,bogus refused",
+        ),
+        (
+            {"PD_BOOTSTRAP_SGLANG_DECODE": "mooncake", "SGLANG_PLUGINS": "another_plugin"},
+            1,
+            f"  mooncake: {SGLANGS}.MooncakeKVManager / MooncakeKVReceiver "
+            "(SGLang's: NOT as asked)",
+        ),
+        ({}, 0, "PD_BOOTSTRAP_SGLANG_DECODE is unset: the plug-in changes nothing"),
+    ],
+    ids=["active", "unknown backend", "filtered by SGLANG_PLUGINS", "unset"],
+)
+def test_sglang_check_says_what_a_scheduler_gets(
+    tmp_path: Path, env: dict[str, str], code: int, says: str
+) -> None:
+    """``pd-bootstrap sglang-check`` (docs/sglang-decode.md), run as an operator runs it."""
+    import_sglang()
+    full_env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PD_BOOTSTRAP_SGLANG_DECODE", "SGLANG_PLUGINS")
+    }
+    full_env.update(PYTHONPATH=str(TESTS / "sglang_stubs"), SGLANG_HOST_IP="127.0.0.1", **env)
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "statemachine", "sglang-check"],
+        env=full_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == code, run.stdout + run.stderr[-2000:]
+    assert says in run.stdout, run.stdout
+    assert (
+        "plug-in: sglang.srt.plugins entry point pd_bootstrap_decode -> "
+        "statemachine.sglang.v0_5_23.decode_worker.plugin:activate (discovered)"
+    ) in run.stdout
+    assert f"SGLang {SGLANG_VERSION}" in run.stdout
