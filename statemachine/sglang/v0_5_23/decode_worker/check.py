@@ -109,7 +109,12 @@ def check(out: list[str]) -> bool:
 def main(argv: list[str]) -> int:
     argparse.ArgumentParser(
         prog=prog("sglang-check"),
-        description=__doc__.splitlines()[0] if __doc__ else None,
+        description=(
+            "Say whether SGLang discovers this package's plug-in, what "
+            f"{ENV_VAR} asks for, and which decode KV classes an SGLang scheduler started "
+            "in this environment gets (runs SGLang's load_plugins()). Exits 1 when that is "
+            "not what was asked."
+        ),
     ).parse_args(argv)
     lines: list[str] = []
     ok = check(lines)
