@@ -229,3 +229,25 @@ def test_sglang_check_says_what_a_scheduler_gets(
         "statemachine.sglang.v0_5_23.decode_worker.plugin:activate (discovered)"
     ) in run.stdout
     assert f"SGLang {SGLANG_VERSION}" in run.stdout
+
+
+def test_another_sglang_release_stops_the_process_at_the_plugin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The refusal a launcher and each scheduler meet in their load_plugins(): SystemExit,
+    which SGLang's load_plugins() does not catch (it only logs an Exception), naming the
+    release, the variable and what to do; nothing is installed. (The launch tests above show
+    the same SystemExit ending SGLang's real launcher and scheduler processes.)"""
+    from statemachine.sglang.v0_5_23.decode_worker import installer, plugin
+
+    monkeypatch.setenv("PD_BOOTSTRAP_SGLANG_DECODE", "mooncake")
+    monkeypatch.setattr(installer, "_installed_version", lambda: "0.5.24")
+    with pytest.raises(SystemExit) as caught:
+        plugin.activate()
+    message = str(caught.value)
+    assert "PD_BOOTSTRAP_SGLANG_DECODE=mooncake refused: SGLang 0.5.24 is installed" in message
+    assert "install sglang==0.5.23" in message and "unset PD_BOOTSTRAP_SGLANG_DECODE" in message
+    assert installer.installed() == frozenset()
+    monkeypatch.setenv("PD_BOOTSTRAP_SGLANG_DECODE", " , ")
+    plugin.activate()  # blank: off, whatever the release
+    assert installer.installed() == frozenset()
