@@ -1,4 +1,4 @@
-"""A decode pointed at an HTTP server that is not a bootstrap server is told so (issue 31.5).
+"""A decode pointed at an HTTP server that is not a bootstrap server is told so (HTTP-46).
 
 Real servers on 127.0.0.1: Python's own file server (its 404 is an HTML page, as most web
 servers' are) and a server answering as a FastAPI app does for a route it does not have
