@@ -16,8 +16,11 @@ anything, and a scheduler before it reports ready (SGLang's launcher then fails 
 rank that died). Each scheduler logs one line at start, on this module's logger at INFO (under
 SGLang's own log format and level), naming the classes its ``decode.py`` will use.
 
-This module imports only the standard library at load time: an import error would be one more
-``Exception`` that ``load_plugins()`` only logs.
+This module imports only the standard library at load time, and everything else inside
+:func:`activate`, where a failure becomes the same ``SystemExit``. Loading it still imports the
+``statemachine`` package and this one (their declared dependencies); a broken installation
+failing there is the one error ``load_plugins()`` would only log, and ``pd-bootstrap
+sglang-check`` reports it (the backends then get SGLang's classes, not what was asked).
 """
 
 from __future__ import annotations
