@@ -12,7 +12,8 @@ SGLANG_REQS  := tests/sglang_interop/requirements.txt
 SGLANG_CONS  := tests/sglang_interop/constraints.txt
 SGLANG_IMPORTS := import sglang.srt.disaggregation.common.conn, \
 	sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn, \
-	sglang.srt.disaggregation.decode
+	sglang.srt.disaggregation.decode, sglang.srt.managers.scheduler, \
+	sglang.srt.managers.data_parallel_controller, sglang.srt.entrypoints.engine
 # The real transfer engines (Mooncake, NIXL) for the end-to-end tests (tests/real_prefill/), pinned
 # beside the sglang pin, and the Debian libraries the Mooncake CPU build links.
 ENGINES_STAMP := $(VENV)/.engines

@@ -1,4 +1,4 @@
-"""Command line: ``pd-bootstrap {demo,serve,check,table}`` (or ``python -m statemachine ...``).
+"""Command line: ``pd-bootstrap <command>`` (or ``python -m statemachine <command>``).
 
 Each subcommand lives in its own module and is imported only when used, so ``check`` does not
 pay for aiohttp and ``serve`` does not pay for the model checker.
@@ -21,12 +21,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check": ("statemachine.model.check", "model-check the Python mirror of the TLA+ spec"),
     "table": ("statemachine.lifecycle_cli", "print the lifecycle table and Mermaid diagram"),
     "etcd": ("statemachine.discovery.etcd_cli", "start a local etcd for trying the etcd source"),
+    "sglang-check": (
+        "statemachine.sglang.v0_5_23.decode_worker.check",
+        "what an SGLang scheduler started here gets (PD_BOOTSTRAP_SGLANG_DECODE)",
+    ),
 }
 
 
 def _usage() -> str:
     lines = [f"usage: {prog()} <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<12} {text}" for name, (_, text) in SUBCOMMANDS.items()]
     lines += ["", f"'{prog()} <command> --help' describes a command's options."]
     return "\n".join(lines)
 

@@ -98,6 +98,39 @@ def test_wheel_carries_license_and_model_cfgs(wheel: Path) -> None:
     assert "statemachine/py.typed" in names
 
 
+def test_wheel_declares_the_sglang_plugin_entry_point(wheel: Path) -> None:
+    """SGLang's load_plugins() finds the decode plug-in through this (docs/sglang-decode.md)."""
+    import configparser
+    import zipfile
+
+    archive = zipfile.ZipFile(wheel)
+    (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    points = configparser.ConfigParser()
+    points.read_string(archive.read(name).decode())
+    assert dict(points["sglang.srt.plugins"]) == {
+        "pd_bootstrap_decode": "statemachine.sglang.v0_5_23.decode_worker.plugin:activate"
+    }
+
+
+def test_the_plugin_is_discovered_and_inert_unless_asked_without_sglang(
+    installed: Installed,
+) -> None:
+    """Installed where SGLang is not: discovered, a no-op with the variable unset, and
+    ``sglang-check`` says SGLang is missing (exit 1)."""
+    probe = installed.py(
+        "import importlib.metadata as m\n"
+        "(ep,) = m.entry_points(group='sglang.srt.plugins')\n"
+        "ep.load()()\n"
+        "print(ep.name)"
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == "pd_bootstrap_decode"
+    done = installed.cli("sglang-check")
+    assert done.returncode == 1
+    assert "(discovered)" in done.stdout
+    assert "error: SGLang is not installed in this environment" in done.stdout
+
+
 def test_installed_without_extras(installed: Installed) -> None:
     """The premise of the other tests: aiohttp and matplotlib are absent."""
     probe = installed.py("import importlib.util as u; print(u.find_spec('aiohttp'))")
@@ -164,6 +197,7 @@ WHEEL_HELP = {
     "check": ["Model-check the Python mirror", "(default: MCSmall)"],
     "table": ["Print the receiver lifecycle"],
     "etcd": ["Start a local one-member etcd", "(default: 2379)"],
+    "sglang-check": ["Say whether SGLang discovers this package's plug-in"],
 }
 
 

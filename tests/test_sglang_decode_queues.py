@@ -26,13 +26,9 @@ its last step, ``clear()`` at 2774-2775, is replayed), and ``_release_request`` 
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -291,30 +287,6 @@ def test_a_room_already_in_flight_fails_typed_instead_of_sharing_its_state(
         # decode.py:1158-1177 aborted the duplicate with the typed reason; the first goes on.
         assert "InvalidRoom: room 9 is already in flight" in second.req.finished_reason.message
         assert first.req.finished_reason is None
-
-
-@requires_sglang
-def test_the_launcher_installs_in_the_processes_sglang_spawns() -> None:
-    """SGLang spawns its schedulers: the launcher's hook must be in place in the child,
-    before the child's decode.py loads (tests/sglang_spawn_probe.py)."""
-    import_sglang()
-    tests = Path(__file__).resolve().parent
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tests / "sglang_stubs"), str(tests)]),
-        "PD_BOOTSTRAP_SGLANG_DECODE": "mooncake",
-        "SGLANG_HOST_IP": "127.0.0.1",
-    }
-    run = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "sglang_spawn_probe"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-1] == "statemachine.sglang.v0_5_23.decode_worker.conn"
 
 
 @requires_sglang

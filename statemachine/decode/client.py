@@ -62,6 +62,7 @@ from statemachine.wire.http import (
     dp_ranks_request,
     dp_ranks_url,
     health_url,
+    not_a_bootstrap_server,
     parse_json_object,
     route_reply,
     route_url,
@@ -289,6 +290,15 @@ class BootstrapClient(NothingToReport):
                     if exchange.ended is not None:
                         # Shut down mid-reply: the EOF it caused can read as a short reply.
                         raise OSError(f"exchange ended ({exchange.ended})")
+                stranger = not_a_bootstrap_server(
+                    payload,
+                    addr=addr,
+                    what=what,
+                    status=response.status_code,
+                    content_type=response.headers.get("Content-Type"),
+                )
+                if stranger is not None:
+                    raise stranger
                 if response.status_code != 200:
                     raise status_error(addr, response.status_code, what, payload)
             except requests.exceptions.ContentDecodingError as exc:

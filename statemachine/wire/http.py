@@ -158,6 +158,44 @@ def route_payload(
 
 # --- replies -----------------------------------------------------------------------------------
 
+#: What a bootstrap server's replies are: JSON, or plain text for SGLang's own error replies
+#: (``common/conn.py``'s ``web.Response(text=...)``) and health answers.
+_BOOTSTRAP_MEDIA_TYPES = frozenset({"application/json", "text/plain", ""})
+#: The route-not-found reply of a FastAPI server (SGLang's HTTP API port, the address most
+#: often given by mistake); no bootstrap server answers this.
+_API_ROUTE_NOT_FOUND = {"detail": "Not Found"}
+_SHOWN_BYTES = 80
+
+
+def _json_or_none(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def not_a_bootstrap_server(
+    body: bytes, *, addr: str, what: str, status: int, content_type: str | None
+) -> MalformedReply | None:
+    """The typed error for a reply that no bootstrap server gives (an HTML page, an API
+    server's route-not-found), saying what answered and what to check; None for any other."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    api_404 = status == 404 and len(body) < 64 and _json_or_none(body) == _API_ROUTE_NOT_FOUND
+    if media in _BOOTSTRAP_MEDIA_TYPES and not api_404:
+        return None
+    text = " ".join(body[: _SHOWN_BYTES * 4].decode("utf-8", "replace").split())
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    shown = text if len(text) <= _SHOWN_BYTES else text[: _SHOWN_BYTES - 3] + "..."
+    return MalformedReply(
+        f"{addr}: {what}: this address answered HTTP {status} "
+        f"({media or 'no content type'}, beginning {shown!r}), but not as a prefill bootstrap "
+        "server: check the address and port. It must be the prefill's bootstrap server "
+        "(SGLang's --disaggregation-bootstrap-port, 8998 by default; the reference server's "
+        "--port), not the prefill's HTTP API port or another service",
+        addr=addr,
+        status=status,
+    )
+
 
 def parse_json_object(body: bytes, *, addr: str, status: int) -> dict[str, object]:
     """Decode a reply body that must be a JSON object."""

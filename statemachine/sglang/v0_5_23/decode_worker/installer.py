@@ -1,31 +1,29 @@
 """Make SGLang 0.5.23's decode scheduler use this library's KV manager and receiver classes.
 
-SGLang has no plug-in point for them: ``decode.py`` imports ``get_kv_class`` by name from
-``sglang.srt.disaggregation.utils`` and asks it for the manager (``decode.py:765``) and for one
-receiver per request (``decode.py:905``). :func:`install` replaces the name ``decode.py``
-holds with a function that answers the classes of :mod:`.conn` for the chosen transfer backends
-and defers to SGLang's own for everything else (KVArgs, the prefill's sender and bootstrap server,
-other backends). Nothing else of SGLang is touched; :func:`uninstall` (or leaving the ``with``
-block) puts SGLang's function back. Only SGLang 0.5.23 is accepted: another release is refused,
-since these classes follow 0.5.23's decode code line by line.
+``decode.py`` imports ``get_kv_class`` by name from ``sglang.srt.disaggregation.utils`` and
+asks it for the manager (``decode.py:765``) and for one receiver per request (``decode.py:905``).
+:func:`install` replaces the name ``decode.py`` holds with a function that answers the classes
+of :mod:`.conn` for the chosen transfer backends and defers to SGLang's own for everything else
+(KVArgs, the prefill's sender and bootstrap server, other backends). Nothing else of SGLang is
+touched; :func:`uninstall` (or leaving the ``with`` block) puts SGLang's function back. Only
+SGLang 0.5.23 is accepted: another release is refused, since these classes follow 0.5.23's
+decode code line by line. In an SGLang server the plug-in entry point (:mod:`.plugin`) calls
+:func:`install` in every process SGLang starts.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.metadata
-import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from types import ModuleType, TracebackType
+from collections.abc import Callable, Iterable
+from types import TracebackType
 from typing import Any
 
 from statemachine.errors import ConfigurationError
 from statemachine.sglang.v0_5_23.decode_worker import conn
 
-__all__ = ["BACKENDS", "Installation", "install", "install_on_import", "installed", "uninstall"]
+__all__ = ["BACKENDS", "Installation", "install", "installed", "uninstall"]
 
 #: The SGLang release these classes follow.
 SUPPORTED_SGLANG = "0.5.23"
@@ -134,46 +132,3 @@ def installed() -> frozenset[str]:
     """The backends installed now (empty when none)."""
     current = _current
     return frozenset() if current is None else current.backends
-
-
-class _InstallAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``decode.py`` with the next finder, then installs right after it has run."""
-
-    def __init__(self, backends: frozenset[str]) -> None:
-        self.backends = backends
-        self._loader: importlib.abc.Loader | None = None
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _DECODE_MODULE or self._loader is not None:
-            return None
-        sys.meta_path.remove(self)  # once: the finders after us find the real module
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        assert self._loader is not None
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        assert self._loader is not None
-        self._loader.exec_module(module)
-        install(self.backends)
-
-
-def install_on_import(backends: Iterable[str] = ("mooncake", "nixl")) -> None:
-    """:func:`install` as soon as SGLang's ``decode.py`` is imported in this process (at once
-    if it already is). For a launcher whose module body runs again in every process SGLang
-    spawns (``statemachine.sglang.v0_5_23.decode_worker.launch_server``): SGLang starts its
-    schedulers with the ``spawn`` method, so a patch made in the launching process does not
-    reach them."""
-    wanted = frozenset(backends)
-    if _DECODE_MODULE in sys.modules:
-        install(wanted)
-    elif not any(isinstance(finder, _InstallAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _InstallAfterImport(wanted))
