@@ -69,7 +69,6 @@ from statemachine.discovery.gateway import (
 )
 from statemachine.discovery.layout import (
     DEFAULT_PREFIX,
-    MalformedValue,
     RankKey,
     RankRecord,
     normalise_prefix,
@@ -81,6 +80,7 @@ from statemachine.errors import (
     BootstrapError,
     DiscoveryError,
     InvalidArgument,
+    MalformedValue,
     NotFound,
     NotReady,
     PeerLost,
