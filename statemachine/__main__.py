@@ -17,7 +17,7 @@ from statemachine.progname import prog
 # subcommand -> (module, one-line help). Each module exposes ``main(argv: list[str]) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("statemachine.demo.cli", "end-to-end run through a prefill restart"),
-    "serve": ("statemachine.prefill.server", "run the reference bootstrap server"),
+    "serve": ("statemachine.prefill.serve", "run the reference bootstrap server"),
     "check": ("statemachine.model.check", "model-check the Python mirror of the TLA+ spec"),
     "table": ("statemachine.lifecycle_cli", "print the lifecycle table and Mermaid diagram"),
     "etcd": ("statemachine.discovery.etcd_cli", "start a local etcd for trying the etcd source"),

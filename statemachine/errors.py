@@ -132,6 +132,14 @@ class ManagerClosed(UsageError):
     """The decode manager was closed: create a new one to serve more requests."""
 
 
+class BadRequest(UsageError, ValueError):
+    """A request to the reference bootstrap server failed validation (a registration's body,
+    a query's parameters): the server answers 400 with this message, which names the field and
+    its limits, and stores nothing. The client's mistake: correct the request (for a
+    registration, the prefill rank's settings) and send it again; the same request is refused
+    again."""
+
+
 # --- configuration -------------------------------------------------------------------------
 
 
@@ -281,6 +289,13 @@ class WatchCompacted(DiscoveryError):
     def __init__(self, message: str, *, compact_revision: int) -> None:
         super().__init__(message)
         self.compact_revision = compact_revision
+
+
+class MalformedValue(DiscoveryError, ValueError):
+    """A key or value under the etcd prefix that is not a valid rank registration (the message
+    says which part). A decode never serves it (the key is skipped, as if absent) and a
+    registrar refuses to write it (as :class:`InvalidArgument`). Not retryable: fix the
+    process that wrote the key, or delete the key."""
 
 
 class EtcdBadReply(EtcdUnavailable):

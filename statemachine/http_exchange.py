@@ -56,7 +56,7 @@ MAX_QUOTED_ERROR = 400
 # --- the deadline of one exchange ----------------------------------------------------------------
 
 
-class NameLookupTimeout(TimeoutError):
+class _NameLookupTimeout(TimeoutError):
     """A host name did not resolve within the time left to the exchange."""
 
 
@@ -86,7 +86,7 @@ class _Resolver:
             if hit is not None and hit[0] > now:
                 return hit[1]
             if self._in_flight >= self.WORKERS:
-                raise NameLookupTimeout(f"name {host!r}: {self.WORKERS} lookups already stuck")
+                raise _NameLookupTimeout(f"name {host!r}: {self.WORKERS} lookups already stuck")
             self._in_flight += 1
         exchange = call_deadline.running_exchange()
         left = None if exchange is None or exchange.at is None else max(0.0, exchange.at - now)
@@ -105,7 +105,7 @@ class _Resolver:
 
         threading.Thread(target=lookup, name="http-resolver", daemon=True).start()
         if not done.wait(left):
-            raise NameLookupTimeout(f"name {host!r} did not resolve in time")
+            raise _NameLookupTimeout(f"name {host!r} did not resolve in time")
         result = answer[0]
         if isinstance(result, BaseException):
             raise result
@@ -275,7 +275,7 @@ def transport_reason(
     within = "" if timeouts is None else f" within the {timeouts[2]:g} s request deadline"
     causes = list(cause_chain(exc))
     kinds = tuple(type(c) for c in causes)
-    if any(issubclass(k, NameLookupTimeout) for k in kinds):
+    if any(issubclass(k, _NameLookupTimeout) for k in kinds):
         return f"host name did not resolve{within}"
     if deadline_cut(exc, exchange):
         return f"no complete reply{within}"

@@ -304,9 +304,12 @@ class BootstrapPool:
 
 
 def _count_value(counter: itertools.count[int]) -> int:
-    """The next value an ``itertools.count`` will yield, without advancing it.
+    """How many times ``next()`` was called on ``counter``: the pool's hit or miss count.
 
-    ``repr`` is ``count(N)``, stable across CPython versions (pickling support, the other way
-    to read it, was removed in 3.14).
+    The two counters are ``itertools.count`` objects so that ``lookup`` can bump them without
+    the lock: one ``next()`` is one C call, so concurrent bumps never lose a count (``+= 1`` on
+    an int attribute would). ``itertools.count`` has no method that reads its value without
+    advancing it; its repr, ``count(N)``, names the next value, which is the number of bumps so
+    far. That repr is the one way left to read it (pickling, the other, was removed in 3.14).
     """
-    return int(repr(counter)[6:-1])
+    return int(repr(counter).removeprefix("count(").removesuffix(")"))

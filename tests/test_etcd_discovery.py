@@ -25,7 +25,6 @@ from statemachine.discovery.changes import (
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.discovery.gateway import EtcdGateway, prefix_range_end
 from statemachine.discovery.layout import (
-    MalformedValue,
     RankKey,
     encode_value,
     parse_key,
@@ -33,7 +32,14 @@ from statemachine.discovery.layout import (
     rank_key,
 )
 from statemachine.discovery.registrar import EtcdRegistrar
-from statemachine.errors import BootstrapError, EtcdUnavailable, InvalidArgument, NotFound, NotReady
+from statemachine.errors import (
+    BootstrapError,
+    EtcdUnavailable,
+    InvalidArgument,
+    MalformedValue,
+    NotFound,
+    NotReady,
+)
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.wire.http import route_payload
 from tests.etcd_support import EtcdServer, free_port, running_etcd, wait_until

@@ -237,7 +237,7 @@ def test_close_ends_the_thread_during_a_trickled_list() -> None:
         source = source_on(gateway)  # default call_deadline (10 s): close() must not wait it
         assert wait_until(lambda: gateway.calls["kv/range"] == 1, BOUND)
         time.sleep(0.3)  # the list is mid-trickle
-        thread = source._thread
+        thread = source._watch.thread
         assert thread is not None and thread.is_alive()
         source.close()  # joins for at most connect_timeout + 1 s
         assert not thread.is_alive()

@@ -221,9 +221,9 @@ def test_change_history_stays_bounded_as_prefills_come_and_go(
 ) -> None:
     """Prefills that vanish leave one floor per group, folded into the source-wide floor past
     MAX_FORGOTTEN; a generation stamped before a fold then counts as stale (never missed)."""
-    from statemachine.discovery import etcd_source
+    from statemachine.discovery import rank_store
 
-    monkeypatch.setattr(etcd_source, "MAX_FORGOTTEN", 50)
+    monkeypatch.setattr(rank_store, "MAX_FORGOTTEN", 50)
     pool = BootstrapPool()
     source = EtcdBootstrapSource(EtcdGateway(["http://127.0.0.1:9"]), pool=pool)
     source._synced.set()
@@ -248,8 +248,8 @@ def test_change_history_stays_bounded_as_prefills_come_and_go(
         apply(addr, 5000)
         apply(addr, 5001)
         apply(addr, None)
-    assert source._history.keys() <= {("127.0.0.1:7000", 0, 0)}
-    assert len(source._history_floor) <= etcd_source.MAX_FORGOTTEN
+    assert source.store.history.keys() <= {("127.0.0.1:7000", 0, 0)}
+    assert len(source.store.history_floor) <= rank_store.MAX_FORGOTTEN
     # The long-lived prefill's generation predates a fold: conservatively stale now.
     assert not source.is_current(PoolKey("127.0.0.1:7000", 0, 0, 0), survivor)
     fresh = generation_for((RankInfo("127.0.0.1", 5000, 0),), "i", revision_of(source))

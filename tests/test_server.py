@@ -332,7 +332,7 @@ def test_http63_json_true_is_not_an_integer_field(
     must be and what to do, and pins no topology. Python's ``bool`` is an ``int``, so a check
     written as ``isinstance(value, int)`` takes ``true`` as page size 1 and the prefill's first
     writer would pin it for the address (HTTP-51). Catches the seeded bug that drops the bool
-    test from the server's ``_optional`` (a 200 then)."""
+    test from the registry's ``_optional`` (a 200 then)."""
     reply = put_rank(server, rank_payload(**{field: value}))
     assert reply.status_code == 400, reply.text
     message = reply.json()["error"]

@@ -20,7 +20,7 @@ from typing import Any
 
 from statemachine import cli_help
 from statemachine.demo.modes import OURS, PRESETS, ModeConfig, mode_from_flags
-from statemachine.demo.report import PlotUnavailable, build_report, format_table, plot_timeline
+from statemachine.demo.report import build_report, format_table, plot_timeline
 from statemachine.demo.report import write_json as write_report
 from statemachine.demo.run import DemoConfig, RunResult, run_demo
 from statemachine.demo.status import StatusLine
@@ -260,7 +260,7 @@ def main(argv: list[str]) -> int:
     if args.plot:
         try:
             plot_timeline(results, args.plot)
-        except PlotUnavailable as exc:
+        except MissingExtra as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         print(f"plot: {args.plot}")

@@ -222,7 +222,7 @@ class PrefillInstance:
         return argv
 
     def _spawn(self) -> list[_Child]:
-        children = [_Child("statemachine.prefill.server")]
+        children = [_Child("statemachine.prefill.serve")]
         children += [_Child("statemachine.prefill.rank") for _ in range(self.rank_count)]
         self.spawned_pids += [child.proc.pid for child in children]
         return children

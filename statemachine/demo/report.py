@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from statemachine.demo.run import RunResult
+from statemachine.errors import MissingExtra
 
 #: Keys of the report that the table shows, in order, with their labels.
 TABLE_ROWS: tuple[tuple[str, str], ...] = (
@@ -195,10 +196,6 @@ def write_json(path: str | Path, payload: object) -> None:
 # --- plot -------------------------------------------------------------------------------------
 
 
-class PlotUnavailable(RuntimeError):
-    """matplotlib is not installed (``pip install '.[plot]'``)."""
-
-
 BIN_S = 0.25
 
 
@@ -210,9 +207,7 @@ def plot_timeline(results: Sequence[RunResult], path: str | Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise PlotUnavailable(
-            "--plot needs matplotlib: pip install 'pd-bootstrap-statemachine[plot]'"
-        ) from exc
+        raise MissingExtra("plot", "--plot", "matplotlib") from exc
     fig, axes = plt.subplots(
         len(results), 1, figsize=(10, 2.6 * len(results) + 0.6), sharex=True, squeeze=False
     )

@@ -11,7 +11,9 @@ first list completes every call raises :class:`~statemachine.errors.NotReady` at
 still registered with the same endpoint *and* has held that exact value since a revision no
 newer than the generation's own ``revision``: the store revision read before its fetch
 (:class:`~statemachine.discovery.changes.StampedGeneration`; an unstamped generation is
-current while its endpoints are registered). On every put or delete of a rank key at revision
+current while its endpoints are registered). The store and this rule are
+:mod:`statemachine.discovery.rank_store`'s; this module runs the watch that feeds the store
+and retires what the rule finds stale. On every put or delete of a rank key at revision
 ``R`` the source drops, by identity (``BootstrapPool.invalidate``), each entry of that key's
 ``(addr, dp, cp)`` that is no longer current, and reports them to ``on_change``: exactly the
 generations fetched before ``R`` that used the changed rank. A generation fetched at or after
@@ -20,7 +22,8 @@ the revision is the order that instance ids lack. A re-put of identical bytes (a
 that re-granted its lease) changes nothing.
 
 **Failures.** A broken stream or an unreachable etcd keeps the store serving (the receiver's
-failure-driven invalidation still works) and retries with jittered back-off; on reconnect the
+failure-driven invalidation still works) and retries with jittered back-off (the loop that
+lists and watches is :mod:`statemachine.discovery.watch_loop`); on reconnect the
 watch resumes from revision + 1, so no change is missed and no list is needed. A resume whose
 revision was compacted meanwhile re-lists and diffs the store against the list, emitting a
 change for each key that differs. Another cluster answering (etcd replaced or restored) drops
@@ -41,14 +44,10 @@ ends the exchange in progress, so the thread ends within ``connect_timeout + 1``
 from __future__ import annotations
 
 import json
-import random
 import threading
-import time
-from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from statemachine.call_deadline import Exchange
 from statemachine.discovery.changes import (
     ChangeListener,
     HeldGenerations,
@@ -60,16 +59,10 @@ from statemachine.discovery.changes import (
     retiring_listener,
     stale_start,
 )
-from statemachine.discovery.gateway import (
-    EtcdBadReply,
-    EtcdGateway,
-    WatchIdle,
-    WatchMessage,
-    WatchStream,
-)
+from statemachine.discovery.etcd_wire import WatchMessage
+from statemachine.discovery.gateway import EtcdGateway
 from statemachine.discovery.layout import (
     DEFAULT_PREFIX,
-    MalformedValue,
     RankKey,
     RankRecord,
     normalise_prefix,
@@ -77,14 +70,15 @@ from statemachine.discovery.layout import (
     parse_value,
     topology_of,
 )
+from statemachine.discovery.rank_store import AddressView, RankStore
+from statemachine.discovery.watch_loop import WatchLoop
 from statemachine.errors import (
     BootstrapError,
-    DiscoveryError,
     InvalidArgument,
+    MalformedValue,
     NotFound,
     NotReady,
     PeerLost,
-    WatchCompacted,
 )
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.validation import (
@@ -96,15 +90,6 @@ from statemachine.validation import (
 )
 
 __all__ = ["EtcdBootstrapSource", "EtcdSourceStats"]
-
-_Ranks = tuple[int, int, int, int]  # (dp, cp, tp, pp)
-_Endpoint = tuple[str, int, int]  # (ip, port, pp)
-
-#: Changes remembered per (addr, dp, cp) for the currency check: far more than one prefill
-#: restart makes (two per rank); a generation older than what is kept counts as stale.
-HISTORY_PER_GROUP = 256
-#: Floors kept for the groups of prefills that vanished, before they fold into one.
-MAX_FORGOTTEN = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,43 +123,6 @@ class EtcdSourceStats:
     publishes_refused: int
 
 
-@dataclass(frozen=True, slots=True)
-class _AddressView:
-    """One prefill's registrations, rebuilt (copy-on-write) on each change of its keys."""
-
-    records: Mapping[_Ranks, RankRecord]
-    #: (ip, port, dp, cp, pp) -> how many ranks registered it, for unstamped generations
-    endpoints: Mapping[tuple[str, int, int, int, int], int]
-    reference: RankRecord | None
-    ready: bool
-
-    @staticmethod
-    def build(records: Mapping[_Ranks, RankRecord]) -> _AddressView:
-        reference = max(records.values(), key=lambda r: r.mod_revision, default=None)
-        ready = False
-        if reference is not None:
-            layout, instance = reference.layout, reference.instance_id
-            # Ready when every rank of the newest registration's topology is registered by the
-            # same instance: while a restart is half re-registered the prefill is NotReady
-            # (retryable), never a mix of two instances' ranks.
-            complete = sum(
-                1
-                for (dp, cp, tp, pp), record in records.items()
-                if record.layout == layout
-                and record.instance_id == instance
-                and dp < reference.dp_size
-                and cp < reference.attn_cp_size
-                and tp < reference.attn_tp_size
-                and pp < reference.pp_size
-            )
-            ready = complete == reference.world
-        endpoints = Counter(
-            (record.rank_ip, record.rank_port, dp, cp, pp)
-            for (dp, cp, _tp, pp), record in records.items()
-        )
-        return _AddressView(dict(records), endpoints, reference, ready)
-
-
 class EtcdBootstrapSource:
     """Rank infos from etcd, served from a watch-fed local store (see the module doc).
 
@@ -204,19 +152,8 @@ class EtcdBootstrapSource:
         self._prefix_bytes = (self.prefix + "/").encode()
         self.pool = pool
         self.on_change = on_change
-        self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
-        self._idle_timeout = watch_idle_timeout
-        # Written by the watch thread only; read lock-free (single dict/attribute loads).
-        self._records: dict[RankKey, RankRecord] = {}
-        self._addrs: dict[str, _AddressView] = {}
-        self._revision = 0
-        #: per (addr, dp, cp): (revision, replaced or removed endpoint) of the latest changes
-        self._history: dict[tuple[str, int, int], deque[tuple[int, _Endpoint]]] = {}
-        #: per group: the newest revision dropped from its history; and the revision before
-        #: which this source knows nothing (its first list, or a replaced cluster's)
-        self._history_floor: dict[tuple[str, int, int], int] = {}
-        self._floor = 0
+        #: the local store every answer comes from, and its currency rule (watch thread only)
+        self.store = RankStore()
         self._cluster_id = 0
         self._replaced = False
         #: Makes a watch event one step for publishers (``publish``): the history append, the
@@ -230,27 +167,29 @@ class EtcdBootstrapSource:
         self._synced = threading.Event()
         #: set once the first list is over, whether it succeeded (synced) or failed
         self._first_list_over = threading.Event()
-        self._stop = threading.Event()
-        self._stream_lock = threading.Lock()
-        self._stream: WatchStream | None = None
-        #: the exchange with etcd in progress (a list, a watch open), for close() to end
-        self._exchange: Exchange | None = None
-        self._thread: threading.Thread | None = None
-        self._connected = False
         self._last_error: str | None = None
         self._lists = 0
-        self._compactions = 0
-        self._reconnects = 0
-        self._idle_reopens = 0
         self._events = 0
         self._malformed = 0
         self._stale_events = 0
         self._refused_revisions = 0
-        self._bad_replies = 0
         self._changes = 0
         self._retired = 0
         self._examined = 0
         self._hook_errors = 0
+        self._watch = WatchLoop(
+            gateway,
+            self._prefix_bytes,
+            list_and_diff=self._list_and_diff,
+            revision=lambda: self.store.revision,
+            same_cluster=self._same_cluster,
+            apply=self._apply,
+            first_list_failed=self._first_list_over.set,
+            report_error=self._report_error,
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            idle_timeout=watch_idle_timeout,
+        )
 
     # --- the BootstrapSource protocol (local store only) -------------------------------------
 
@@ -258,9 +197,9 @@ class EtcdBootstrapSource:
     def revision(self) -> int:
         """The store's revision: every change up to it is applied. Read it *before* fetching
         and stamp the generation with it (``StampedGeneration(ranks, instance_id, revision)``)."""
-        return self._revision
+        return self.store.revision
 
-    def _view(self, addr: str) -> _AddressView:
+    def _view(self, addr: str) -> AddressView:
         if not self._synced.is_set():
             cause = self._last_error
             raise NotReady(
@@ -270,7 +209,7 @@ class EtcdBootstrapSource:
                 "source keeps retrying, so retry the request shortly",
                 addr=addr,
             )
-        view = self._addrs.get(addr)
+        view = self.store.addrs.get(addr)
         if view is None:
             parse_addr(addr)
             raise NotReady(
@@ -331,36 +270,9 @@ class EtcdBootstrapSource:
     # --- currency of a generation -------------------------------------------------------------
 
     def is_current(self, key: PoolKey, generation: Generation) -> bool:
-        """No rank ``generation`` used has changed or gone since it was fetched.
-
-        Stamped (:class:`~statemachine.discovery.changes.StampedGeneration`): no change of its
-        ``(addr, dp, cp)`` after its revision replaced or removed an endpoint it holds (the
-        per-group change history; a stamp older than the history reaches is not current).
-        Unstamped: every endpoint it holds is registered now.
-        """
-        view = self._addrs.get(key.addr)
-        if view is None:
-            return False
-        stamp: int | None = getattr(generation, "revision", None)
-        if stamp is None:
-            needed = Counter((rank.ip, rank.port, rank.pp_rank) for rank in generation.ranks)
-            registered = view.endpoints
-            return all(
-                registered.get((ip, port, key.dp_rank, key.cp_rank, pp), 0) >= count
-                for (ip, port, pp), count in needed.items()
-            )
-        group = (key.addr, key.dp_rank, key.cp_rank)
-        if not max(self._floor, self._history_floor.get(group, 0)) <= stamp <= self._revision:
-            return False  # from another cluster, or older than the history we keep
-        history = self._history.get(group)
-        if history:
-            used = {(rank.ip, rank.port, rank.pp_rank) for rank in generation.ranks}
-            for revision, endpoint in reversed(history):
-                if revision <= stamp:
-                    break
-                if endpoint in used:
-                    return False
-        return True
+        """No rank ``generation`` used has changed or gone since it was fetched (the store's
+        rule, :meth:`~statemachine.discovery.rank_store.RankStore.is_current`)."""
+        return self.store.is_current(key, generation)
 
     def attach(
         self,
@@ -399,7 +311,7 @@ class EtcdBootstrapSource:
 
     def stamp(self) -> int | None:
         """The store's revision, read before a fetch (``changes.revision_of``)."""
-        return self._revision
+        return self.store.revision
 
     def generation(
         self, ranks: tuple[RankInfo, ...], instance_id: str | None, stamp: int | None
@@ -408,7 +320,7 @@ class EtcdBootstrapSource:
         return generation_for(ranks, instance_id, stamp)
 
     def refusal(self, addr: str, generation: Generation) -> BootstrapError:
-        return refused_publish(addr, getattr(generation, "revision", None), self._revision)
+        return refused_publish(addr, getattr(generation, "revision", None), self.store.revision)
 
     def stale_mark(self, addr: str, generations: Iterable[Generation]) -> PeerLost | None:
         """``RankRetired`` if a watch event marked one of ``generations`` (NoStaleStart)."""
@@ -460,9 +372,7 @@ class EtcdBootstrapSource:
     # --- running ------------------------------------------------------------------------------
 
     def start(self) -> EtcdBootstrapSource:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="etcd-source", daemon=True)
-            self._thread.start()
+        self._watch.start()
         return self
 
     def wait_synced(self, timeout: float) -> bool:
@@ -479,24 +389,8 @@ class EtcdBootstrapSource:
         """Stop the watch thread: within ``connect_timeout + 1`` s (the gateway's), whatever
         etcd or a proxy does - the exchange in progress is ended at once (its socket shut
         down); only a TCP connect in progress cannot be, and it has its own timeout."""
-        self._stop.set()
-        with self._stream_lock:
-            stream, exchange = self._stream, self._exchange
-        if exchange is not None:
-            exchange.end("closed")
-        if stream is not None:
-            stream.close()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=self.gateway.timeout[0] + 1.0)
+        self._watch.close()
         self.gateway.close()
-
-    def _track(self, exchange: Exchange) -> None:
-        """The gateway's ``on_exchange``: remember the exchange for ``close()``."""
-        with self._stream_lock:
-            self._exchange = exchange
-        if self._stop.is_set():  # close() ran before the exchange was visible to it
-            exchange.end("closed")
 
     def __enter__(self) -> EtcdBootstrapSource:
         return self.start()
@@ -505,21 +399,22 @@ class EtcdBootstrapSource:
         self.close()
 
     def stats(self) -> EtcdSourceStats:
+        watch = self._watch
         return EtcdSourceStats(
-            connected=self._connected,
+            connected=watch.connected,
             synced=self._synced.is_set(),
-            revision=self._revision,
+            revision=self.store.revision,
             last_error=self._last_error,
             lists=self._lists,
             relists=max(0, self._lists - 1),
-            compactions=self._compactions,
-            reconnects=self._reconnects,
-            idle_reopens=self._idle_reopens,
+            compactions=watch.compactions,
+            reconnects=watch.reconnects,
+            idle_reopens=watch.idle_reopens,
             events_handled=self._events,
             malformed=self._malformed,
             stale_events=self._stale_events,
             refused_revisions=self._refused_revisions,
-            bad_replies=self._bad_replies,
+            bad_replies=watch.bad_replies,
             changes=self._changes,
             retired=self._retired,
             entries_examined=self._examined,
@@ -527,83 +422,18 @@ class EtcdBootstrapSource:
             publishes_refused=self._refused,
         )
 
-    def _run(self) -> None:
-        backoff = self._backoff_initial
-        need_list = True
-        while not self._stop.is_set():
-            opened: float | None = None  # when the current watch stream was accepted
-            pause = True  # every way out of a stream but a healthy idle re-open waits
-            try:
-                if need_list:
-                    self._list_and_diff()
-                    need_list = False
-                stream = self.gateway.watch_prefix(
-                    self._prefix_bytes,
-                    start_revision=self._revision + 1,
-                    read_timeout=self._idle_timeout,
-                    on_exchange=self._track,
-                )
-                with self._stream_lock:
-                    self._stream = stream
-                if self._stop.is_set():  # close() ran before the stream was visible to it
-                    stream.close()
-                    break
-                opened = time.monotonic()
-                with stream:
-                    for message in stream:
-                        if message.created:
-                            self._connected = True
-                            if (
-                                message.cluster_id != self._cluster_id
-                                or message.revision < self._revision
-                            ):
-                                # Another cluster (etcd replaced, or restored from a backup):
-                                # our revisions mean nothing there. Start over.
-                                self._last_error = "etcd cluster replaced: re-listing"
-                                self._replaced = True
-                                need_list = True
-                                break
-                        self._apply(message)
-            except WatchIdle:
-                # Quiet prefix: re-open from revision + 1, no re-list, no wait.
-                self._idle_reopens += 1
-                pause = False
-            except WatchCompacted as exc:
-                self._compactions += 1
-                self._last_error = str(exc)
-                need_list = True
-            except EtcdBadReply as exc:
-                # Not etcd's reply: a broken gateway or proxy. Resume as after a broken
-                # stream (revision + 1); the back-off keeps a repeat from becoming a loop.
-                self._connected = False
-                self._bad_replies += 1
-                self._last_error = str(exc)
-            except Exception as exc:  # DiscoveryError, or a bug: the store must keep serving
-                if self._stop.is_set():
-                    break
-                self._connected = False
-                self._reconnects += 1
-                self._last_error = (
-                    str(exc) if isinstance(exc, DiscoveryError) else f"{type(exc).__name__}: {exc}"
-                )
-                if need_list:
-                    self._first_list_over.set()  # a caller waiting for it hears the cause now
-                # Resume from revision + 1 (etcd keeps the history until compaction, so no
-                # change is missed); only a compacted resume costs a re-list.
-                need_list = need_list or not isinstance(exc, DiscoveryError)
-            finally:
-                with self._stream_lock:
-                    self._stream = None
-                    self._exchange = None
-            if opened is not None and time.monotonic() - opened >= self._backoff_max:
-                # The stream served for a while: whatever ended it is news, not a repeat.
-                backoff = self._backoff_initial
-            if pause and not self._stop.is_set():
-                self._stop.wait(backoff * random.uniform(0.5, 1.0))
-                backoff = min(backoff * 2.0, self._backoff_max)
-        self._connected = False
-
     # --- applying changes (watch thread only) -------------------------------------------------
+
+    def _report_error(self, text: str) -> None:
+        self._last_error = text
+
+    def _same_cluster(self, message: WatchMessage) -> bool:
+        """A watch's first message comes from the cluster the store was listed from (not etcd
+        replaced, or restored from a backup); when not, the next list starts over."""
+        if message.cluster_id == self._cluster_id and message.revision >= self.store.revision:
+            return True
+        self._replaced = True
+        return False
 
     def _record(self, key: RankKey, raw: bytes, mod_revision: int) -> RankRecord | None:
         try:
@@ -614,12 +444,12 @@ class EtcdBootstrapSource:
 
     def _list_and_diff(self) -> None:
         revision, cluster_id, kvs, undecodable = self.gateway.get_prefix(
-            self._prefix_bytes, on_exchange=self._track
+            self._prefix_bytes, on_exchange=self._watch.track
         )
         self._lists += 1
         self._malformed += undecodable
         replaced = self._synced.is_set() and (
-            self._replaced or cluster_id != self._cluster_id or revision < self._revision
+            self._replaced or cluster_id != self._cluster_id or revision < self.store.revision
         )
         self._cluster_id = cluster_id
         self._replaced = False
@@ -635,10 +465,11 @@ class EtcdBootstrapSource:
             record = self._record(key, kv.value, kv.mod_revision)
             if record is not None:
                 listed[key] = record
+        store = self.store
         if not self._synced.is_set() or replaced:
             for key, record in listed.items():
-                self._store(key, record)
-            self._revision = self._floor = revision
+                store.put(key, record)
+            store.revision = store.floor = revision
             if self._synced.is_set():
                 for key in listed:
                     self._emit(key, revision, False, {})
@@ -648,14 +479,14 @@ class EtcdBootstrapSource:
         # Re-list: a change for every key whose value differs, as the watch would have sent.
         changed = [
             key
-            for key in self._records.keys() | listed.keys()
-            if (self._records.get(key) is None) != (listed.get(key) is None)
-            or (key in listed and self._records[key].raw != listed[key].raw)
+            for key in store.records.keys() | listed.keys()
+            if (store.records.get(key) is None) != (listed.get(key) is None)
+            or (key in listed and store.records[key].raw != listed[key].raw)
         ]
-        before = {key: self._records.get(key) for key in changed}
+        before = {key: store.records.get(key) for key in changed}
         for key in changed:
-            self._store(key, listed.get(key))
-        self._revision = max(self._revision, revision)
+            store.put(key, listed.get(key))
+        store.revision = max(store.revision, revision)
         for key in changed:
             self._changed(key, revision, before[key], deleted=key not in listed)
 
@@ -663,7 +494,8 @@ class EtcdBootstrapSource:
         """Another cluster: every stamped generation and the change history belong to the old
         revision space. Drop them all, reporting each old key as deleted; the caller then
         loads the new cluster's list."""
-        old = dict(self._records)
+        old = dict(self.store.records)
+        addrs = self.store.addrs
         pool = self.pool
         stale: dict[PoolKey, Generation] = {}
         marked: list[Generation] = []
@@ -672,11 +504,11 @@ class EtcdBootstrapSource:
                 stale = {
                     key: generation
                     for key, generation in pool.snapshot().items()
-                    if key.addr in self._addrs and getattr(generation, "revision", None) is not None
+                    if key.addr in addrs and getattr(generation, "revision", None) is not None
                 }
             held = self._held
             if held is not None:
-                for addr in list(self._addrs):
+                for addr in list(addrs):
                     marked.extend(
                         g for _, g in held(addr) if getattr(g, "revision", None) is not None
                     )
@@ -685,11 +517,7 @@ class EtcdBootstrapSource:
                 mark_retired(generation, 0)
             if pool is not None:
                 self._retired += pool.invalidate(stale)
-            self._records.clear()
-            self._addrs.clear()
-            self._history.clear()
-            self._history_floor.clear()
-            self._revision = 0
+            self.store.clear()
         in_pool = set(stale.values())
         only_held = [g for g in marked if g not in in_pool]
         reported: set[Generation] = set()
@@ -712,7 +540,7 @@ class EtcdBootstrapSource:
         # event of one revision (a transaction, a lease revoke) in one message, so a reader
         # that sees revision R never sees R half applied.
         self._malformed += message.malformed
-        applied = self._revision
+        applied = self.store.revision
         newest = applied
         for event in message.events:
             self._events += 1
@@ -731,31 +559,14 @@ class EtcdBootstrapSource:
             except MalformedValue:
                 self._malformed += 1
                 continue
-            old = self._records.get(key)
+            old = self.store.records.get(key)
             record = None if event.deleted else self._record(key, event.kv.value, revision)
             if old is None and record is None:
                 continue
-            self._store(key, record)
+            self.store.put(key, record)
             self._changed(key, revision, old, deleted=record is None)
         # Data first, then the revision: a reader that sees revision R sees the data of R.
-        self._revision = newest
-
-    def _store(self, key: RankKey, record: RankRecord | None) -> None:
-        if record is None:
-            self._records.pop(key, None)
-        else:
-            self._records[key] = record
-        view = self._addrs.get(key.addr)
-        records = dict(view.records) if view is not None else {}
-        ranks = (key.dp_rank, key.cp_rank, key.tp_rank, key.pp_rank)
-        if record is None:
-            records.pop(ranks, None)
-        else:
-            records[ranks] = record
-        if records:
-            self._addrs[key.addr] = _AddressView.build(records)
-        else:
-            self._addrs.pop(key.addr, None)
+        self.store.revision = newest
 
     def _changed(
         self, key: RankKey, revision: int, old: RankRecord | None, *, deleted: bool
@@ -768,7 +579,7 @@ class EtcdBootstrapSource:
         the pool retirement. The model's ``WatchEvent`` (spec/model.md)."""
         self._changes += 1
         retired: dict[PoolKey, Generation] = {}
-        new = self._records.get(key)
+        new = self.store.records.get(key)
         if old is None or (new is not None and new.raw == old.raw):
             # A new rank, or identical bytes put again: nothing fetched before used it.
             self._emit(key, revision, deleted, retired)
@@ -776,14 +587,7 @@ class EtcdBootstrapSource:
         group = (key.addr, key.dp_rank, key.cp_rank)
         marked: list[Generation] = []
         with self._retire_lock:
-            history = self._history.get(group)
-            if history is None:
-                history = self._history[group] = deque()
-            if len(history) == HISTORY_PER_GROUP:
-                self._history_floor[group] = history.popleft()[0]
-            history.append((revision, (old.rank_ip, old.rank_port, key.pp_rank)))
-            if key.addr not in self._addrs:
-                self._forget(key.addr, revision)
+            self.store.note_change(key, revision, old)
             pool = self.pool
             if pool is not None:
                 for pool_key, generation in pool.snapshot().items():
@@ -811,19 +615,6 @@ class EtcdBootstrapSource:
             if retired and pool is not None:
                 self._retired += pool.invalidate(retired)
         self._emit(key, revision, deleted, retired, tuple(marked))
-
-    def _forget(self, addr: str, revision: int) -> None:
-        """``addr`` has no key left: drop its history (prefills come and go), keeping only a
-        floor per group - a generation stamped before ``revision`` is stale - so memory stays
-        bounded by the live prefills plus one integer per vanished group. Past
-        ``MAX_FORGOTTEN`` floors they fold into the source-wide floor (a generation stamped
-        before it then counts as stale: one spurious retirement, never a missed one)."""
-        for group in [group for group in self._history if group[0] == addr]:
-            del self._history[group]
-            self._history_floor[group] = revision
-        if len(self._history_floor) > MAX_FORGOTTEN:
-            self._floor = max(self._floor, *self._history_floor.values())
-            self._history_floor.clear()
 
     def _emit(
         self,

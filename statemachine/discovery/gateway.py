@@ -17,35 +17,49 @@ etcd never sends (not JSON, no header, larger than ``max_reply_bytes``) is
 decode (bad base64, a non-integer revision) is counted and skipped, never fails the rest
 (docs/etcd.md, "Limits"). Sessions are per thread (``requests.Session`` is not thread-safe),
 like the bootstrap client's.
+
+The replies' messages and their decoding are :mod:`statemachine.discovery.etcd_wire`'s, an open
+watch's reader :mod:`statemachine.discovery.watch_stream`'s; their public names are importable
+from here too (``__all__``), as before the split.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import contextlib
 import functools
 import json
-import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import requests
-from urllib3.exceptions import ReadTimeoutError
 
 from statemachine.call_deadline import WATCHDOG, Exchange, running
+from statemachine.discovery.etcd_wire import (
+    UNDECODABLE,
+    KeyValue,
+    RangeReply,
+    WatchEvent,
+    WatchMessage,
+    b64,
+    decode_int,
+    decode_kv,
+    header_revision,
+    prefix_range_end,
+    read_capped,
+    reply_header,
+    why_unreachable,
+)
+from statemachine.discovery.watch_stream import DEFAULT_MAX_WATCH_MESSAGE_BYTES, WatchStream
 from statemachine.errors import (
     EtcdBadReply,
     EtcdReplyTooLarge,
     EtcdRequestFailed,
     EtcdUnavailable,
     InvalidArgument,
-    WatchCompacted,
     WatchIdle,
 )
-from statemachine.http_exchange import ExchangeAdapter, transport_reason
+from statemachine.http_exchange import ExchangeAdapter
 
 __all__ = [
     "DEFAULT_CALL_DEADLINE",
@@ -73,44 +87,12 @@ NO_ETCD_HINT = (
 )
 
 
-def why_unreachable(exc: BaseException, timeouts: tuple[float, float, float] | None = None) -> str:
-    """One endpoint's failure in a few words (refused, timed out, not resolved, reset): the
-    package's one wording of a failed exchange
-    (:func:`~statemachine.http_exchange.transport_reason`), naming etcd as what should have
-    answered."""
-    return transport_reason(exc, None, timeouts, server="etcd")
-
-
 #: Largest reply body read (a list of the prefix, mostly): about 20,000 rank keys of ~800
 #: bytes each as the gateway encodes them. A longer reply is refused as soon as it is seen to
 #: be longer (its Content-Length, or the bytes read so far), never read to its end.
 DEFAULT_MAX_REPLY_BYTES = 16 << 20
-#: Largest single watch message buffered (etcd's default request limit is 1.5 MiB, so one
-#: transaction's events fit many times over).
-DEFAULT_MAX_WATCH_MESSAGE_BYTES = 8 << 20
 #: Total time one exchange with one endpoint may take, reply body included.
 DEFAULT_CALL_DEADLINE = 10.0
-#: Bytes asked of the socket per read: also the most a declared chunk size makes us buffer.
-_READ_CHUNK = 64 << 10
-#: etcd revisions are int64.
-_MAX_INT64 = (1 << 63) - 1
-
-
-def _read_capped(response: requests.Response, limit: int, what: str) -> bytes:
-    """The whole body, or :class:`EtcdReplyTooLarge` as soon as it is seen to pass ``limit``."""
-    declared = response.headers.get("Content-Length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise EtcdReplyTooLarge(
-            f"{what}: reply of {int(declared)} bytes refused (cap {limit}: max_reply_bytes)"
-        )
-    body = bytearray()
-    for chunk in response.iter_content(chunk_size=_READ_CHUNK):
-        body += chunk
-        if len(body) > limit:
-            raise EtcdReplyTooLarge(
-                f"{what}: reply longer than {limit} bytes refused (max_reply_bytes)"
-            )
-    return bytes(body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,287 +104,6 @@ class TLSConfig:
     #: client certificate and key, when the cluster requires them (``--client-cert-auth``).
     cert_file: str | None = None
     key_file: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
-    deleted: bool
-    kv: KeyValue
-    prev_kv: KeyValue | None
-
-
-@dataclass(frozen=True, slots=True)
-class WatchMessage:
-    """One message of a watch stream. ``revision`` is the response header's revision;
-    ``cluster_id`` names the etcd cluster that answered (it changes when etcd is replaced)."""
-
-    revision: int
-    cluster_id: int
-    created: bool
-    events: tuple[WatchEvent, ...]
-    #: events of this message that did not decode (bad base64, ...): skipped
-    malformed: int = 0
-
-
-def prefix_range_end(prefix: bytes) -> bytes:
-    """The exclusive end of the key range that starts with ``prefix`` (etcd's convention)."""
-    end = bytearray(prefix)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end)
-        end.pop()
-    return b"\0"  # every key
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: object) -> bytes:
-    """A bytes field: absent means empty (proto3 default); anything but base64 is refused."""
-    if text is None:
-        return b""
-    if not isinstance(text, str):
-        raise ValueError(f"not a base64 string: {type(text).__name__}")
-    return base64.b64decode(text, validate=True)
-
-
-def _int(value: object, *, unsigned: bool = False) -> int:
-    """int64 (``unsigned``: uint64) fields arrive as JSON strings; absent means 0 (proto3
-    default)."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"not an integer: {value!r}")
-    if isinstance(value, str) and not (value.isascii() and value.lstrip("-").isdigit()):
-        raise ValueError(f"not an integer: {value[:40]!r}")
-    number = int(value)
-    low, high = (0, 2 * _MAX_INT64 + 1) if unsigned else (-_MAX_INT64 - 1, _MAX_INT64)
-    if not low <= number <= high:
-        raise ValueError(f"out of range: {number}")
-    return number
-
-
-#: what decoding a key-value or an event can raise on a reply etcd would not send
-_UNDECODABLE = (ValueError, TypeError, binascii.Error)
-
-
-def _kv(obj: object) -> KeyValue:
-    if not isinstance(obj, dict):
-        raise ValueError("a key-value is not a JSON object")
-    return KeyValue(
-        key=_unb64(obj.get("key")),
-        value=_unb64(obj.get("value")),
-        create_revision=_int(obj.get("create_revision")),
-        mod_revision=_int(obj.get("mod_revision")),
-        version=_int(obj.get("version")),
-        lease=_int(obj.get("lease")),
-    )
-
-
-def _header(obj: Mapping[str, Any], what: str) -> tuple[int, int]:
-    """``(revision, cluster id)`` of a reply's header; :class:`EtcdBadReply` without one
-    (etcd puts a header on every reply: a reply without it is not etcd's)."""
-    header = obj.get("header")
-    if not isinstance(header, dict):
-        raise EtcdBadReply(f"{what}: reply header is not an object (not etcd's reply)")
-    try:
-        revision, cluster = (
-            _int(header.get("revision")),
-            _int(header.get("cluster_id"), unsigned=True),
-        )
-    except ValueError as exc:
-        raise EtcdBadReply(f"{what}: reply header unreadable ({exc})") from None
-    if revision < 1:
-        raise EtcdBadReply(f"{what}: reply header revision {revision} (etcd's start at 1)")
-    return revision, cluster
-
-
-def _header_revision(obj: Mapping[str, Any]) -> int:
-    header = obj.get("header")
-    return _int(header.get("revision")) if isinstance(header, Mapping) else 0
-
-
-class RangeReply(NamedTuple):
-    """A list of a prefix: the store revision it was read at, the cluster that answered, the
-    keys, and how many entries did not decode (skipped, never served)."""
-
-    revision: int
-    cluster_id: int
-    kvs: list[KeyValue]
-    malformed: int = 0
-
-
-class WatchStream:
-    """An open watch: iterate for messages; ``close()`` from any thread ends the iteration.
-
-    Iteration raises :class:`WatchCompacted` when etcd cancels the watch because its start
-    revision was compacted, :class:`WatchIdle` when no *complete* message arrived for the idle
-    timeout (bytes trickling in do not count), :class:`EtcdReplyTooLarge` for a message over
-    ``max_message_bytes``, :class:`EtcdBadReply` for a message etcd never sends,
-    :class:`EtcdUnavailable` when the stream breaks, and stops after ``close()``. An event
-    that does not decode is skipped and counted in its message's ``malformed``.
-    """
-
-    def __init__(
-        self,
-        response: requests.Response,
-        session: requests.Session,
-        endpoint: str,
-        on_denied: Callable[[], object] | None = None,
-        *,
-        exchange: Exchange | None = None,
-        idle_timeout: float = 10.0,
-        max_message_bytes: int = DEFAULT_MAX_WATCH_MESSAGE_BYTES,
-    ) -> None:
-        self._response = response
-        self._session = session
-        self._endpoint = endpoint
-        self._on_denied = on_denied
-        self._exchange = exchange or Exchange()
-        self._idle_timeout = idle_timeout
-        self._max_message = max_message_bytes
-        self._closed = False
-
-    def close(self) -> None:
-        self._closed = True
-        # A reader blocked in recv() does not notice Response.close() from another thread;
-        # shutting the socket down wakes it with EOF at once.
-        self._exchange.end("closed")
-        connection = getattr(self._response.raw, "_connection", None)
-        sock = getattr(connection, "sock", None)
-        if isinstance(sock, socket.socket):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self._response.close()
-        self._session.close()
-
-    def __enter__(self) -> WatchStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __iter__(self) -> Iterator[WatchMessage]:
-        buffer = bytearray()
-        scanned = 0  # bytes of buffer known to hold no newline
-        # Idle means no complete message (not no byte): the watchdog ends the exchange when
-        # none arrived for the idle timeout, however many bytes trickled in meanwhile.
-        idle = WATCHDOG.arm(self._exchange, self._idle_timeout, "idle")
-        try:
-            for chunk in self._response.iter_content(chunk_size=_READ_CHUNK):
-                if self._closed:
-                    return
-                buffer += chunk
-                start = 0
-                while (end := buffer.find(b"\n", max(start, scanned))) >= 0:
-                    line = bytes(buffer[start:end])
-                    start = scanned = end + 1
-                    if line.strip():
-                        message = self._message(line)
-                        idle.push(self._idle_timeout)
-                        yield message
-                if start:
-                    del buffer[:start]
-                    scanned = 0
-                scanned = max(scanned, len(buffer))
-                if len(buffer) > self._max_message:
-                    raise EtcdReplyTooLarge(
-                        f"{self._endpoint}: watch message longer than {self._max_message} "
-                        "bytes refused (max_watch_message_bytes)"
-                    )
-        except (requests.RequestException, OSError, ValueError) as exc:
-            if self._closed:
-                return
-            if self._exchange.ended == "idle" or (
-                exc.args and isinstance(exc.args[0], ReadTimeoutError)
-            ):
-                raise WatchIdle(
-                    f"{self._endpoint}: no complete watch message for {self._idle_timeout:g} s"
-                ) from None
-            raise EtcdUnavailable(
-                f"{self._endpoint}: watch stream broke ({why_unreachable(exc)}); the source "
-                "resumes it from its revision on its own"
-            ) from None
-        finally:
-            idle.cancel()
-        if self._closed or self._exchange.ended == "closed":
-            return
-        if self._exchange.ended == "idle":  # the shutdown reads as an EOF
-            raise WatchIdle(
-                f"{self._endpoint}: no complete watch message for {self._idle_timeout:g} s"
-            )
-        if buffer.strip():
-            yield self._message(bytes(buffer))
-        raise EtcdUnavailable(f"{self._endpoint}: watch stream ended")
-
-    def _message(self, line: bytes) -> WatchMessage:
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError):
-            raise EtcdBadReply(f"{self._endpoint}: watch sent non-JSON") from None
-        if not isinstance(obj, dict):
-            raise EtcdBadReply(f"{self._endpoint}: watch sent a non-object")
-        if "error" in obj:
-            raise EtcdUnavailable(f"{self._endpoint}: watch error: {str(obj['error'])[:200]}")
-        result = obj.get("result")
-        if not isinstance(result, dict):
-            raise EtcdBadReply(f"{self._endpoint}: watch message without result")
-        try:
-            compact = _int(result.get("compact_revision"))
-        except ValueError:
-            raise EtcdBadReply(f"{self._endpoint}: watch compact_revision unreadable") from None
-        if result.get("canceled"):
-            if compact:
-                raise WatchCompacted(
-                    f"{self._endpoint}: watch start revision compacted (at {compact})",
-                    compact_revision=compact,
-                )
-            reason = str(result.get("cancel_reason", ""))[:200]
-            if self._on_denied is not None and "PermissionDenied" in reason:
-                # etcd checks the token when the watch is created and answers an expired one
-                # this way: renew it, so the caller's next attempt can succeed.
-                self._on_denied()
-            raise EtcdUnavailable(f"{self._endpoint}: watch canceled: {reason}")
-        revision, cluster = _header(result, f"{self._endpoint}: watch")
-        raw_events = result.get("events") or []
-        if not isinstance(raw_events, list):
-            raise EtcdBadReply(f"{self._endpoint}: watch events are not a list")
-        events = []
-        malformed = 0
-        for raw in raw_events:
-            try:
-                kind = raw.get("type", "PUT")  # the enum's default (PUT) is omitted
-                if kind not in ("PUT", "DELETE"):
-                    raise ValueError(f"event type {str(kind)[:20]!r}")
-                prev = raw.get("prev_kv")
-                event = WatchEvent(
-                    deleted=kind == "DELETE",
-                    kv=_kv(raw.get("kv")),
-                    prev_kv=_kv(prev) if prev is not None else None,
-                )
-            except (*_UNDECODABLE, AttributeError):
-                malformed += 1  # one bad event never blocks the ones after it
-                continue
-            events.append(event)
-        return WatchMessage(
-            revision=revision,
-            cluster_id=cluster,
-            created=bool(result.get("created")),
-            events=tuple(events),
-            malformed=malformed,
-        )
 
 
 class EtcdGateway:
@@ -575,7 +276,7 @@ class EtcdGateway:
                         stream=True,
                     )
                     try:
-                        payload = _read_capped(response, self.max_reply_bytes, url)
+                        payload = read_capped(response, self.max_reply_bytes, url)
                     finally:
                         response.close()
                     if exchange.ended is not None:
@@ -633,10 +334,10 @@ class EtcdGateway:
         ``malformed``; a reply without a header is :class:`EtcdBadReply`."""
         obj = self._post(
             "kv/range",
-            {"key": _b64(prefix), "range_end": _b64(prefix_range_end(prefix))},
+            {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix))},
             on_exchange=on_exchange,
         )
-        revision, cluster = _header(obj, "etcd list")
+        revision, cluster = reply_header(obj, "etcd list")
         raw_kvs = obj.get("kvs") or []
         if not isinstance(raw_kvs, list):
             raise EtcdBadReply("etcd list: kvs is not a list (not etcd's reply)")
@@ -644,8 +345,8 @@ class EtcdGateway:
         malformed = 0
         for raw in raw_kvs:
             try:
-                kv = _kv(raw)
-            except _UNDECODABLE:
+                kv = decode_kv(raw)
+            except UNDECODABLE:
                 malformed += 1
                 continue
             if not 0 < kv.mod_revision <= revision:
@@ -655,27 +356,27 @@ class EtcdGateway:
         return RangeReply(revision, cluster, kvs, malformed)
 
     def get(self, key: bytes) -> KeyValue | None:
-        obj = self._post("kv/range", {"key": _b64(key)})
+        obj = self._post("kv/range", {"key": b64(key)})
         kvs = obj.get("kvs") or ()
         try:
-            return _kv(kvs[0]) if kvs else None
-        except (*_UNDECODABLE, KeyError, AttributeError) as exc:
+            return decode_kv(kvs[0]) if kvs else None
+        except (*UNDECODABLE, KeyError, AttributeError) as exc:
             raise EtcdBadReply(f"etcd get: reply does not decode ({exc})") from None
 
     def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         """Store ``value``; return the revision of the put."""
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             body["lease"] = str(lease)
-        return _header_revision(self._post("kv/put", body))
+        return header_revision(self._post("kv/put", body))
 
     def delete_prefix(self, prefix: bytes) -> int:
         """Delete every key under ``prefix``; return how many."""
         obj = self._post(
             "kv/deleterange",
-            {"key": _b64(prefix), "range_end": _b64(prefix_range_end(prefix))},
+            {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix))},
         )
-        return _int(obj.get("deleted"))
+        return decode_int(obj.get("deleted"))
 
     def compact(self, revision: int) -> None:
         """Drop history before ``revision`` (physical: done when the call returns)."""
@@ -683,7 +384,7 @@ class EtcdGateway:
 
     def revision(self) -> int:
         """The store's current revision (one cheap range call)."""
-        return _header_revision(self._post("kv/range", {"key": _b64(b"\0"), "limit": "1"}))
+        return header_revision(self._post("kv/range", {"key": b64(b"\0"), "limit": "1"}))
 
     # --- leases --------------------------------------------------------------------------------
 
@@ -692,7 +393,7 @@ class EtcdGateway:
         obj = self._post("lease/grant", {"TTL": str(ttl)})
         if obj.get("error"):
             raise EtcdRequestFailed(f"lease grant: {obj['error']}", status=200)
-        return _int(obj.get("ID")), _int(obj.get("TTL"))
+        return decode_int(obj.get("ID")), decode_int(obj.get("TTL"))
 
     def lease_keepalive(self, lease: int) -> int:
         """Refresh ``lease``; return its TTL, 0 when it no longer exists (expired or revoked)."""
@@ -703,7 +404,7 @@ class EtcdGateway:
             if error:
                 raise EtcdUnavailable(f"lease keep-alive: {str(error)[:200]}")
             return 0
-        return _int(result.get("TTL"))
+        return decode_int(result.get("TTL"))
 
     def lease_revoke(self, lease: int) -> None:
         """Revoke ``lease``: etcd deletes every key attached to it, at once."""
@@ -729,8 +430,8 @@ class EtcdGateway:
         """
         body = {
             "create_request": {
-                "key": _b64(prefix),
-                "range_end": _b64(prefix_range_end(prefix)),
+                "key": b64(prefix),
+                "range_end": b64(prefix_range_end(prefix)),
                 "start_revision": str(start_revision),
                 "prev_kv": True,
             }

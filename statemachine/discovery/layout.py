@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from statemachine.errors import BootstrapError, InvalidArgument
+from statemachine.errors import BootstrapError, InvalidArgument, MalformedValue
 from statemachine.validation import (
     MAX_PARALLEL_SIZE,
     PLAN_KEYS,
@@ -68,10 +68,6 @@ class RankRecord(TopologyClaim):
     def __post_init__(self) -> None:
         # A frozen dataclass: set the derived field once, as __init__ itself sets the others.
         object.__setattr__(self, "layout", (self.claim(), self.follow_bootstrap_room))
-
-
-class MalformedValue(ValueError):
-    """A key under the prefix that is not a valid rank registration: never served."""
 
 
 def normalise_prefix(prefix: str) -> str:

@@ -34,7 +34,6 @@ from typing import Any
 from statemachine.discovery.gateway import EtcdGateway, TLSConfig
 from statemachine.discovery.layout import (
     DEFAULT_PREFIX,
-    MalformedValue,
     RankKey,
     encode_value,
     normalise_prefix,
@@ -48,6 +47,7 @@ from statemachine.errors import (
     EtcdRequestFailed,
     EtcdUnavailable,
     InvalidArgument,
+    MalformedValue,
 )
 from statemachine.validation import parse_addr
 from statemachine.wire.http import route_payload

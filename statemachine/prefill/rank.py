@@ -7,8 +7,8 @@
 Like an SGLang prefill rank it binds one ``PULL`` socket on an ephemeral port of 127.0.0.1 (its
 ``rank_port``: a restart gets a new one; ``--port`` binds a given one instead, as a new process
 that happens to get a dead rank's port number does), registers it with the bootstrap server by
-``PUT /route`` (:func:`statemachine.decode.client.register_rank`, SGLang's retry policy), keeps
-the instance id of the server's reply as its own, then prints ``READY <port>`` and serves the
+``PUT /route`` (:func:`statemachine.prefill.registration.register_rank`, SGLang's retry policy),
+keeps the instance id of the server's reply as its own, then prints ``READY <port>`` and serves the
 :class:`~statemachine.wire.reference.SimpleBackend` messages (ZMQ-13):
 
 * *register*: remember the decode session (by session id; bounded, oldest forgotten first);

@@ -73,7 +73,8 @@ LIVENESS = "statemachine/decode/ranks/liveness.py"
 ACKS = "statemachine/decode/ranks/acks.py"
 CHANGES = "statemachine/discovery/changes.py"
 ETCD = "statemachine/discovery/etcd_source.py"
-SERVER = "statemachine/prefill/server.py"
+REGISTRY = "statemachine/prefill/registry.py"
+GUARD = "statemachine/prefill/guard.py"
 HOLDS = "statemachine/decode/holds.py"
 
 T_MANAGER = "tests/test_manager.py::"
@@ -644,7 +645,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     # --- server validation ----------------------------------------------------------------------
     CodeMutant(
         "bool_is_an_int",
-        SERVER,
+        REGISTRY,
         ((" or (kind is int and isinstance(value, bool)) or ", " or "),),
         ("tests/test_server.py::test_http63_json_true_is_not_an_integer_field",),
         'the server takes "page_size": true as page size 1 and pins it for the address',
@@ -652,11 +653,11 @@ MUTANTS: tuple[CodeMutant, ...] = (
     # --- server: the /health fast path (HTTP-74) -------------------------------------------------
     CodeMutant(
         "fast_path_ignores_what_aiohttp_holds",
-        SERVER,
+        GUARD,
         (
             (
-                'if self.handed == b"" and not self.paused and self.owner._answer_health(',
-                "if not self.paused and self.owner._answer_health(",
+                'if self.handed == b"" and not self.paused and self.owner.answer_health(',
+                "if not self.paused and self.owner.answer_health(",
             ),
         ),
         (
@@ -667,7 +668,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "settle_ignores_the_body_length",
-        SERVER,
+        GUARD,
         ((" and body == (request.content_length or 0)", ""),),
         (T_FAST + "test_http74_a_body_that_looks_like_a_probe_is_a_body",),
         "aiohttp is taken to hold nothing while the body of a request it answered is still due",

@@ -25,10 +25,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 from http_support import free_port
@@ -36,6 +36,7 @@ from http_support import free_port
 from real_prefill import engines
 from real_prefill.pattern import Geometry, aux_bytes, page_bytes, state_bytes
 from real_prefill.prefill_process import RoomReport, has_state
+from statemachine.prefill.readiness import READY, read_prefixed_line
 
 _TESTS = Path(__file__).resolve().parent.parent
 _names = itertools.count()
@@ -84,6 +85,8 @@ class RealPrefill:
         self._starts = 0
         self._warm = False
         self._lock = threading.Lock()  # transfer() from several threads, spawn() swapping procs
+        #: per process (by pid): what the READY reader read past the line it returned
+        self._buffers: dict[int, bytearray] = {}
 
     def command(self, tp_rank: int) -> list[str]:
         g = self.layout.geometry
@@ -137,13 +140,18 @@ class RealPrefill:
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         for rank, proc in enumerate(self.procs):
-            line = self._read_line(proc.stdout, deadline)
-            if not line.startswith("READY "):
+            line = self._read_line(proc, deadline, READY)
+            if line is None:
                 self.kill()
                 log = (self.log_dir / f"rank{rank}-start{self._starts}.log").read_text()[-3000:]
-                raise RuntimeError(f"SGLang prefill rank {rank} did not start ({line!r}):\n{log}")
-            self.ready.append(json.loads(line[6:]))
-        threading.Thread(target=self._read_reports, args=(self.procs[0],), daemon=True).start()
+                raise RuntimeError(
+                    f"SGLang prefill rank {rank} did not start (no READY line before it exited "
+                    f"or in time):\n{log}"
+                )
+            self.ready.append(json.loads(line[len(READY) :]))
+        first = self.procs[0]
+        leftover = bytes(self._buffers.pop(first.pid, b""))
+        threading.Thread(target=self._read_reports, args=(first, leftover), daemon=True).start()
 
     def start(self, timeout: float = 120.0) -> RealPrefill:
         self.spawn()
@@ -154,37 +162,47 @@ class RealPrefill:
         """Wait until every rank of a warm spawn imported SGLang and waits for :meth:`go`."""
         deadline = time.monotonic() + timeout
         for rank, proc in enumerate(self.procs):
-            line = self._read_line(proc.stdout, deadline, "WARM")
-            if line != "WARM":
-                raise RuntimeError(f"SGLang prefill rank {rank} did not get warm ({line!r})")
+            line = self._read_line(proc, deadline, b"WARM")
+            if line is None:
+                raise RuntimeError(
+                    f"SGLang prefill rank {rank} did not get warm (no WARM line before it "
+                    "exited or in time)"
+                )
 
-    @staticmethod
-    def _read_line(stream: IO[str] | None, deadline: float, prefix: str = "READY ") -> str:
-        """The line starting with ``prefix`` (NIXL logs to stdout too: others are skipped)."""
-        assert stream is not None
-        result: list[str] = []
-
-        def read() -> None:
-            for line in stream:
-                if line.startswith(prefix):
-                    result.append(line.strip())
-                    return
-            result.append("<the process ended>")
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(max(0.0, deadline - time.monotonic()))
-        return result[0] if result else "<no READY line in time>"
-
-    def _read_reports(self, proc: subprocess.Popen[str]) -> None:
-        """Rank 0's report lines, until its stdout closes (its exit, or ``kill()`` closing it
-        under this read). Other writers share that stdout (NIXL logs to it, from C++): a line
-        is read as the reports it starts with, and text after them is skipped, so no other
-        writer's text can cost a report or end this reader."""
+    def _read_line(self, proc: subprocess.Popen[str], deadline: float, prefix: bytes) -> str | None:
+        """The first line of ``proc``'s stdout starting with ``prefix`` (NIXL logs to stdout
+        too: others are skipped), through the package's one reader of such lines; None when
+        the process ended or ``deadline`` passed first. The bytes read past it stay in the
+        process's buffer for the next call (or the report reader)."""
         assert proc.stdout is not None
-        decoder = json.JSONDecoder()
+        buffer = self._buffers.setdefault(proc.pid, bytearray())
         try:
-            for line in proc.stdout:
+            line = read_prefixed_line(proc.stdout.fileno(), prefix, deadline, buffer)
+        except TimeoutError:
+            return None
+        return None if line is None else line.decode("utf-8", "replace").strip()
+
+    def _read_reports(self, proc: subprocess.Popen[str], leftover: bytes) -> None:
+        """Rank 0's report lines, until its stdout closes (its exit, or ``kill()`` closing it
+        under this read): first those in ``leftover`` (what the READY reader read past its
+        line), then the stream's. Other writers share that stdout (NIXL logs to it, from C++):
+        a line is read as the reports it starts with, and text after them is skipped, so no
+        other writer's text can cost a report or end this reader."""
+        assert proc.stdout is not None
+        stream = proc.stdout
+        decoder = json.JSONDecoder()
+
+        def lines() -> Iterator[str]:
+            *whole, partial = leftover.decode("utf-8", "replace").split("\n")
+            yield from whole
+            for line in stream:  # the text layer read nothing yet: it starts where we stopped
+                yield partial + line
+                partial = ""
+            if partial:
+                yield partial
+
+        try:
+            for line in lines():
                 text = line.strip()
                 while text.startswith("{"):
                     try:
