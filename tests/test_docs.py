@@ -127,8 +127,9 @@ _ROOT_ENTRIES = {path.name for path in REPO.iterdir() if not path.name.startswit
     ".pre-commit-config.yaml",
 }
 _SUBPACKAGES = {path.name for path in (REPO / "statemachine").iterdir() if path.is_dir()}
-#: SGLang's own tree (``sglang/srt/...``), whose first segment is also a subpackage here.
-_OUTSIDE = ("sglang/srt",)
+#: SGLang's own tree (``sglang/srt/...``, ``sglang/cli/...``), whose first segment is also a
+#: subpackage here.
+_OUTSIDE = ("sglang/srt", "sglang/cli")
 #: Files named as removed, on purpose (docs/formal-model.md says why the interpreter went).
 REMOVED = {"statemachine/model/interp.py", "tests/test_model_interp.py"}
 
