@@ -1,0 +1,415 @@
+"""SGLang 0.5.23's decode surface on the installed classes, through SGLang's own code.
+
+Each test drives the classes of ``statemachine/sglang/v0_5_23/decode_worker/conn.py`` with
+SGLang's own decode queues (tests/sglang_decode_support.py: ``DecodePreallocQueue`` and
+``DecodeTransferQueue`` built by their constructors, stand-ins only for the GPU pools, the
+scheduler and torch's one-rank group), SGLang's bootstrap server and a prefill-mode
+``CommonKVManager`` registered by SGLang's ``register_to_bootstrap``, whose PULL socket the test
+reads with SGLang's own parsers. The decode.py calls run and replayed are those listed in
+tests/test_sglang_decode_queues.py's docstring; each test names the lines it reaches.
+
+The surface: ``send_metadata`` with SGLang's full signature (``device_kv_indices`` refused, typed,
+naming ``--enable-hisparse``); duplicate bootstrap rooms under both allocation policies;
+``release_memory_occupation`` / ``resume_memory_occupation`` (no room held after, NIXL
+registrations carry the agent's metadata as it is after the resume, with a real NIXL agent);
+the library's figures in SGLang's ``/metrics`` under prometheus_client's multiprocess mode.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from sglang_decode_support import (
+    Req,
+    StandInMooncakeEngine,
+    decode_queues,
+    mooncake_engine,
+    pages,
+)
+from sglang_support import (
+    import_sglang,
+    make_kv_args,
+    requires_sglang,
+    set_sglang_ranks,
+    sglang_bootstrap_server,
+    sglang_server_args,
+)
+from sglang_support import sglang_prefill_rank as prefill_rank
+from sglang_wire_support import mooncake_module
+
+from statemachine.sglang.v0_5_23 import decode_worker
+from statemachine.sglang.v0_5_23.decode_worker import conn as ours
+
+pytestmark = requires_sglang
+
+
+def received(rank: Any, timeout_ms: int = 5000) -> list[bytes]:
+    sock = rank.server_socket
+    assert sock.poll(timeout_ms, zmq.POLLIN), "the prefill rank received nothing"
+    frames: list[bytes] = sock.recv_multipart()
+    return frames
+
+
+def nothing_received(rank: Any, timeout_ms: int = 300) -> bool:
+    return not rank.server_socket.poll(timeout_ms, zmq.POLLIN)
+
+
+def bootstrap(prealloc: Any, req: Any) -> Any:
+    """decode.py's path from ``add`` (decode.py:808) through ``_resolve_pending_reqs``
+    (1325) and ``_update_handshake_waiters`` (1364)."""
+    prealloc.add(req)
+    decode_req = prealloc.queue[-1]
+    prealloc._resolve_pending_reqs()
+    prealloc._update_handshake_waiters()
+    return decode_req
+
+
+@pytest.fixture
+def prefill(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+    """SGLang's bootstrap server and one prefill rank (tp 1) under the allocation policy of
+    the test's ``policy`` parameter (SGLang's default, ``early``, without one)."""
+    policy = getattr(request, "param", "early")
+    with ExitStack() as stack:
+        addr = stack.enter_context(sglang_bootstrap_server())
+        rank = stack.enter_context(
+            prefill_rank(addr, tp_size=1, tp_rank=0, disaggregation_decode_allocation_policy=policy)
+        )
+        yield addr, rank
+
+
+# --- send_metadata: SGLang's full signature -------------------------------------------------
+
+
+def test_send_metadata_takes_sglangs_signature_and_refuses_hisparse_indices_typed(
+    prefill: tuple[str, Any],
+) -> None:
+    """decode.py:1813-1816 passes ``decode_prefix_len`` and, under ``--enable-hisparse``,
+    ``device_kv_indices`` through ``_send_kv_metadata`` (1844-1868): the first request carries
+    every keyword of SGLang's signature (common/conn.py:2839-2847) and reaches the prefill;
+    the second carries HiSparse's device indices and fails, typed, without raising in the
+    scheduler loop and without a metadata message."""
+    addr, rank = prefill
+    mooncake = mooncake_module()
+    with (
+        decode_worker.install(["mooncake"]),
+        mooncake_engine(StandInMooncakeEngine()),
+        decode_queues("mooncake") as (prealloc, transfer),
+    ):
+        destination = import_sglang().KVTransferDestination.DEVICE
+        first = bootstrap(prealloc, Req(addr, room=601))
+        received(rank)  # the registration
+        prealloc._send_kv_metadata(
+            first, pages([2, 3]), 1, None, decode_prefix_len=0, destination=destination
+        )
+        info = mooncake.TransferInfo.from_zmq(received(rank))
+        assert (info.room, list(info.dst_kv_indices)) == (601, [2, 3])
+
+        req = Req(addr, room=602)
+        second = bootstrap(prealloc, req)
+        prealloc._send_kv_metadata(
+            second, pages([4, 5]), 1, None, decode_prefix_len=0, device_kv_indices=pages([9])
+        )
+        # No metadata: the room's prefill rank is told the room is aborted (SGLang's parser).
+        abort = import_sglang().AbortNotification.from_zmq(received(rank))
+        assert abort is not None and abort.room == 602
+        assert nothing_received(rank)
+        prealloc.queue.remove(second)
+        transfer.extend([second])
+        assert transfer.pop_transferred() == []
+        assert second not in transfer.queue, "decode.py:2861-2917 failed it"
+        message = req.finished_reason.message
+        assert "SGLangFeatureRefused" in message and "--enable-hisparse" in message
+
+
+def test_a_hisparse_decode_is_refused_when_the_manager_is_built() -> None:
+    """``--enable-hisparse`` is refused where SGLang's scheduler builds the manager
+    (decode.py:765-770), before anything is registered with a prefill."""
+    conn = import_sglang()
+    with ExitStack() as stack:
+        stack.enter_context(mooncake_engine(StandInMooncakeEngine()))
+        server_args = stack.enter_context(
+            sglang_server_args(disaggregation_mode="decode", host="127.0.0.1", enable_hisparse=True)
+        )
+        set_sglang_ranks(tp_rank=0)
+        with pytest.raises(ours.SGLangFeatureRefused, match="--enable-hisparse"):
+            ours.MooncakeKVManager(
+                make_kv_args(), conn.DisaggregationMode.DECODE, server_args, False
+            )
+
+
+# --- duplicate bootstrap rooms ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefill", ["early"], indirect=True)
+def test_early_a_duplicate_room_is_refused_typed_and_the_first_request_goes_on(
+    prefill: tuple[str, Any],
+) -> None:
+    """Under ``early`` SGLang has no guard (common/conn.py:2500-2510) and the two receivers
+    would share the room's status while the prefill keeps one destination per (room, decode)
+    (mooncake/conn.py:3018-3024): the installed classes refuse the second, typed, saying why,
+    and the first completes its handshake. decode.py:1158-1177 aborts the duplicate."""
+    addr, _ = prefill
+    with (
+        decode_worker.install(["mooncake"]),
+        mooncake_engine(StandInMooncakeEngine()),
+        decode_queues("mooncake") as (prealloc, _transfer),
+    ):
+        first = bootstrap(prealloc, Req(addr, room=9))
+        second = bootstrap(prealloc, Req(addr, room=9))
+        assert first.waiting_for_input and first.req.finished_reason is None
+        message = second.req.finished_reason.message
+        assert "InvalidRoom: room 9 is already in flight" in message
+        assert "writes the KV of only one of them" in message
+        assert "own bootstrap_room" in message
+
+
+@pytest.mark.parametrize("classes", ["sglang", "installed"])
+@pytest.mark.parametrize("prefill", ["prefill_complete"], indirect=True)
+def test_prefill_complete_a_duplicate_room_fails_both_requests_as_sglang_does(
+    prefill: tuple[str, Any], classes: str
+) -> None:
+    """Under ``prefill_complete`` SGLang fails the duplicate and sets the shared room Failed,
+    which fails the first request too (common/conn.py:2500-2507). Same queues, same prefill,
+    SGLang's classes and the installed ones: both requests of the room fail."""
+    addr, _ = prefill
+    installed = decode_worker.install(["mooncake"]) if classes == "installed" else nullcontext()
+    with (
+        installed,
+        mooncake_engine(StandInMooncakeEngine()),
+        decode_queues("mooncake", disaggregation_decode_allocation_policy="prefill_complete") as (
+            prealloc,
+            _transfer,
+        ),
+    ):
+        first = bootstrap(prealloc, Req(addr, room=11))
+        assert first.req.finished_reason is None, "the first bootstraps"
+        # decode.py:1364's poll in bootstrap() sees both Failed (a second pass would abort
+        # the failed requests again: pop_preallocated drops them first, decode.py:1389-1404).
+        second = bootstrap(prealloc, Req(addr, room=11))
+        assert second.req.finished_reason is not None
+        assert first.req.finished_reason is not None
+        if classes == "installed":
+            for decode_req in (first, second):
+                message = decode_req.req.finished_reason.message
+                assert "InvalidRoom: room 11: duplicate decode bootstrap room" in message
+        else:
+            # SGLang records the reason once per room: whichever request's failure_exception()
+            # runs first pops it (the first, here), the other reads "unknown reason".
+            assert "Duplicate decode bootstrap room" in first.req.finished_reason.message
+            assert "unknown reason" in second.req.finished_reason.message
+
+
+# --- release_memory_occupation / resume_memory_occupation ------------------------------------
+
+
+def test_a_memory_release_leaves_no_room_held_and_the_room_serves_again_after_resume(
+    prefill: tuple[str, Any],
+) -> None:
+    """decode.py:1004-1015 and 3110-3114 drop both queues without a ``clear()`` on their
+    receivers and call ``deregister_buffer_to_engine``: the installed manager ends every room
+    still in flight there (its prefill rank told, as an abort tells it), so the room table is
+    empty; after ``resume_memory_occupation`` (1017-1019) the same room bootstraps again."""
+    addr, rank = prefill
+    conn = import_sglang()
+    engine = StandInMooncakeEngine()
+    with (
+        decode_worker.install(["mooncake"]),
+        mooncake_engine(engine),
+        decode_queues("mooncake") as (prealloc, transfer),
+    ):
+        manager = prealloc.kv_manager.decode_manager
+        waiting = bootstrap(prealloc, Req(addr, room=21))
+        received(rank)  # the registration
+        sent = bootstrap(prealloc, Req(addr, room=22))
+        prealloc._send_kv_metadata(sent, pages([1, 2]), 1)
+        received(rank)  # room 22's metadata
+        prealloc.queue.remove(sent)
+        transfer.extend([sent])
+        assert waiting.waiting_for_input
+        assert {r.room for r in manager.in_flight()} == {21, 22}
+
+        transfer.release_memory_occupation()
+        prealloc.release_memory_occupation()
+        assert manager.in_flight() == [] and manager.get(21) is None and manager.get(22) is None
+        assert engine.registered == []
+        aborts = {conn.AbortNotification.from_zmq(received(rank)).room for _ in range(2)}
+        assert aborts == {21, 22}
+
+        prealloc.resume_memory_occupation()
+        transfer.resume_memory_occupation()
+        assert engine.registered, "the buffers are registered again"
+        again = bootstrap(prealloc, Req(addr, room=21))
+        assert again.waiting_for_input and again.req.finished_reason is None
+
+
+def test_nixl_registrations_after_a_resume_carry_the_agents_metadata_of_then() -> None:
+    """A real NIXL agent (UCX over TCP, DRAM buffers). decode.py cannot build its queues
+    around NIXL on CPU (it registers the KV pool as VRAM: decode.py:664-672), so the calls
+    the queues make are replayed: ``deregister_buffer_to_engine`` (decode.py:1014-1015) and
+    ``register_buffer_to_engine`` (decode.py:1018-1019). The agent's metadata describes the
+    registered memory (it differs while the buffers are deregistered); SGLang reads it at each
+    registration (nixl/conn.py:3473): every registration built after the release, and after
+    the resume, carries the agent's metadata of that moment, not the constructor's."""
+    from real_prefill.engines import engine_unavailable, loopback_environment
+
+    reason = engine_unavailable("nixl")
+    if reason is not None:
+        pytest.skip(reason)
+    loopback_environment()
+    conn = import_sglang()
+    import numpy as np
+
+    kv = [np.zeros(4096, dtype=np.uint8) for _ in range(2)]
+    aux = np.zeros(512, dtype=np.uint8)
+    kv_args = make_kv_args(
+        kv_data_ptrs=[b.ctypes.data for b in kv],
+        kv_data_lens=[b.nbytes for b in kv],
+        kv_item_lens=[256, 256],
+        kv_layer_ids=[],
+        kv_data_mem_kinds=["DRAM", "DRAM"],
+        aux_data_ptrs=[aux.ctypes.data],
+        aux_data_lens=[aux.nbytes],
+        aux_item_lens=[64],
+    )
+    with ExitStack() as stack:
+        server_args = stack.enter_context(
+            sglang_server_args(disaggregation_mode="decode", host="127.0.0.1")
+        )
+        set_sglang_ranks(tp_rank=0)
+        manager = ours.NixlKVManager(kv_args, conn.DisaggregationMode.DECODE, server_args, False)
+        stack.callback(manager.close)
+        backend = manager.decode_manager.backend
+        rank = types_rank()
+        at_start = manager.agent_metadata()
+        assert backend.register_frames(rank)[5] == at_start
+
+        manager.deregister_buffer_to_engine()
+        released = manager.agent_metadata()
+        assert released != at_start, "the metadata describes the registered memory"
+        assert backend.register_frames(rank)[5] == released
+
+        manager.register_buffer_to_engine()
+        resumed = manager.agent_metadata()
+        assert resumed != released
+        assert backend.register_frames(rank)[5] == resumed
+
+
+def types_rank() -> Any:
+    """A prefill rank as the registration builder sees it (NIXL's does not depend on it)."""
+    from statemachine.pool import RankInfo
+
+    return RankInfo(ip="127.0.0.1", port=1, pp_rank=0)
+
+
+# --- metrics under SGLang's multiprocess mode ------------------------------------------------
+
+_METRICS_CHILD = textwrap.dedent(
+    """
+    # A scheduler process as SGLang's Engine spawns it: PROMETHEUS_MULTIPROC_DIR was set by the
+    # parent before prometheus_client is imported here.
+    from contextlib import ExitStack
+
+    from sglang_decode_support import Req, StandInMooncakeEngine, decode_queues, mooncake_engine
+    from sglang_support import sglang_bootstrap_server, sglang_prefill_rank
+
+    from statemachine.sglang.v0_5_23 import decode_worker
+
+    with ExitStack() as stack:
+        addr = stack.enter_context(sglang_bootstrap_server())
+        stack.enter_context(sglang_prefill_rank(addr, tp_size=1, tp_rank=0))
+        stack.enter_context(decode_worker.install(["mooncake"]))
+        stack.enter_context(mooncake_engine(StandInMooncakeEngine()))
+        prealloc, _ = stack.enter_context(decode_queues("mooncake"))
+        for room in (5, 6):
+            prealloc.add(Req(addr, room))
+        prealloc._resolve_pending_reqs()
+        prealloc._update_handshake_waiters()
+        prealloc.queue[0].kv_receiver.abort()  # the scheduler's abort (scheduler.py:5760-5780)
+        prealloc.kv_manager.metrics.sync()
+        print("METRICS WRITTEN", flush=True)
+        input()  # the parent scrapes while this scheduler lives
+    """
+)
+
+
+def scrape_sglangs_metrics_endpoint() -> str:
+    """GET /metrics from SGLang's own endpoint: a Starlette app given its route by SGLang's
+    ``add_prometheus_middleware`` (utils/common.py:2844-2853: a fresh registry holding only a
+    ``MultiProcessCollector`` over ``PROMETHEUS_MULTIPROC_DIR``). The app is called through
+    httpx's ASGI transport: the HTTP server SGLang runs it under (uvicorn) is not installed
+    here, so the listener is the one stand-in; the route, registry and rendering are SGLang's."""
+    import asyncio
+
+    import httpx
+    from sglang.srt.utils.common import add_prometheus_middleware
+    from starlette.applications import Starlette
+
+    app = Starlette()
+    add_prometheus_middleware(app)
+
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://decode") as client:
+            return await client.get("/metrics")
+
+    response = asyncio.run(get())
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+def test_the_library_metrics_reach_sglangs_metrics_endpoint_in_multiprocess_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang sets ``PROMETHEUS_MULTIPROC_DIR`` before it spawns its schedulers
+    (entrypoints/engine.py:1942, utils/common.py:2825-2841) and its /metrics merges the value
+    files they write there. The scheduler here is a child process started with the directory
+    set before its imports, running SGLang's decode queues with the installed classes: one
+    request aborted, one in flight. The scrape is SGLang's own endpoint, while the child lives
+    and after it exits."""
+    import_sglang()
+    pytest.importorskip("prometheus_client")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    tests = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tests / "sglang_stubs"), str(tests)]),
+        "SGLANG_HOST_IP": "127.0.0.1",
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-W", "ignore", "-c", _METRICS_CHILD],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        line = ""
+        while "METRICS WRITTEN" not in line:
+            line = child.stdout.readline()
+            assert line, f"the scheduler process exited: {child.stderr.read()[-2000:]}"  # type: ignore[union-attr]
+        text = scrape_sglangs_metrics_endpoint()
+        # (the merge sorts the labels)
+        failed = 'pd_bootstrap_requests_failed_total{pp_rank="0",reason="Aborted",tp_rank="0"}'
+        assert f"{failed} 1.0" in text
+        assert 'pd_bootstrap_requests_in_flight{pp_rank="0",tp_rank="0"} 1.0' in text
+        assert "pd_bootstrap_cache_misses_total" in text
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0, child.stderr.read()[-2000:]  # type: ignore[union-attr]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    # The counters outlive the process (multiprocess mode keeps its files, as for SGLang's).
+    assert f"{failed} 1.0" in scrape_sglangs_metrics_endpoint()
