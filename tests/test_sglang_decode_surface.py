@@ -413,3 +413,123 @@ def test_the_library_metrics_reach_sglangs_metrics_endpoint_in_multiprocess_mode
             child.wait()
     # The counters outlive the process (multiprocess mode keeps its files, as for SGLang's).
     assert f"{failed} 1.0" in scrape_sglangs_metrics_endpoint()
+
+
+# --- hybrid models' state pools, real bytes from SGLang's real prefill ----------------------
+
+
+@pytest.mark.slow
+def test_a_hybrid_models_state_slot_arrives_byte_for_byte_from_sglangs_prefill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hybrid model's Mamba state, end to end: SGLang's real prefill in its own processes
+    (tests/real_prefill: its Mooncake prefill manager on a real Mooncake engine over loopback
+    TCP, with KV, aux and one Mamba state buffer, each filled with a pattern keyed by room),
+    and on the decode SGLang's own queues with the installed classes on SGLang's shared
+    Mooncake engine.
+
+    One stand-in: SGLang's ``setup_state_kv_args`` (decode.py:676-682) finds state buffers
+    only on its GPU hybrid pools (``HybridLinearKVPool.get_state_buf_infos``), which cannot be
+    built here; the test runs SGLang's own function, then adds the Mamba component with
+    SGLang's own ``append_state_component`` over a numpy buffer, as its hybrid branch does
+    (disaggregation/utils.py:1598-1620). The state slot is passed to ``_send_kv_metadata`` as
+    decode.py:1783-1820 passes it: one index list per state type."""
+    from real_prefill.engines import engine_unavailable, loopback_environment
+    from real_prefill.harness import Layout, RealPrefill, wrong_pages
+    from sglang_decode_support import KVPool, MetadataBuffers
+
+    reason = engine_unavailable("mooncake")
+    if reason is not None:
+        pytest.skip(reason)
+    loopback_environment()
+    import_sglang()
+    import importlib
+    import time
+    import types
+
+    import numpy as np
+
+    utils = importlib.import_module("sglang.srt.disaggregation.utils")
+    decode = importlib.import_module("sglang.srt.disaggregation.decode")
+    state_type = importlib.import_module("sglang.srt.disaggregation.base.conn").StateType
+    engine_module = importlib.import_module(
+        "sglang.srt.distributed.device_communicators.mooncake_transfer_engine"
+    )
+    if engine_module.get_mooncake_transfer_engine() is None:
+        engine_module.init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
+    layout = Layout()
+    g = layout.side(1)
+    state = np.zeros(g.state_slots * g.state_item_len, dtype=np.uint8)
+
+    def setup_state_kv_args(kv_args: Any, *args: Any, **kwargs: Any) -> None:
+        utils.setup_state_kv_args(kv_args, *args, **kwargs)
+        utils.append_state_component(
+            kv_args, state_type.MAMBA, [state.ctypes.data], [state.nbytes], [g.state_item_len]
+        )
+
+    monkeypatch.setattr(decode, "setup_state_kv_args", setup_state_kv_args)
+    pool = KVPool(buffers=g.buffers, pages=g.slots, page_bytes=g.item_len)
+    metadata = MetadataBuffers(g.aux_slots, g.aux_item_len)
+    view = types.SimpleNamespace(
+        layout=layout,
+        tp_size=1,
+        tp_rank=0,
+        backend="mooncake",
+        kv=pool.buffers,
+        aux=metadata.bootstrap_room.view("uint8").reshape(-1),
+        state=state,
+    )
+    with ExitStack() as stack:
+        prefill = stack.enter_context(RealPrefill("mooncake", layout=layout))
+        stack.enter_context(decode_worker.install(["mooncake"]))
+        prealloc, transfer = stack.enter_context(
+            decode_queues("mooncake", pool=pool, metadata=metadata)
+        )
+        assert list(prealloc.kv_manager.kv_args.state_types) == [state_type.MAMBA]
+        checked: dict[int, list[str]] = {}
+
+        def commit(decode_req: Any) -> None:
+            # decode.py:2600-2773 reads the first output token from GPU tensors (replaced);
+            # the check runs where SGLang reads the aux row; its last step (2774-2775) kept.
+            room = decode_req.req.bootstrap_room
+            dst, slot = rooms[room]
+            checked[room] = wrong_pages(view, room, dst, decode_req.metadata_buffer_index, slot)
+            decode_req.kv_receiver.clear()
+            decode_req.kv_receiver = None
+
+        transfer._commit_transfer_to_req = commit
+        rooms = {9101: ([5, 1, 6, 2], 3), 9102: ([9, 12, 10, 11], 0)}
+        for k, (room, (dst, slot)) in enumerate(rooms.items()):
+            req = Req(prefill.address, room)
+            prefill.transfer(
+                room, [20 + 4 * k + i for i in range(4)], aux_index=k, state_index=1 + k
+            )
+            decode_req = bootstrap(prealloc, req)
+            deadline = time.monotonic() + 30.0
+            while not decode_req.waiting_for_input:
+                assert req.finished_reason is None, req.finished_reason.message
+                assert time.monotonic() < deadline, "the handshake did not finish"
+                bootstrap_step(prealloc)
+            prealloc._send_kv_metadata(
+                decode_req, pages(dst), 1, [np.asarray([slot], dtype=np.int32)]
+            )
+            prealloc.queue.remove(decode_req)
+            transfer.extend([decode_req])
+            done: list[Any] = []
+            deadline = time.monotonic() + 30.0
+            while not done:
+                assert req.finished_reason is None, req.finished_reason.message
+                assert time.monotonic() < deadline, "the transfer did not finish"
+                done.extend(transfer.pop_transferred())
+                time.sleep(0.005)
+            assert done == [req]
+            assert checked[room] == [], checked[room]
+        assert prealloc.kv_manager.decode_manager.stats().completed == 2
+
+
+def bootstrap_step(prealloc: Any) -> None:
+    prealloc._resolve_pending_reqs()  # decode.py:1325
+    prealloc._update_handshake_waiters()  # decode.py:1364
+    import time
+
+    time.sleep(0.005)
