@@ -533,3 +533,167 @@ def bootstrap_step(prealloc: Any) -> None:
     import time
 
     time.sleep(0.005)
+
+
+# --- retract rebootstrap ---------------------------------------------------------------------
+
+
+class RetractedReq(Req):
+    """A retracted request's rebootstrap body as SGLang's ``Req`` builds it
+    (schedule_batch.py:2149-2197: the prompt plus output ids, the same bootstrap host, port
+    and room, ``routed_dp_rank`` = ``disagg_prefill_dp_rank``), reduced to what the test checks."""
+
+    def build_rebootstrap_payload(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid,
+            "input_ids": self.origin_input_ids + self.output_ids,
+            "bootstrap_host": self.bootstrap_host,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_room": self.bootstrap_room,
+            "routed_dp_rank": self.disagg_prefill_dp_rank,
+            "disagg_prefill_dp_rank": self.disagg_prefill_dp_rank,
+        }
+
+
+@pytest.fixture
+def prefill_http(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, Any]]:
+    """SGLang's bootstrap server, one prefill rank registered with ``prefill_http_port`` (its
+    ``--port``, common/conn.py:1607), and a real HTTP server on that port standing in for the
+    prefill's ``/generate`` (the real one needs a model): (address, rank, server)."""
+    from http_support import ScriptedServer
+
+    policy = getattr(request, "param", "early")
+    with ExitStack() as stack:
+        server = stack.enter_context(ScriptedServer())
+        http_port = int(server.address.rpartition(":")[2])
+        addr = stack.enter_context(sglang_bootstrap_server())
+        rank = stack.enter_context(
+            prefill_rank(
+                addr,
+                tp_size=1,
+                tp_rank=0,
+                port=http_port,
+                disaggregation_decode_allocation_policy=policy,
+            )
+        )
+        yield addr, rank, server
+
+
+def posted(server: Any, timeout: float = 10.0) -> dict[str, Any]:
+    import json
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not server.requests:
+        assert time.monotonic() < deadline, "no rebootstrap POST reached the prefill"
+        time.sleep(0.01)
+    method, path, _headers, body = server.requests[0]
+    assert (method, path) == ("POST", "/generate")
+    payload: dict[str, Any] = json.loads(body)
+    return payload
+
+
+def test_a_retract_rebootstrap_posts_decode_pys_payload_and_the_request_completes(
+    prefill_http: tuple[str, Any, Any],
+) -> None:
+    """``early``: decode.py re-adds a retracted request with ``is_rebootstrap`` (808) and asks
+    for the recompute right after its metadata (1869-1873): the installed manager POSTs
+    decode.py's payload, unchanged, to the prefill's ``/generate``; the prefill's Success then
+    completes the request through the transfer queue (2826-2917)."""
+    addr, rank, server = prefill_http
+    with (
+        decode_worker.install(["mooncake"]),
+        mooncake_engine(StandInMooncakeEngine()),
+        decode_queues("mooncake") as (prealloc, transfer),
+    ):
+        req = RetractedReq(addr, room=31)
+        prealloc.add(req, is_rebootstrap=True)
+        decode_req = prealloc.queue[-1]
+        prealloc._resolve_pending_reqs()
+        prealloc._update_handshake_waiters()
+        received(rank)  # the registration
+        assert server.requests == [], "early: nothing before the metadata"
+        prealloc._send_kv_metadata(decode_req, pages([4]), 1)
+        prealloc.queue.remove(decode_req)
+        transfer.extend([decode_req])
+        received(rank)  # the metadata
+        assert posted(server) == req.build_rebootstrap_payload()
+        manager = prealloc.kv_manager
+        rank.send_kv_status_message(
+            targets=[(manager.local_ip, manager.rank_port)], bootstrap_room=31, status=4
+        )
+        transfer.metadata_buffers.bootstrap_room[decode_req.metadata_buffer_index, 0] = 31
+
+        def commit(d: Any) -> None:  # decode.py:2774-2775 (the rest reads GPU tensors)
+            d.kv_receiver.clear()
+            d.kv_receiver = None
+
+        transfer._commit_transfer_to_req = commit
+        done: list[Any] = []
+        import time
+
+        deadline = time.monotonic() + 10.0
+        while not done:
+            assert time.monotonic() < deadline, "the rebootstrapped request did not complete"
+            done.extend(transfer.pop_transferred())
+            time.sleep(0.01)
+        assert done == [req] and req.finished_reason is None
+
+
+def test_a_rebootstrap_the_prefill_refuses_fails_the_request_typed(
+    prefill_http: tuple[str, Any, Any],
+) -> None:
+    """The prefill's ``/generate`` answers 500: the request fails through decode.py's
+    transfer-failure path (2861-2917), typed, with the status (SGLang: common/conn.py:
+    1269-1283)."""
+    addr, _rank, server = prefill_http
+    server.set(500, b"recompute failed")
+    with (
+        decode_worker.install(["mooncake"]),
+        mooncake_engine(StandInMooncakeEngine()),
+        decode_queues("mooncake") as (prealloc, transfer),
+    ):
+        req = RetractedReq(addr, room=32)
+        prealloc.add(req, is_rebootstrap=True)
+        decode_req = prealloc.queue[-1]
+        prealloc._resolve_pending_reqs()
+        prealloc._update_handshake_waiters()
+        prealloc._send_kv_metadata(decode_req, pages([4]), 1)
+        prealloc.queue.remove(decode_req)
+        transfer.extend([decode_req])
+        posted(server)
+        import time
+
+        deadline = time.monotonic() + 10.0
+        while decode_req in transfer.queue:
+            assert time.monotonic() < deadline, "the refused rebootstrap did not fail"
+            transfer.pop_transferred()
+            time.sleep(0.01)
+        message = req.finished_reason.message
+        assert "TransportFailure" in message and "answered 500" in message
+
+
+@pytest.mark.parametrize("prefill_http", ["prefill_complete"], indirect=True)
+def test_prefill_complete_the_rebootstrap_goes_out_after_init_pinned_to_the_bound_dp_rank(
+    prefill_http: tuple[str, Any, Any],
+) -> None:
+    """``prefill_complete``: ``_init_receiver`` writes the resolved prefill dp rank back to the
+    request (decode.py:1104-1110) and asks for the recompute right after ``init``
+    (1113-1114), before any KV is allocated: the POST carries that dp rank as
+    ``routed_dp_rank`` (SGLang PR #40731's pin)."""
+    addr, _rank, server = prefill_http
+    with (
+        decode_worker.install(["mooncake"]),
+        mooncake_engine(StandInMooncakeEngine()),
+        decode_queues("mooncake", disaggregation_decode_allocation_policy="prefill_complete") as (
+            prealloc,
+            _transfer,
+        ),
+    ):
+        req = RetractedReq(addr, room=33)
+        prealloc.add(req, is_rebootstrap=True)
+        prealloc._resolve_pending_reqs()
+        assert req.disagg_prefill_dp_rank == 0, "decode.py bound the request's dp rank"
+        payload = posted(server)
+        assert payload["routed_dp_rank"] == 0 and payload["bootstrap_room"] == 33
+        assert payload == req.build_rebootstrap_payload()

@@ -39,8 +39,10 @@ from statemachine.errors import (
     FailedOnAnotherRank,
     InvalidRoom,
     PeerLost,
+    RequestRejected,
     SGLangFeatureRefused,
     TopologyMismatch,
+    TransportFailure,
 )
 from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs
 from statemachine.sglang.v0_5_23.mooncake import MooncakeBackend
@@ -149,6 +151,7 @@ class _DecodeKVManager:
         self.disaggregation_mode = disaggregation_mode
         self.attn_tp_size = int(parallel.attn_tp_size)
         self.attn_tp_rank = int(parallel.attn_tp_rank)
+        self.attn_cp_rank = int(getattr(parallel, "attn_cp_rank", 0) or 0)
         self.pp_size = int(parallel.pp_size)
         self.pp_rank = int(args.pp_rank)
         self.waiting_timeout = int(_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT"))
@@ -161,6 +164,8 @@ class _DecodeKVManager:
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        #: one HTTP session per executor thread (a session is not for concurrent threads)
+        self._recompute_sessions = threading.local()
         #: "early" or "prefill_complete" (what duplicate rooms turn on: _DecodeKVReceiver)
         self.allocation_policy = str(disagg.disaggregation_decode_allocation_policy)
         self.local_ip = str(_module("sglang.srt.utils.network").get_local_ip_auto())
@@ -332,16 +337,70 @@ class _DecodeKVManager:
             return self._executor
 
     def submit_prefill_recompute(self, kv_receiver: Any, payload: dict[str, Any]) -> None:
-        """PD true-retraction rebootstrap (decode.py:1115-1122, 1869-1873): not implemented
-        here. The request fails, typed, and decode.py streams the abort to its client."""
-        kv_receiver.refuse(
-            SGLangFeatureRefused(
-                f"room {kv_receiver.bootstrap_room}: PD retract rebootstrap (the prefill "
-                "recompute of a retracted request) is not supported by the statemachine "
-                "decode classes; retry the request, or run this decode with SGLang's own "
-                "classes (statemachine.sglang.v0_5_23.uninstall()) where retraction is used"
+        """PD retract rebootstrap (decode.py:1113-1122, 1869-1873): ask the prefill to compute
+        a retracted request's prefix again, as SGLang's manager does (common/conn.py:
+        1169-1291). ``payload`` is decode.py's (``Req.build_rebootstrap_payload``), posted
+        unchanged: its ``routed_dp_rank`` is the prefill dp rank decode.py bound the request
+        to (under ``prefill_complete`` written back at ``_init_receiver``, decode.py:
+        1104-1110), so the recompute goes to that dp rank.
+
+        Only the attention-tp / cp group leader of the first pp stage posts (every decode rank
+        gets the call; the prefill sends the recomputed KV to all of them). The POST runs on
+        the shared executor, bounded by the waiting timeout, to
+        ``http://{bootstrap host}:{prefill_http_port}/generate``. A prefill that registered no
+        HTTP port, an HTTP status of 400 or more, or no answer fails the room, typed; a room
+        whose KV already arrived is left alone (the answer can come after the transfer)."""
+        if self.attn_tp_rank != 0 or self.attn_cp_rank != 0 or self.pp_rank != 0:
+            return
+        addr = kv_receiver.bootstrap_addr
+        info = self.prefill_info_table.get(addr)
+        if info is None or info.prefill_http_port is None:
+            kv_receiver.refuse(
+                TopologyMismatch(
+                    f"room {kv_receiver.bootstrap_room}: PD retract rebootstrap needs the "
+                    f"prefill's HTTP port, and the prefill at {addr} registered none: run the "
+                    "prefill with SGLang's own server (it registers its --port), or turn "
+                    "retraction off on this decode"
+                )
             )
+            return
+        network = _module("sglang.srt.disaggregation.common.conn").NetworkAddress
+        url = network(network.parse(addr).host, info.prefill_http_port).to_url()
+        self._ensure_prefill_recompute_executor().submit(
+            self._post_recompute, kv_receiver, url.rstrip("/") + "/generate", payload
         )
+
+    def _post_recompute(self, kv_receiver: Any, url: str, payload: dict[str, Any]) -> None:
+        """The rebootstrap POST, on an executor thread; a failure reaches the room through
+        ``fail_from_any_thread``."""
+        room = kv_receiver.bootstrap_room
+        session = getattr(self._recompute_sessions, "session", None)
+        if session is None:
+            session = _module("requests").Session()
+            self._recompute_sessions.session = session
+        try:
+            response = session.post(url, json=payload, timeout=self.waiting_timeout)
+        except Exception as exc:  # requests' connection errors and timeouts, and kin
+            kv_receiver.fail_from_any_thread(
+                TransportFailure(
+                    f"room {room}: the PD retract rebootstrap POST {url} got no answer "
+                    f"({type(exc).__name__}: {exc}): the prefill's HTTP server is down or "
+                    "unreachable; retry the request",
+                    addr=url,
+                )
+            )
+            return
+        status = int(response.status_code)
+        if status >= 400:
+            kind = RequestRejected if status < 500 else TransportFailure
+            kv_receiver.fail_from_any_thread(
+                kind(
+                    f"room {room}: the PD retract rebootstrap POST {url} answered {status} "
+                    f"({response.text[:200]!r}): see the prefill's log; retry the request",
+                    addr=url,
+                    status=status,
+                )
+            )
 
     def close(self) -> None:
         """Stop the manager's threads, close its sockets, deregister the buffers."""
@@ -714,6 +773,14 @@ class _DecodeKVReceiver:
             error = FailedOnAnotherRank(f"room {self.bootstrap_room}: failed on another rank")
         self._error = error
         raise _transfer_error(self.bootstrap_room, error) from error
+
+    def fail_from_any_thread(self, error: BootstrapError) -> None:
+        """Fail the room with ``error`` from a thread that does not own it (the rebootstrap
+        POST's answer): stored, and the owner's next ``poll`` ends the room with it. A room
+        whose every response arrived is left alone."""
+        receiver = self._receiver
+        if receiver is not None:
+            receiver.mark_lost(error)
 
     def refuse(self, error: BootstrapError) -> None:
         """Fail the room with ``error`` (a feature refused after construction)."""
