@@ -252,35 +252,58 @@ def test_a_memory_release_leaves_no_room_held_and_the_room_serves_again_after_re
 
 
 def test_nixl_registrations_after_a_resume_carry_the_agents_metadata_of_then() -> None:
-    """A real NIXL agent (UCX over TCP, DRAM buffers). decode.py cannot build its queues
-    around NIXL on CPU (it registers the KV pool as VRAM: decode.py:664-672), so the calls
-    the queues make are replayed: ``deregister_buffer_to_engine`` (decode.py:1014-1015) and
-    ``register_buffer_to_engine`` (decode.py:1018-1019). The agent's metadata describes the
-    registered memory (it differs while the buffers are deregistered); SGLang reads it at each
-    registration (nixl/conn.py:3473): every registration built after the release, and after
-    the resume, carries the agent's metadata of that moment, not the constructor's."""
+    """A real NIXL agent (UCX over TCP, DRAM buffers) against SGLang's real NIXL prefill in its
+    own processes (tests/real_prefill). decode.py cannot build its queues around NIXL on CPU
+    (it registers the KV pool as VRAM: decode.py:664-672), so the calls are replayed in its
+    order: the manager (765-770), a receiver (905-911), ``try_ensure_parallel_info`` (1200),
+    ``init`` (1105), then ``release_memory_occupation``'s ``deregister_buffer_to_engine``
+    (1014-1015) with that request in flight, ``resume_memory_occupation``'s
+    ``register_buffer_to_engine`` (1018-1019), and a new request: ``send_metadata``
+    (1863-1868), ``poll`` (2857-2860), ``clear`` (2774-2775).
+
+    The agent's metadata describes the registered memory (it differs while the buffers are
+    deregistered); SGLang reads it at each registration (nixl/conn.py:3473): every
+    registration built after the release, and after the resume, carries the agent's metadata of
+    that moment, not the constructor's. The request in flight at the release is gone from the
+    room table; the one after the resume receives real bytes, checked byte for byte."""
     from real_prefill.engines import engine_unavailable, loopback_environment
+    from real_prefill.harness import Layout, RealPrefill, wrong_pages
+    from sglang_decode_support import KVPool, MetadataBuffers
 
     reason = engine_unavailable("nixl")
     if reason is not None:
         pytest.skip(reason)
     loopback_environment()
     conn = import_sglang()
-    import numpy as np
+    import time
+    import types
 
-    kv = [np.zeros(4096, dtype=np.uint8) for _ in range(2)]
-    aux = np.zeros(512, dtype=np.uint8)
+    layout = Layout()
+    g = layout.side(1)
+    pool = KVPool(buffers=g.buffers, pages=g.slots, page_bytes=g.item_len)
+    metadata = MetadataBuffers(g.aux_slots, g.aux_item_len)
+    kv_ptrs, kv_lens, kv_item_lens = pool.get_contiguous_buf_infos()
+    aux_ptrs, aux_lens, aux_item_lens = metadata.get_buf_infos()
     kv_args = make_kv_args(
-        kv_data_ptrs=[b.ctypes.data for b in kv],
-        kv_data_lens=[b.nbytes for b in kv],
-        kv_item_lens=[256, 256],
+        kv_data_ptrs=kv_ptrs,
+        kv_data_lens=kv_lens,
+        kv_item_lens=kv_item_lens,
         kv_layer_ids=[],
-        kv_data_mem_kinds=["DRAM", "DRAM"],
-        aux_data_ptrs=[aux.ctypes.data],
-        aux_data_lens=[aux.nbytes],
-        aux_item_lens=[64],
+        kv_data_mem_kinds=["DRAM"] * len(kv_ptrs),
+        aux_data_ptrs=aux_ptrs,
+        aux_data_lens=aux_lens,
+        aux_item_lens=aux_item_lens,
+    )
+    view = types.SimpleNamespace(
+        layout=layout,
+        tp_size=1,
+        tp_rank=0,
+        backend="nixl",
+        kv=pool.buffers,
+        aux=metadata.bootstrap_room.view("uint8").reshape(-1),
     )
     with ExitStack() as stack:
+        prefill = stack.enter_context(RealPrefill("nixl", layout=layout))
         server_args = stack.enter_context(
             sglang_server_args(disaggregation_mode="decode", host="127.0.0.1")
         )
@@ -291,8 +314,15 @@ def test_nixl_registrations_after_a_resume_carry_the_agents_metadata_of_then() -
         rank = types_rank()
         at_start = manager.agent_metadata()
         assert backend.register_frames(rank)[5] == at_start
+        assert manager.try_ensure_parallel_info(prefill.address)
+        in_flight = ours.NixlKVReceiver(
+            mgr=manager, bootstrap_addr=prefill.address, bootstrap_room=8101
+        )
+        in_flight.init(0)
+        assert in_flight.poll() == 2  # SGLang's KVPoll.WaitingForInput: registered
 
         manager.deregister_buffer_to_engine()
+        assert manager.decode_manager.get(8101) is None, "no room held after the release"
         released = manager.agent_metadata()
         assert released != at_start, "the metadata describes the registered memory"
         assert backend.register_frames(rank)[5] == released
@@ -301,6 +331,22 @@ def test_nixl_registrations_after_a_resume_carry_the_agents_metadata_of_then() -
         resumed = manager.agent_metadata()
         assert resumed != released
         assert backend.register_frames(rank)[5] == resumed
+
+        dst, slot = [40, 43, 41, 42], 2
+        prefill.transfer(8102, [8, 9, 10, 11], aux_index=0)
+        receiver = ours.NixlKVReceiver(
+            mgr=manager, bootstrap_addr=prefill.address, bootstrap_room=8102
+        )
+        receiver.init(0)
+        receiver.send_metadata(pages(dst), slot, None)
+        deadline = time.monotonic() + 30.0
+        while (state := receiver.poll()) not in (0, 4):
+            assert time.monotonic() < deadline, "the NIXL request neither succeeded nor failed"
+            time.sleep(0.001)
+        assert state == 4, receiver.failure_exception()
+        assert wrong_pages(view, 8102, dst, slot, None) == []
+        receiver.clear()
+        assert manager.decode_manager.stats().in_flight == 0
 
 
 def types_rank() -> Any:
