@@ -13,8 +13,7 @@ decode.py methods run unchanged: ``DecodePreallocQueue.__init__`` / ``_init_kv_m
 (decode.py:1184-1389), ``_init_receiver`` (1104-1114), ``_update_handshake_waiters``
 (1124-1177), ``_send_kv_metadata`` (1845-1876), ``DecodeTransferQueue.extend``/``pop_transferred``
 (2573-2992), ``_defer_release`` / ``resolve_deferred_releases`` / ``_do_release``
-(2994-3109), ``release_memory_occupation`` / ``resume_memory_occupation`` (1006-1019), and a
-retract rebootstrap's ``_submit_prefill_recompute`` (1115-1122, reached from 1869-1873).
+(2994-3109), and ``release_memory_occupation`` / ``resume_memory_occupation`` (1006-1019).
 Replayed in decode.py's order instead of run: ``pop_preallocated``'s allocation (decode.py:
 1448-1651 needs the real token pools; the tests call ``_send_kv_metadata`` for a waiting request
 as its line 1645 does and move it to the transfer queue as the scheduler does), and
@@ -290,34 +289,20 @@ def test_a_room_already_in_flight_fails_typed_instead_of_sharing_its_state(
 
 
 @requires_sglang
-def test_a_retract_rebootstrap_fails_typed_and_memory_release_deregisters_the_buffers(
+def test_a_memory_release_deregisters_the_buffers_and_the_resume_registers_them(
     prefill: tuple[str, Any],
 ) -> None:
-    addr, rank = prefill
+    """decode.py:1006-1019. What a release does to the rooms in flight, and retract
+    rebootstraps, are tests/test_sglang_decode_surface.py's."""
     engine = StandInMooncakeEngine()
     with (
         decode_worker.install(["mooncake"]),
         mooncake_engine(engine),
-        decode_queues("mooncake") as (prealloc, transfer),
+        decode_queues("mooncake") as (prealloc, _transfer),
     ):
         registered = list(engine.registered)
         assert registered, "the manager registered the KV and aux buffers"
-        # decode.py:1006-1019: a memory release deregisters them, the resume registers
-        # them again.
         prealloc.release_memory_occupation()
         assert engine.registered == []
         prealloc.resume_memory_occupation()
         assert engine.registered == registered
-        # A retracted request's rebootstrap (decode.py:808 with is_rebootstrap): under the
-        # early policy decode.py asks for the prefill recompute right after the metadata
-        # (decode.py:1869-1873), which these classes refuse: the request fails, typed.
-        req = Req(addr, room=31)
-        prealloc.add(req, is_rebootstrap=True)
-        decode_req = prealloc.queue[-1]
-        prealloc._resolve_pending_reqs()
-        prealloc._update_handshake_waiters()
-        received(rank)  # the registration
-        to_transfer(prealloc, transfer, decode_req, [4])
-        wait_for(lambda: transfer.pop_transferred() == [] and not transfer.queue, "failed")
-        assert "SGLangFeatureRefused" in req.finished_reason.message
-        assert "retract rebootstrap" in req.finished_reason.message

@@ -673,6 +673,39 @@ MUTANTS: tuple[CodeMutant, ...] = (
         (T_FAST + "test_http74_a_body_that_looks_like_a_probe_is_a_body",),
         "aiohttp is taken to hold nothing while the body of a request it answered is still due",
     ),
+    # --- SGLang 0.5.23's decode classes (decode_worker/conn.py) ---------------------------------
+    CodeMutant(
+        "memory_release_keeps_the_rooms",
+        "statemachine/sglang/v0_5_23/decode_worker/conn.py",
+        (
+            (
+                "            for receiver in manager.in_flight():\n                receiver.abort()",
+                "            for receiver in manager.in_flight()[:0]:\n                receiver.abort()",
+            ),
+        ),
+        (
+            "tests/test_sglang_decode_surface.py::test_a_memory_release_leaves_no_room_held_and_the_room_serves_again_after_resume",
+        ),
+        "SGLang drops its queues at a memory release without clear(): the rooms stay held",
+    ),
+    CodeMutant(
+        "prefill_complete_duplicate_spares_the_first",
+        "statemachine/sglang/v0_5_23/decode_worker/conn.py",
+        (("            live.mark_lost(error)\n", ""),),
+        (
+            "tests/test_sglang_decode_surface.py::test_prefill_complete_a_duplicate_room_fails_both_requests_as_sglang_does",
+        ),
+        "under prefill_complete a duplicate room fails only the newcomer, unlike SGLang",
+    ),
+    CodeMutant(
+        "nixl_registration_keeps_the_constructors_metadata",
+        "statemachine/sglang/v0_5_23/decode_worker/conn.py",
+        (("        backend.refresh_agent_metadata(self.agent_metadata())\n", "        pass\n"),),
+        (
+            "tests/test_sglang_decode_surface.py::test_nixl_registrations_after_a_resume_carry_the_agents_metadata_of_then",
+        ),
+        "NIXL registrations after a memory release carry the metadata taken at construction",
+    ),
 )
 
 BY_NAME = {m.name: m for m in MUTANTS}

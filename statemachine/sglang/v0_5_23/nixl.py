@@ -151,6 +151,20 @@ class NixlBackend:
             agent.release_dlist_handle(handle)
         return cls.factory(agent.name, agent.get_agent_metadata(), kv_args)
 
+    def refresh_agent_metadata(self, agent_metadata: bytes) -> None:
+        """Carry ``agent_metadata`` in every registration from now on: the agent's metadata
+        describes the memory registered with it, so it changes when the buffers are
+        deregistered and registered again (a memory release and resume). SGLang reads it at
+        each registration (``nixl/conn.py:3473``); the registration is rebuilt here instead,
+        once per change (one attribute store: a registration being built keeps the old
+        frames or takes the new ones, never a mix)."""
+        if not isinstance(agent_metadata, bytes):
+            raise InvalidArgument(
+                f"agent_metadata must be the bytes of agent.get_agent_metadata(), got "
+                f"{type(agent_metadata).__name__}"
+            )
+        self._registration = self._build_registration(agent_metadata)
+
     def check_topology(self, addr: str, topology: Topology, layout: DecodeShape) -> None:
         """Refuse a prefill whose attention tp size differs from this decode's when the KV
         buffers are not all VRAM: SGLang 0.5.23's NIXL prefill moves KV between different tp

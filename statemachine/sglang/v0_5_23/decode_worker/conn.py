@@ -30,15 +30,19 @@ from typing import Any
 from statemachine.backend import KVBackend
 from statemachine.completion import KVPoll
 from statemachine.decode.manager import DecodeManager
+from statemachine.decode.metrics import MULTIPROC_DIR_ENV, MultiprocessMetrics
 from statemachine.decode.plan import DecodeLayout, RankPlan
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.errors import (
     BootstrapError,
     ConfigurationError,
     FailedOnAnotherRank,
+    InvalidRoom,
     PeerLost,
+    RequestRejected,
     SGLangFeatureRefused,
     TopologyMismatch,
+    TransportFailure,
 )
 from statemachine.sglang.v0_5_23.kv_args import DecodeKVArgs
 from statemachine.sglang.v0_5_23.mooncake import MooncakeBackend
@@ -147,6 +151,7 @@ class _DecodeKVManager:
         self.disaggregation_mode = disaggregation_mode
         self.attn_tp_size = int(parallel.attn_tp_size)
         self.attn_tp_rank = int(parallel.attn_tp_rank)
+        self.attn_cp_rank = int(getattr(parallel, "attn_cp_rank", 0) or 0)
         self.pp_size = int(parallel.pp_size)
         self.pp_rank = int(args.pp_rank)
         self.waiting_timeout = int(_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT"))
@@ -159,6 +164,10 @@ class _DecodeKVManager:
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        #: one HTTP session per executor thread (a session is not for concurrent threads)
+        self._recompute_sessions = threading.local()
+        #: "early" or "prefill_complete" (what duplicate rooms turn on: _DecodeKVReceiver)
+        self.allocation_policy = str(disagg.disaggregation_decode_allocation_policy)
         self.local_ip = str(_module("sglang.srt.utils.network").get_local_ip_auto())
         self.decode_kv_args = _decode_kv_args(args, parallel, self.attn_tp_size)
         layout = DecodeLayout(
@@ -172,7 +181,7 @@ class _DecodeKVManager:
             is_hybrid_mla=bool(getattr(args, "is_hybrid_mla_backend", False)),
             all_cp_ranks=bool(_env("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER")),
             kv_layout=getattr(args, "kv_layout", None),
-            decode_allocation_policy=str(disagg.disaggregation_decode_allocation_policy),
+            decode_allocation_policy=self.allocation_policy,
         )
         self._open_engine()
         try:
@@ -193,6 +202,30 @@ class _DecodeKVManager:
         except BaseException:
             self._close_engine()
             raise
+        self._buffers_changed()
+        #: the library's figures for SGLang's /metrics (multiprocess mode), None without it
+        self.metrics = self._start_metrics()
+
+    def _start_metrics(self) -> MultiprocessMetrics | None:
+        """Write the manager's figures where SGLang's ``/metrics`` reads them.
+
+        SGLang serves ``/metrics`` in prometheus_client's multiprocess mode: it sets
+        ``PROMETHEUS_MULTIPROC_DIR`` before it spawns the schedulers and its endpoint merges the
+        value files every process writes there (``utils/common.py:2825-2853``), so a collector
+        registered in this scheduler process would never be read. With the variable set and
+        prometheus_client installed, the figures are written there, labelled with this rank.
+        """
+        if not os.environ.get(MULTIPROC_DIR_ENV):
+            return None
+        try:
+            importlib.import_module("prometheus_client")
+        except ImportError:
+            return None  # SGLang's metrics need it too: without it there is no /metrics
+        labels = {
+            "tp_rank": str(self.attn_tp_rank),
+            "pp_rank": str(self.pp_rank),
+        }
+        return MultiprocessMetrics(self.decode_manager, labels=labels).start()
 
     @property
     def rank_port(self) -> int:
@@ -213,14 +246,38 @@ class _DecodeKVManager:
     def _backend_factory(self) -> Callable[[str, int], KVBackend]:
         raise NotImplementedError  # pragma: no cover
 
-    def register_buffer_to_engine(self) -> None:
-        """Register the KV pool's buffers with the transfer engine (decode.py:1018-1019 after
-        a memory release; the constructor does it first, as SGLang's managers do)."""
+    def _register_buffers(self) -> None:
         raise NotImplementedError  # pragma: no cover
 
-    def deregister_buffer_to_engine(self) -> None:
-        """Deregister them (decode.py:1014-1015, before the KV pool's memory is released)."""
+    def _deregister_buffers(self) -> None:
         raise NotImplementedError  # pragma: no cover
+
+    def _buffers_changed(self) -> None:
+        """The registered buffers changed (NIXL: the agent's metadata with them)."""
+
+    def register_buffer_to_engine(self) -> None:
+        """Register the KV pool's buffers with the transfer engine: the constructor does it
+        first, as SGLang's managers do, and ``resume_memory_occupation`` again
+        (decode.py:1017-1019)."""
+        self._register_buffers()
+        if getattr(self, "decode_manager", None) is not None:
+            self._buffers_changed()
+
+    def deregister_buffer_to_engine(self) -> None:
+        """What ``release_memory_occupation`` calls on the manager (decode.py:1004-1015),
+        before the KV pool's memory is released: the buffers are deregistered, and every room
+        still in flight is ended here. SGLang drops its queues there without a ``clear()`` on
+        their receivers (decode.py:1006, 3110-3114), so nothing else would end them: each is
+        aborted (its prefill ranks told once, so they free the room) and forgotten, and the
+        room table holds no room when the memory goes."""
+        manager = getattr(self, "decode_manager", None)
+        if manager is not None:
+            for receiver in manager.in_flight():
+                receiver.abort()
+                receiver.clear()
+        self._deregister_buffers()
+        if manager is not None:
+            self._buffers_changed()
 
     # --- what decode.py asks of a manager ----------------------------------------------------
 
@@ -280,19 +337,75 @@ class _DecodeKVManager:
             return self._executor
 
     def submit_prefill_recompute(self, kv_receiver: Any, payload: dict[str, Any]) -> None:
-        """PD true-retraction rebootstrap (decode.py:1115-1122, 1869-1873): not implemented
-        here. The request fails, typed, and decode.py streams the abort to its client."""
-        kv_receiver.refuse(
-            SGLangFeatureRefused(
-                f"room {kv_receiver.bootstrap_room}: PD retract rebootstrap (the prefill "
-                "recompute of a retracted request) is not supported by the statemachine "
-                "decode classes; retry the request, or run this decode with SGLang's own "
-                "classes (statemachine.sglang.v0_5_23.uninstall()) where retraction is used"
+        """PD retract rebootstrap (decode.py:1113-1122, 1869-1873): ask the prefill to compute
+        a retracted request's prefix again, as SGLang's manager does (common/conn.py:
+        1169-1291). ``payload`` is decode.py's (``Req.build_rebootstrap_payload``), posted
+        unchanged: its ``routed_dp_rank`` is the prefill dp rank decode.py bound the request
+        to (under ``prefill_complete`` written back at ``_init_receiver``, decode.py:
+        1104-1110), so the recompute goes to that dp rank.
+
+        Only the attention-tp / cp group leader of the first pp stage posts (every decode rank
+        gets the call; the prefill sends the recomputed KV to all of them). The POST runs on
+        the shared executor, bounded by the waiting timeout, to
+        ``http://{bootstrap host}:{prefill_http_port}/generate``. A prefill that registered no
+        HTTP port, an HTTP status of 400 or more, or no answer fails the room, typed; a room
+        whose KV already arrived is left alone (the answer can come after the transfer)."""
+        if self.attn_tp_rank != 0 or self.attn_cp_rank != 0 or self.pp_rank != 0:
+            return
+        addr = kv_receiver.bootstrap_addr
+        info = self.prefill_info_table.get(addr)
+        if info is None or info.prefill_http_port is None:
+            kv_receiver.refuse(
+                TopologyMismatch(
+                    f"room {kv_receiver.bootstrap_room}: PD retract rebootstrap needs the "
+                    f"prefill's HTTP port, and the prefill at {addr} registered none: run the "
+                    "prefill with SGLang's own server (it registers its --port), or turn "
+                    "retraction off on this decode"
+                )
             )
+            return
+        network = _module("sglang.srt.disaggregation.common.conn").NetworkAddress
+        url = network(network.parse(addr).host, info.prefill_http_port).to_url()
+        self._ensure_prefill_recompute_executor().submit(
+            self._post_recompute, kv_receiver, url.rstrip("/") + "/generate", payload
         )
+
+    def _post_recompute(self, kv_receiver: Any, url: str, payload: dict[str, Any]) -> None:
+        """The rebootstrap POST, on an executor thread; a failure reaches the room through
+        ``fail_from_any_thread``."""
+        room = kv_receiver.bootstrap_room
+        session = getattr(self._recompute_sessions, "session", None)
+        if session is None:
+            session = _module("requests").Session()
+            self._recompute_sessions.session = session
+        try:
+            response = session.post(url, json=payload, timeout=self.waiting_timeout)
+        except Exception as exc:  # requests' connection errors and timeouts, and kin
+            kv_receiver.fail_from_any_thread(
+                TransportFailure(
+                    f"room {room}: the PD retract rebootstrap POST {url} got no answer "
+                    f"({type(exc).__name__}: {exc}): the prefill's HTTP server is down or "
+                    "unreachable; retry the request",
+                    addr=url,
+                )
+            )
+            return
+        status = int(response.status_code)
+        if status >= 400:
+            kind = RequestRejected if status < 500 else TransportFailure
+            kv_receiver.fail_from_any_thread(
+                kind(
+                    f"room {room}: the PD retract rebootstrap POST {url} answered {status} "
+                    f"({response.text[:200]!r}): see the prefill's log; retry the request",
+                    addr=url,
+                    status=status,
+                )
+            )
 
     def close(self) -> None:
         """Stop the manager's threads, close its sockets, deregister the buffers."""
+        if self.metrics is not None:
+            self.metrics.close()  # a last write first, while the manager still answers
         self.decode_manager.close()
         with self._executor_lock:
             executor, self._executor = self._executor, None
@@ -312,10 +425,10 @@ def _refuse_features(args: Any, parallel: Any, disagg: Any) -> None:
         )
     if disagg.disaggregation_enable_kv_checksum:
         refused.append("the KV checksum (drop --disaggregation-enable-kv-checksum)")
-    if getattr(args, "state_types", None):
+    if getattr(_module("sglang.srt.runtime_context").get_memory(), "enable_hisparse", False):
         refused.append(
-            "hybrid-model state pools (Mamba, SWA, DSA state: kv_args.state_types is "
-            f"{list(args.state_types)!r}); serve this model with SGLang's own classes"
+            "HiSparse device-only KV transfer (drop --enable-hisparse: its send_metadata "
+            "carries device_kv_indices, decode.py:1789-1816)"
         )
     if getattr(parallel, "enable_kv_cache_sharding", False):
         refused.append("decode-side KV cache sharding (drop --enable-kv-cache-sharding)")
@@ -323,7 +436,8 @@ def _refuse_features(args: Any, parallel: Any, disagg: Any) -> None:
         raise SGLangFeatureRefused(
             "the statemachine decode classes do not implement "
             + "; ".join(refused)
-            + ": switch these off, or uninstall() to run SGLang's own classes"
+            + ": switch these off, or unset PD_BOOTSTRAP_SGLANG_DECODE (uninstall() where you"
+            + " installed them yourself) to run SGLang's own classes"
         )
 
 
@@ -338,6 +452,11 @@ def _decode_kv_args(args: Any, parallel: Any, attn_tp_size: int) -> DecodeKVArgs
         kv_item_lens=list(args.kv_item_lens),
         kv_layer_ids=list(getattr(args, "kv_layer_ids", None) or []),
         aux_data_ptrs=list(args.aux_data_ptrs),
+        state_data_ptrs=[list(p) for p in getattr(args, "state_data_ptrs", None) or []],
+        state_data_lens=[list(n) for n in getattr(args, "state_data_lens", None) or []],
+        state_item_lens=[list(n) for n in getattr(args, "state_item_lens", None) or []],
+        state_dim_per_tensor=[list(n) for n in getattr(args, "state_dim_per_tensor", None) or []],
+        state_layer_ids=[list(n) for n in getattr(args, "state_layer_ids", None) or []],
         kv_mem_kinds=list(kinds),
         gpu_id=int(getattr(args, "gpu_id", 0) or 0),
         dcp_size=int(getattr(parallel, "attn_dcp_size", 1) or 1),
@@ -346,12 +465,18 @@ def _decode_kv_args(args: Any, parallel: Any, attn_tp_size: int) -> DecodeKVArgs
 
 
 def _regions(args: Any) -> list[tuple[int, int]]:
-    """The (pointer, length) buffers to register, zero lengths and exact repeats dropped, as
-    SGLang's Mooncake manager lists them (``mooncake/conn.py:395-422``)."""
+    """The (pointer, length) buffers to register - KV, aux, then each state type's - zero
+    lengths and exact repeats dropped, as SGLang's Mooncake manager lists them
+    (``mooncake/conn.py:392-422``: a unified pool reports one buffer as both KV and state)."""
     regions: list[tuple[int, int]] = []
     for ptrs, lens in (
         (args.kv_data_ptrs, args.kv_data_lens),
         (args.aux_data_ptrs, args.aux_data_lens),
+        *zip(
+            getattr(args, "state_data_ptrs", None) or [],
+            getattr(args, "state_data_lens", None) or [],
+            strict=False,
+        ),
     ):
         for ptr, length in zip(ptrs or [], lens or [], strict=False):
             if length and (ptr, length) not in regions:
@@ -380,11 +505,11 @@ class MooncakeKVManager(_DecodeKVManager):
                 "ib_device) first"
             )
         self.engine = engine
-        self.register_buffer_to_engine()
+        self._register_buffers()
 
     def _close_engine(self) -> None:
         if getattr(self, "engine", None) is not None:
-            self.deregister_buffer_to_engine()
+            self._deregister_buffers()
 
     def get_session_id(self) -> str:
         """This decode's transfer-engine session, ``host:port`` (what every frame names)."""
@@ -393,13 +518,13 @@ class MooncakeKVManager(_DecodeKVManager):
     def _backend_factory(self) -> Callable[[str, int], KVBackend]:
         return MooncakeBackend.factory(self.get_session_id(), self.decode_kv_args)
 
-    def register_buffer_to_engine(self) -> None:
+    def _register_buffers(self) -> None:
         regions = _regions(self.kv_args)
         if regions:
             ptrs, lens = zip(*regions, strict=True)
             self.engine.batch_register(list(ptrs), list(lens))
 
-    def deregister_buffer_to_engine(self) -> None:
+    def _deregister_buffers(self) -> None:
         regions = _regions(self.kv_args)
         if regions:
             self.engine.batch_deregister([ptr for ptr, _ in regions])
@@ -436,17 +561,30 @@ class NixlKVManager(_DecodeKVManager):
         self.agent = api.nixl_agent(str(uuid.uuid4()), config)
         self.agent.create_backend(_env("SGLANG_DISAGGREGATION_NIXL_BACKEND"), params)
         self._registered: list[Any] = []
-        self.register_buffer_to_engine()
+        self._register_buffers()
 
     def _close_engine(self) -> None:
         if getattr(self, "agent", None) is not None:
-            self.deregister_buffer_to_engine()
+            self._deregister_buffers()
+
+    def agent_metadata(self) -> bytes:
+        """The agent's metadata now (it describes the memory registered with the agent)."""
+        return bytes(self.agent.get_agent_metadata())
 
     def _backend_factory(self) -> Callable[[str, int], KVBackend]:
-        metadata = bytes(self.agent.get_agent_metadata())
-        return NixlBackend.factory(str(self.agent.name), metadata, self.decode_kv_args)
+        return NixlBackend.factory(str(self.agent.name), self.agent_metadata(), self.decode_kv_args)
 
-    def register_buffer_to_engine(self) -> None:
+    def _buffers_changed(self) -> None:
+        """Every registration from now on carries the agent's metadata as it is now, as
+        SGLang's reads it at each registration (``nixl/conn.py:3473``). A prefill rank that
+        already registered this agent keeps what it loaded: SGLang's prefill ignores a second
+        registration from a known agent name (``nixl/conn.py:2031-2036``), for SGLang's own
+        manager as for this one."""
+        backend = self.decode_manager.backend
+        assert isinstance(backend, NixlBackend)  # _backend_factory made it
+        backend.refresh_agent_metadata(self.agent_metadata())
+
+    def _register_buffers(self) -> None:
         args = self.kv_args
         by_kind: dict[str, list[tuple[int, int, int, str]]] = {"VRAM": [], "DRAM": []}
         kinds: Sequence[str] = self.decode_kv_args.kv_mem_kinds
@@ -456,14 +594,26 @@ class NixlKVManager(_DecodeKVManager):
             (ptr, length, 0, "")
             for ptr, length in zip(args.aux_data_ptrs, args.aux_data_lens, strict=False)
         ]
+        # State buffers as VRAM whatever they are, as SGLang's manager registers them and its
+        # prefill reads them (nixl/conn.py:2011-2028): a CPU state buffer cannot serve NIXL.
+        by_kind["STATE"] = [
+            (ptr, length, int(args.gpu_id or 0), "")
+            for ptrs, lens in zip(
+                getattr(args, "state_data_ptrs", None) or [],
+                getattr(args, "state_data_lens", None) or [],
+                strict=False,
+            )
+            for ptr, length in zip(ptrs, lens, strict=False)
+            if ptr and length
+        ]
         for kind, addrs in by_kind.items():
             if addrs:
-                descs = self.agent.register_memory(addrs, kind)
+                descs = self.agent.register_memory(addrs, "VRAM" if kind == "STATE" else kind)
                 if not descs:
                     raise ConfigurationError(f"NIXL refused to register the {kind} KV buffers")
                 self._registered.append(descs)
 
-    def deregister_buffer_to_engine(self) -> None:
+    def _deregister_buffers(self) -> None:
         for descs in self._registered:
             self.agent.deregister_memory(descs)
         self._registered = []
@@ -493,11 +643,49 @@ class _DecodeKVReceiver:
         self.bootstrap_infos: list[dict[str, object]] | None = None
         self._error: BootstrapError | None = None
         self._receiver: BootstrapReceiver | None = None
+        live = None if bootstrap_room is None else mgr.decode_manager.get(bootstrap_room)
+        if live is not None:
+            self._refuse_duplicate(live)
+            return
         try:
             self._receiver = mgr.decode_manager.receiver(bootstrap_addr, bootstrap_room)  # type: ignore[arg-type]
-        except BootstrapError as error:  # a room already in flight, a closed manager
+        except BootstrapError as error:  # a closed manager; a room taken since the look-up
             self._error = error
             self.conclude_state = _kvpoll(KVPoll.Failed)
+
+    def _refuse_duplicate(self, live: BootstrapReceiver) -> None:
+        """A second live receiver of one room: SGLang keys its decode manager's room state
+        (status, responses, expected count) by room, so two receivers of one room share it.
+
+        * ``prefill_complete``: SGLang fails the newcomer and sets the shared room Failed,
+          which fails the first too unless it already concluded (``common/conn.py:2500-2507``).
+          Matched: both fail, typed.
+        * ``early``: SGLang has no guard, and the two would share one status while the
+          prefill keeps one destination per (room, decode session) - the later metadata
+          replaces the earlier (``mooncake/conn.py:3018-3024``) - so one request would be
+          reported Success without its KV. Not matched: the newcomer fails, typed, the first
+          goes on.
+        """
+        room = self.bootstrap_room
+        advice = (
+            "give each request its own bootstrap_room (a parallel-sampling request with a list "
+            "of rooms repeats each room n times: managers/io_struct.py:925-931; pass one int "
+            "room, which SGLang spreads as room + i)"
+        )
+        if self.kv_mgr.allocation_policy == "prefill_complete":
+            error = InvalidRoom(
+                f"room {room}: duplicate decode bootstrap room under the prefill_complete "
+                "allocation policy, which fails every request of the room as SGLang does; " + advice
+            )
+            live.mark_lost(error)
+        else:
+            error = InvalidRoom(
+                f"room {room} is already in flight on this decode: two requests of one room "
+                "would share its status while the prefill writes the KV of only one of them, "
+                "so this one is refused; " + advice
+            )
+        self._error = error
+        self.conclude_state = _kvpoll(KVPoll.Failed)
 
     @property
     def supports_host_destination(self) -> bool:
@@ -522,25 +710,40 @@ class _DecodeKVReceiver:
         state_indices: Any = None,
         decode_prefix_len: int | None = None,
         destination: Any = None,
+        device_kv_indices: Any = None,
     ) -> None:
-        """Send the room's page indices to every rank (decode.py:1863-1868)."""
-        if destination is not None and getattr(destination, "name", "DEVICE") != "DEVICE":
-            raise SGLangFeatureRefused(
-                f"room {self.bootstrap_room}: KV destination {destination!r} is not supported "
-                "(device pages only): set --disaggregation-decode-host-receive-threshold to 1"
-            )
+        """Send the room's page indices to every rank (decode.py:1863-1868), with SGLang's
+        full signature (``common/conn.py:2839-2847``). ``state_indices``: a hybrid model's
+        state slots, one list per state type of ``kv_args.state_types``, sent as SGLang
+        sends them. What is not implemented fails the room, typed, instead of raising in the
+        scheduler loop: a host destination, and HiSparse's ``device_kv_indices``
+        (decode.py:1789-1816; both are refused when the manager is built, so these are a
+        second line)."""
         if self._receiver is None or self.conclude_state is not None:
             return
-        if state_indices is not None and any(len(s or ()) for s in state_indices):
+        if destination is not None and getattr(destination, "name", "DEVICE") != "DEVICE":
             self.refuse(
                 SGLangFeatureRefused(
-                    f"room {self.bootstrap_room}: state indices (hybrid-model state pools) are "
-                    "not supported by the statemachine decode classes"
+                    f"room {self.bootstrap_room}: KV destination {destination!r} is not "
+                    "supported (device pages only): set "
+                    "--disaggregation-decode-host-receive-threshold to 1"
+                )
+            )
+            return
+        if device_kv_indices is not None:
+            self.refuse(
+                SGLangFeatureRefused(
+                    f"room {self.bootstrap_room}: HiSparse device KV indices are not supported "
+                    "by the statemachine decode classes: drop --enable-hisparse, or run this "
+                    "decode with SGLang's own classes (unset PD_BOOTSTRAP_SGLANG_DECODE)"
                 )
             )
             return
         poll = self._receiver.send_metadata(
-            kv_indices, 0 if aux_index is None else aux_index, prefix_len=decode_prefix_len or 0
+            kv_indices,
+            0 if aux_index is None else aux_index,
+            prefix_len=decode_prefix_len or 0,
+            state_indices=() if state_indices is None else state_indices,
         )
         if poll == KVPoll.Failed:
             self._conclude_failed()
@@ -571,6 +774,14 @@ class _DecodeKVReceiver:
             error = FailedOnAnotherRank(f"room {self.bootstrap_room}: failed on another rank")
         self._error = error
         raise _transfer_error(self.bootstrap_room, error) from error
+
+    def fail_from_any_thread(self, error: BootstrapError) -> None:
+        """Fail the room with ``error`` from a thread that does not own it (the rebootstrap
+        POST's answer): stored, and the owner's next ``poll`` ends the room with it. A room
+        whose every response arrived is left alone."""
+        receiver = self._receiver
+        if receiver is not None:
+            receiver.mark_lost(error)
 
     def refuse(self, error: BootstrapError) -> None:
         """Fail the room with ``error`` (a feature refused after construction)."""
