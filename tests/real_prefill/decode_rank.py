@@ -82,6 +82,7 @@ class Rank:
 
         import_sglang()
         import sglang_decode_support as support
+
         from real_prefill.harness import Layout, wrong_pages
 
         self.support, self.wrong_pages = support, wrong_pages

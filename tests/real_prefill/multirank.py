@@ -10,6 +10,7 @@ starts behind the same bootstrap port, requests after its READY. Needs real torc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -162,10 +163,8 @@ class DecodeRanks:
     def close(self) -> None:
         for rank, proc in enumerate(self.procs):
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     self.send(rank, {"op": "stop"})
-                except (BrokenPipeError, OSError):
-                    pass
         for proc in self.procs:
             try:
                 proc.wait(timeout=20)
@@ -251,8 +250,9 @@ def table(runs: list[Run]) -> str:
     """The restart table: one row per run (mode, classes)."""
     lines = [
         "| decode | classes | requests ok | failed | failed after READY | hung "
-        "| pages verified | first success after READY | in flight at the kill |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| pages verified | first success after READY | in flight at the kill "
+        "| new prefill READY after the kill |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         outs = run.outcomes
@@ -273,6 +273,7 @@ def table(runs: list[Run]) -> str:
             f"| {sum(o.state == 'failed' for o in after)} "
             f"| {sum(o.state == 'pending' for o in outs)} "
             f"| {pages} "
-            f"| {f'{min(firsts):.2f} s' if firsts else 'none'} | {flight} |"
+            f"| {f'{min(firsts):.2f} s' if firsts else 'none'} | {flight} "
+            f"| {run.ready_after_s:.1f} s |"
         )
     return "\n".join(lines)
