@@ -36,10 +36,11 @@ torch is the real CPU build (``make .venv/.torch``, appended to ``sys.path`` aft
 packages and imported before SGLang, so the torch stub is never loaded); triton, torchvision,
 tvm_ffi and compressed_tensors stay stubs.
 
-Protocol: stdin lines are JSON commands for the group leader (``start``: room, address,
-address; ``stop``); stdout lines are JSON events: ``ready`` (the rank's place and classes),
-``sent`` (the room's metadata went out), ``outcome`` (done / failed / wrong, the detail, and
-``at``: ``time.monotonic()``, the system-wide clock the parent reads too).
+Protocol: stdin lines are JSON commands for the group leader (``start``: room, address;
+``stop``, which reaches the group only from global rank 0, as SGLang's control messages);
+stdout lines are JSON events: ``ready`` (the rank's place and classes), ``sent`` (the room's
+metadata went out), ``outcome`` (done / failed / wrong, the detail, and ``at``:
+``time.monotonic()``, the system-wide clock the parent reads too).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ from pathlib import Path
 from typing import Any
 
 _TESTS = Path(__file__).resolve().parent.parent
-REAL_TORCH = _TESTS.parent / ".venv" / "real-torch"
+#: where ``make .venv/.torch`` puts the real torch: beside the venv's site-packages, not in them
+REAL_TORCH = Path(sys.prefix) / "real-torch"
 PAGES_PER_REQUEST = 4
 
 
@@ -202,21 +204,27 @@ class Rank:
         from sglang.srt.distributed.communication_op import attn_cp_tp_broadcast_pyobj
         from sglang.srt.utils import broadcast_pyobj
 
-        mine: list[dict[str, Any]] | None = None
+        work: list[dict[str, Any]] | None = None
+        control: list[dict[str, Any]] | None = None
         if self.leader:
-            mine = []
+            drained = []
             while not self.commands.empty():
-                mine.append(self.commands.get())
+                drained.append(self.commands.get())
+            work = [c for c in drained if c["op"] != "stop"]
+            control = [c for c in drained if c["op"] == "stop"]
         tp_group = self.parallel.tp_group
         if self.mode == "dp":
-            work = attn_cp_tp_broadcast_pyobj(mine)  # request_receiver.py:179
-            control = broadcast_pyobj(  # request_receiver.py:194-199 (nothing to send)
-                [] if tp_group.rank == tp_group.ranks[0] else None,
+            work = attn_cp_tp_broadcast_pyobj(work)  # request_receiver.py:179
+            # Control fans out from global rank 0 over the whole tp group, every step
+            # (request_receiver.py:194-199): the stop of another dp rank's leader is not sent.
+            control = broadcast_pyobj(
+                control if tp_group.rank == tp_group.ranks[0] else None,
                 tp_group.rank,
                 tp_group.cpu_group,
                 src=tp_group.ranks[0],
             )
-            return list(work) + list(control)
+            return [*work, *control]
+        mine = None if work is None or control is None else [*work, *control]
         return list(  # request_receiver.py:204-210
             broadcast_pyobj(mine, tp_group.rank, tp_group.cpu_group, src=tp_group.ranks[0])
         )
