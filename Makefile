@@ -20,6 +20,11 @@ ENGINES_STAMP := $(VENV)/.engines
 ENGINES_REQS  := tests/sglang_interop/engines.txt
 ENGINE_DEBS   := libibverbs1 libfabric1
 ENGINE_IMPORTS := import mooncake.engine, nixl._api
+# Real torch (CPU build) for the multi-rank decode tests, in its own --target directory
+# (tests/sglang_interop/torch.txt says why it is not in the venv's site-packages).
+TORCH_STAMP := $(VENV)/.torch
+TORCH_REQS  := tests/sglang_interop/torch.txt
+REAL_TORCH  := $(VENV)/real-torch
 
 .PHONY: demo demo-sglang test lint typecheck pytest crosshair bench tlc mutate clean netns-tools
 
@@ -89,6 +94,26 @@ $(ENGINES_STAMP): $(SGLANG_STAMP) $(ENGINES_REQS)
 		echo "engines: not usable here (see above): the end-to-end tests will skip."; \
 	fi
 
+# Only where SGLang's wheel is. PIP_CONSTRAINT is emptied: the interop constraints make torch
+# unresolvable on purpose, and the pin names the CPU build exactly, so nothing else can match.
+# Where the CPU build cannot be had, this says so and the multi-rank tests skip naming it.
+$(TORCH_STAMP): $(ENGINES_STAMP) $(TORCH_REQS)
+	@if [ ! -f $(SGLANG_STAMP) ]; then \
+		echo "torch: SGLang's wheel is not installed here, so neither is torch (the multi-rank" \
+			"decode tests will skip)."; \
+	else \
+		start=$$(date +%s); \
+		echo "torch: installing $$(grep -v '^#' $(TORCH_REQS)) into $(REAL_TORCH) (about 200 MB" \
+			"unpacked to ~750 MB; once)..."; \
+		rm -rf $(REAL_TORCH); \
+		PIP_CONSTRAINT= $(PY) -m pip install --quiet --no-compile --no-warn-conflicts \
+			--target $(REAL_TORCH) -r $(TORCH_REQS) && \
+		$(PY) -c "import sys; sys.path.append('$(REAL_TORCH)'); import torch.distributed as d; \
+			assert d.is_gloo_available()" && touch $(TORCH_STAMP) && \
+		echo "torch: installed in $$(( $$(date +%s) - start )) s." || \
+		echo "torch: not installed (see above): the multi-rank decode tests will skip."; \
+	fi
+
 demo: $(STAMP)
 	$(PY) -m statemachine demo
 
@@ -106,7 +131,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict statemachine
 
-pytest: $(STAMP) $(SGLANG_STAMP) $(ENGINES_STAMP) netns-tools
+pytest: $(STAMP) $(SGLANG_STAMP) $(ENGINES_STAMP) $(TORCH_STAMP) netns-tools
 	$(PY) -m pytest
 
 # The network-namespace tests and benchmark (tests/netns_support.py) need `ip` (iproute2) and

@@ -10,6 +10,10 @@ The harness the end-to-end tests (``tests/test_real_bytes.py``, ``tests/test_rea
   engine/agent and registered buffers; ``request(...)``, ``wrong_pages(...)``, ``reset()``;
 * :class:`~real_prefill.sglang_decode.SGLangDecode`: SGLang's own decode (its KV manager in
   DECODE mode and its receiver, driven as ``decode.py`` drives them), the same two calls;
+* :class:`~real_prefill.multirank.DecodeRanks` / :func:`~real_prefill.multirank.restart_run`:
+  a two-rank SGLang decode (tp 2 or dp attention 2), each rank SGLang's decode queues in its own
+  process (:mod:`real_prefill.decode_rank`) over a real gloo process group, through a prefill
+  SIGKILL and replacement (needs real torch: ``make .venv/.torch``);
 * :class:`~real_prefill.harness.Layout` / :class:`~real_prefill.pattern.Geometry`: the model
   both sides agree on; :func:`~real_prefill.engines.engine_unavailable`: the skip reason.
 
