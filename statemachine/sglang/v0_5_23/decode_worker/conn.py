@@ -443,8 +443,7 @@ class NixlKVManager(_DecodeKVManager):
             self.deregister_buffer_to_engine()
 
     def _backend_factory(self) -> Callable[[str, int], KVBackend]:
-        metadata = bytes(self.agent.get_agent_metadata())
-        return NixlBackend.factory(str(self.agent.name), metadata, self.decode_kv_args)
+        return NixlBackend.from_agent(self.agent, self.decode_kv_args)
 
     def register_buffer_to_engine(self) -> None:
         args = self.kv_args
