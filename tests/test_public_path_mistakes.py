@@ -154,3 +154,117 @@ def test_sgw15_a_correct_agent_passes_both_paths_with_the_same_registration(
     rank = RankInfo("127.0.0.1", 1, 0)
     assert by_factory.register_frames(rank) == by_agent.register_frames(rank)
     sglang_decode_completes(prefill, sglang_decode)
+
+
+# --- Mooncake: what MooncakeBackend.factory lets through, and what it costs ---------------------
+
+WRONG_SESSION = "a session id that is not the engine's"
+
+
+@pytest.fixture(scope="module")
+def mooncake_prefill() -> Iterator[RealPrefill]:
+    reason = engine_unavailable("mooncake")
+    if reason is not None:
+        pytest.skip(reason)
+    pool = PrefillPool(spawn=[("mooncake", 1, False)])
+    try:
+        yield pool.get("mooncake")
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def sglang_mooncake_decode(mooncake_prefill: RealPrefill) -> Iterator[Any]:
+    from real_prefill.sglang_decode import SGLangDecode
+
+    decode = SGLangDecode("mooncake", layout=mooncake_prefill.layout)
+    try:
+        yield decode
+    finally:
+        decode.close()
+
+
+class MooncakeByFactory:
+    """This library's decode built through the public ``MooncakeBackend.factory(session_id,
+    kv_args)``, with one mistake: its own engine over loopback TCP, buffers as the prefill's
+    layout needs them."""
+
+    def __init__(self, prefill: RealPrefill, mistake: str) -> None:
+        from real_prefill import engines
+        from real_prefill.prefill_process import has_state
+
+        from statemachine import DecodeLayout, DecodeManager
+        from statemachine.sglang.v0_5_23 import MooncakeBackend
+
+        g = prefill.layout.side(1)
+        self.engine, session = engines.mooncake_engine()
+        self.kv = [np.zeros(g.slots * g.item_len, dtype=np.uint8) for _ in range(g.buffers)]
+        self.aux = np.zeros(g.aux_slots * g.aux_item_len, dtype=np.uint8)
+        self.state = np.zeros(g.state_slots * g.state_item_len, dtype=np.uint8)
+        state = has_state("mooncake")
+        registered = self.kv[:-1] if mistake == UNREGISTERED else self.kv
+        engines.register("mooncake", self.engine, [*registered, self.aux, self.state])
+        session_id = "127.0.0.1:1" if mistake == WRONG_SESSION else session
+        fields: dict[str, Any] = {}
+        if state:
+            fields = {
+                "state_data_ptrs": [[self.state.ctypes.data]],
+                "state_data_lens": [[self.state.nbytes]],
+                "state_item_lens": [[g.state_item_len]],
+                "state_dim_per_tensor": [[]],
+                "state_layer_ids": [[]],
+            }
+        kv_args = DecodeKVArgs(
+            engine_rank=0,
+            attn_tp_size=1,
+            kv_data_ptrs=[b.ctypes.data for b in self.kv],
+            kv_data_lens=[b.nbytes for b in self.kv],
+            kv_item_lens=[g.item_len] * g.buffers,
+            aux_data_ptrs=[self.aux.ctypes.data],
+            **fields,
+        )
+        self.manager = DecodeManager(
+            layout=DecodeLayout(
+                tp_rank=0,
+                tp_size=1,
+                page_size=g.page_size,
+                kv_cache_dtype="bfloat16",
+                is_mla=prefill.layout.mla,
+            ),
+            backend_factory=MooncakeBackend.factory(session_id, kv_args),
+            ack_ip="127.0.0.1",
+            waiting_timeout_s=30.0,
+        )
+
+
+@pytest.mark.parametrize("mistake", [UNREGISTERED, WRONG_SESSION])
+def test_sgw12_mooncake_factory_mistake_fails_only_its_own_request(
+    mooncake_prefill: RealPrefill, sglang_mooncake_decode: Any, mistake: str
+) -> None:
+    """``MooncakeBackend.factory`` cannot read a session's registrations back without a
+    transfer of its own, so it accepts these mistakes (``from_engine`` refuses the unregistered
+    buffer, ``test_real_bytes.py``). Measured here: SGLang's real Mooncake prefill reports the
+    mistaken decode's room Failed, the request ends typed well inside its waiting timeout, and
+    SGLang's own decode completes against the same prefill after it (its bootstrap thread
+    survives): the mistake costs only the decode that made it."""
+    from statemachine.completion import KVPoll
+    from statemachine.errors import BootstrapError
+
+    decode = MooncakeByFactory(mooncake_prefill, mistake)
+    try:
+        room = next(_rooms)
+        mooncake_prefill.transfer(room, SRC, aux_index=3)
+        receiver = decode.manager.receiver(mooncake_prefill.address, room, prefill_dp_rank=0)
+        assert receiver.init() == KVPoll.WaitingForInput
+        receiver.send_metadata(DST, 7)
+        started = time.monotonic()
+        while (state := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
+            assert time.monotonic() - started < 40.0, "neither Success nor Failed"
+            time.sleep(0.001)
+        assert state == KVPoll.Failed
+        assert isinstance(receiver.failure, BootstrapError), receiver.failure
+        print(f"{mistake}: {type(receiver.failure).__name__} after "
+              f"{time.monotonic() - started:.2f} s: {receiver.failure}")  # fmt: skip
+    finally:
+        decode.manager.close()
+    sglang_decode_completes(mooncake_prefill, sglang_mooncake_decode)
