@@ -886,6 +886,27 @@ NoReleaseWhileWriterMayWrite ==
     \A r \in Receivers :
         kv[r] = "released" => \A p \in told[r] : ~WriterAlive(r, p)
 
+\* KV release: a held room's pages are not handed to a new request.  A
+\* receiver is one room slot: its next request starts (into idle) only once no
+\* told rank may still write the room (released, expired, or served by success).
+HeldRoomNotReused ==
+    [][\A r \in Receivers :
+          (rstate[r] # "idle" /\ rstate'[r] = "idle") => kv[r] # "held"
+      ]_vars
+
+\* KV release: a release counts only ABORT_ACKs of ABORTs sent.  A rank leaves
+\* the writers of r's room (told) only by reporting its transfer done, or by
+\* acknowledging an ABORT the decode sent; an ABORT_ACK of an ABORT never sent
+\* proves nothing (nothing told the rank to stop).  Forgetting the room (its
+\* success, the next request: kv' = "none") is not a release.  It reads told
+\* before and after each step, so it sees what NoReleaseWhileWriterMayWrite,
+\* ranging over the told that remain, cannot.
+ReleaseCountsOnlyAbortsSent ==
+    [][\A r \in Receivers :
+          kv'[r] # "none" =>
+              \A p \in told[r] \ told'[r] : acked'[r][p] # 0 \/ r \in notified
+      ]_vars
+
 \* POOL-3: a receiver's step removes or replaces a live entry only as the
 \* invalidation of a receiver that holds that very object: a fresh generation
 \* is never lost to another receiver's stale failure or publish.

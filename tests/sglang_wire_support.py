@@ -58,6 +58,12 @@ class _FakeNixlAgent:
         self.remote_metadata.append(metadata)
         return "peer"
 
+    def prep_xfer_dlist(self, agent_name: str, descs: object, kind: str) -> object:
+        return (agent_name, descs, kind)  # NixlBackend.from_agent's check: every buffer is known
+
+    def release_dlist_handle(self, handle: object) -> None:
+        return None
+
 
 def _stand_in_nixl_api() -> dict[str, types.ModuleType]:
     api = types.ModuleType("nixl._api")

@@ -69,7 +69,7 @@ def test_verdict(name: str) -> None:
         assert list(result.verdicts) == [*cfg.invariants, *cfg.properties]
         # Every cfg checks every safety property; the KV-release cfgs leave RequestsSucceed
         # out (a rank that exits and is never restarted leaves nothing to succeed with).
-        assert len(result.verdicts) == (16 if name.startswith("MCKVRelease") else 17)
+        assert len(result.verdicts) == (18 if name.startswith("MCKVRelease") else 19)
     else:
         assert violation is not None and violation.property == expected
         # Safety properties other than the expected one still hold in the variant.
@@ -85,6 +85,8 @@ def test_verdict(name: str) -> None:
             "MarkOfLiveRequest",
             "OnlyStaleMarked",
             "NoReleaseWhileWriterMayWrite",
+            "HeldRoomNotReused",
+            "ReleaseCountsOnlyAbortsSent",
         )
         for other in safety:
             if other != expected:

@@ -4,8 +4,8 @@ The mirror's steps on hand-picked behaviours of ``MCKVRelease`` (one rank) and
 ``MCKVReleaseTwoRanks``: after a SIGKILL (the rank's connection reset) or a restart (a new
 instance at its address) the room is released at once; after a stop or a cut (silence only) it
 stays held until the ABORT_ACK or the timeout. The exhaustive side is the cfgs themselves
-(``tests/test_model_check.py``) and the mutations that break ``NoReleaseWhileWriterMayWrite``
-(``tests/test_model_mutations.py``).
+(``tests/test_model_check.py``) and the mutations that break ``NoReleaseWhileWriterMayWrite``,
+``HeldRoomNotReused`` and ``ReleaseCountsOnlyAbortsSent`` (``tests/test_model_mutations.py``).
 """
 
 from __future__ import annotations
@@ -121,6 +121,48 @@ def test_a_held_room_blocks_the_slots_next_request_until_released() -> None:
     assert s.kv == ("expired",)
     after = m.apply(s, Step("NewRequest", ("r1",)))
     assert after is not None and after.kv == ("none",) and after.told == (frozenset(),)
+
+
+def test_a_held_room_handed_to_a_new_request_is_named_by_held_room_not_reused() -> None:
+    """Seeded spec bug NewRequestOnHeldRoom: the next request starts on a room a stopped rank
+    may still write. NoReleaseWhileWriterMayWrite cannot see it (the room is forgotten, never
+    "released"); HeldRoomNotReused does."""
+    right = model("MCKVRelease.cfg")
+    wrong = BootstrapCache(right.constants, mutation="NewRequestOnHeldRoom")
+    ended = ("RankStops(80, p1)", "Timeout(r1)", "Invalidate(r1)")
+    s = run(wrong, *SENT, *ended)
+    assert s.kv == ("held",) and s.proc == (("silent",),)
+    t = wrong.apply(s, Step("NewRequest", ("r1",)))
+    assert t is not None and t.rstate == ("idle",) and t.kv == ("none",)
+    assert not wrong.held_room_not_reused(s, t)
+    assert wrong.no_release_while_writer_may_write(t)
+    # The correct spec's next request waits for a release: every NewRequest it takes holds.
+    assert right.apply(run(right, *SENT, *ended), Step("NewRequest", ("r1",))) is None
+
+
+def test_an_abort_ack_without_an_abort_is_named_by_release_counts_only_aborts_sent() -> None:
+    """Seeded spec bug AckOfUnsentAbort: an ABORT_ACK counts while the decode sent no ABORT
+    (the request is still waiting), the rank leaves the room's writers, and the failed room
+    is then released with that rank still running. NoReleaseWhileWriterMayWrite ranges over
+    the writers left (none) and holds; ReleaseCountsOnlyAbortsSent names the ack."""
+    right = model("MCKVRelease.cfg")
+    wrong = BootstrapCache(right.constants, mutation="AckOfUnsentAbort")
+    s = run(wrong, *SENT)
+    assert s.notified == frozenset()
+    assert right.apply(s, Step("AbortAck", ("r1", "p1"))) is None
+    t = wrong.apply(s, Step("AbortAck", ("r1", "p1")))
+    assert t is not None and t.told == (frozenset(),)
+    assert not wrong.release_counts_only_aborts_sent(s, t)
+    # The harm it leads to: the room freed while its rank still runs and may write.
+    freed = run(wrong, *SENT, "AbortAck(r1, p1)", "RankStops(80, p1)", "Timeout(r1)")
+    freed = wrong.apply(freed, Step("ReleaseOnAbortAck", ("r1",)))
+    assert freed is not None and freed.kv == ("released",) and freed.proc == (("silent",),)
+    assert wrong.no_release_while_writer_may_write(freed)
+    # An ABORT_ACK of an ABORT sent (the timeout's) counts, and the property holds on it.
+    sent = run(right, *SENT, "RankStops(80, p1)", "Timeout(r1)", "RankResumes(80, p1)")
+    acked = right.apply(sent, Step("AbortAck", ("r1", "p1")))
+    assert acked is not None and acked.told == (frozenset(),)
+    assert right.release_counts_only_aborts_sent(sent, acked)
 
 
 @pytest.mark.parametrize("cfg", ["MCKVRelease.cfg", "MCKVReleaseTwoRanks.cfg"])

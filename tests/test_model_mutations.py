@@ -62,6 +62,8 @@ def test_the_table_covers_the_required_mutations() -> None:
         "ReleaseOnSilence",
         "ReleaseOnOneRankGone",
         "HeartbeatDisconnectIsProof",
+        "NewRequestOnHeldRoom",
+        "AckOfUnsentAbort",
     } <= names
     # Every property has teeth: some mutation breaks it.
     named = {*spec.INVARIANTS, *spec.ACTION_PROPERTIES, *spec.LIVENESS_PROPERTIES} - {"TypeOK"}

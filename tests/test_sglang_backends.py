@@ -173,7 +173,9 @@ def test_manager_accepts_the_backends_through_its_factory() -> None:
     """The manager builds them with its ack listener's endpoint (and checks their methods)."""
     for factory in (
         MooncakeBackend.factory("10.0.0.1:17001", KV),
-        NixlBackend.factory("agent-1", b"m", KV),
+        # NixlBackend.factory reads a real agent's metadata back (test_public_path_mistakes.py);
+        # here the manager's side only: any callable of (ip, port) building the backend.
+        lambda ip, port: NixlBackend(ip, port, "agent-1", b"m", KV),
     ):
         manager = DecodeManager(backend_factory=factory, health_probes=False)
         try:

@@ -330,6 +330,22 @@ MUTATION_TABLE: tuple[SpecMutation, ...] = (
         "a connection closed because its heartbeat expired (silence) is taken for a reset or"
         " refused one (an exited process): a stopped rank's room is freed and it resumes writing",
     ),
+    SpecMutation(
+        "NewRequestOnHeldRoom",
+        "MCKVRelease.cfg",
+        "HeldRoomNotReused",
+        (('    /\\ kv[r] # "held"\n', ""),),
+        "a failed room's pages go to the next request while a stopped or cut-off rank told them"
+        " may still write the old transfer into them",
+    ),
+    SpecMutation(
+        "AckOfUnsentAbort",
+        "MCKVRelease.cfg",
+        "ReleaseCountsOnlyAbortsSent",
+        (("    /\\ r \\in notified\n    /\\ p \\in told[r]\n", "    /\\ p \\in told[r]\n"),),
+        "an ABORT_ACK counts for an ABORT the decode never sent (a stale or forged ack): the"
+        " room is freed while the rank, never told to stop, may still write it",
+    ),
 )
 
 BY_NAME = {m.name: m for m in MUTATION_TABLE}

@@ -144,6 +144,8 @@ ACTION_PROPERTIES: tuple[str, ...] = (
     "AbortNotified",
     "HandshakeBeforeSend",
     "OnlyStaleMarked",
+    "HeldRoomNotReused",
+    "ReleaseCountsOnlyAbortsSent",
 )
 LIVENESS_PROPERTIES: tuple[str, ...] = ("StaleEntryEvicted", "RequestsSucceed")
 CONSTANTS: tuple[str, ...] = (
@@ -206,6 +208,8 @@ MUTATIONS: tuple[str, ...] = (
     "ReleaseOnSilence",
     "ReleaseOnOneRankGone",
     "HeartbeatDisconnectIsProof",
+    "NewRequestOnHeldRoom",
+    "AckOfUnsentAbort",
 )
 
 
@@ -869,7 +873,9 @@ class BootstrapCache:
         return self.unflight(s, i, "failed", self._end_request(told, i, "aborted"))
 
     def new_request(self, s: State, i: int) -> State | None:
-        if s.rstate[i] not in FINAL_STATES or s.kv[i] == "held":
+        if s.rstate[i] not in FINAL_STATES:
+            return None
+        if s.kv[i] == "held" and self.mutation != "NewRequestOnHeldRoom":
             return None
         r = self.receivers[i]
         notified = s.notified - {r} if r in s.notified else s.notified
@@ -912,7 +918,9 @@ class BootstrapCache:
 
     def abort_ack(self, s: State, i: int, k: int) -> State | None:
         """``AbortAck(r, p)``: rank ``k``'s process acknowledges ``i``'s ABORT."""
-        if s.kv[i] != "held" or self.receivers[i] not in s.notified:
+        if s.kv[i] != "held":
+            return None
+        if self.receivers[i] not in s.notified and self.mutation != "AckOfUnsentAbort":
             return None
         if self.ranks[k] not in s.told[i]:
             return None
@@ -1322,6 +1330,20 @@ class BootstrapCache:
                     return False
         return True
 
+    def held_room_not_reused(self, s: State, t: State) -> bool:
+        return all(
+            kv != "held" or before == "idle" or after != "idle"
+            for before, after, kv in zip(s.rstate, t.rstate, s.kv, strict=True)
+        )
+
+    def release_counts_only_aborts_sent(self, s: State, t: State) -> bool:
+        for i, r in enumerate(self.receivers):
+            if t.kv[i] == "none" or r in s.notified:
+                continue
+            if any(t.acked[i][self.ranks.index(p)] == 0 for p in s.told[i] - t.told[i]):
+                return False
+        return True
+
     def invariant(self, name: str) -> StatePredicate:
         table: dict[str, StatePredicate] = {
             "TypeOK": self.type_ok,
@@ -1344,6 +1366,8 @@ class BootstrapCache:
             "AbortNotified": self.abort_notified,
             "HandshakeBeforeSend": self.handshake_before_send,
             "OnlyStaleMarked": self.only_stale_marked,
+            "HeldRoomNotReused": self.held_room_not_reused,
+            "ReleaseCountsOnlyAbortsSent": self.release_counts_only_aborts_sent,
         }
         return table[name]
 

@@ -113,6 +113,31 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "evidence after every ack arrived still fails the room (MGR-14)",
     ),
     CodeMutant(
+        "poll_evidence_before_acks",
+        RECEIVER,
+        (
+            (
+                "            elif self._acked:  # every response arrived: done, whatever evidence came after\n"
+                "                self.fire(life.COMPLETE)\n"
+                "                self._end(None)\n"
+                "            elif self._lost is not None:\n"
+                "                self.fail(life.PEER_LOST, self._lost)\n",
+                "            elif self._lost is not None:\n"
+                "                self.fail(life.PEER_LOST, self._lost)\n"
+                "            elif self._acked:  # every response arrived: done, whatever evidence came after\n"
+                "                self.fire(life.COMPLETE)\n"
+                "                self._end(None)\n",
+            ),
+        ),
+        (
+            "tests/test_complete_before_death.py::"
+            "test_mgr_14_a_transfer_complete_before_its_prefill_died_stays_success",
+        ),
+        "poll weighs the fan-out's evidence before the responses: a transfer whose every status"
+        " arrived, after evidence the prefill died, is failed and its finished pages thrown"
+        " away (MGR-14)",
+    ),
+    CodeMutant(
         "restart_fails_every_instance",
         FANOUT,
         (

@@ -11,6 +11,8 @@ parses the rest with ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq``
 
 from __future__ import annotations
 
+import importlib
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -90,15 +92,29 @@ class NixlBackend:
 
     @classmethod
     def factory(
-        cls, agent_name: str, agent_metadata: bytes, kv_args: DecodeKVArgs
+        cls, agent_name: str, agent_metadata: bytes, kv_args: DecodeKVArgs, *, backend: str = "UCX"
     ) -> Callable[[str, int], NixlBackend]:
         """A ``backend_factory`` for :class:`~statemachine.decode.manager.DecodeManager`, which
-        calls it with its ack listener's ip and port (the decode's own PULL endpoint)."""
+        calls it with its ack listener's ip and port (the decode's own PULL endpoint).
 
-        def build(ip: str, port: int) -> NixlBackend:
-            return cls(ip, port, agent_name, agent_metadata, kv_args)
-
-        return build
+        The metadata is read back first as a prefill reads it: a NIXL agent of this call's own
+        (on ``backend``, the one the decode's agent uses: SGLang's
+        ``SGLANG_DISAGGREGATION_NIXL_BACKEND``, UCX by default) loads it as a remote agent,
+        its name must be ``agent_name``, and every buffer ``kv_args`` names must be prepared
+        under the kind it claims (KV as ``kv_mem_kinds``, aux as DRAM, state as VRAM). A
+        prefill rank would otherwise fail on its bootstrap thread (``NIXL_ERR_NOT_FOUND``),
+        which ends that thread for every decode (``nixl/conn.py:2046``). Needs NIXL installed;
+        :meth:`from_agent` checks the agent itself instead, without a second agent."""
+        if not isinstance(kv_args, DecodeKVArgs):
+            raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
+        if not isinstance(agent_metadata, bytes):
+            raise InvalidArgument(
+                f"agent_metadata must be the bytes of agent.get_agent_metadata(), got "
+                f"{type(agent_metadata).__name__}"
+            )
+        kv_args.check_for_nixl()
+        _check_metadata(agent_name, agent_metadata, kv_args, backend)
+        return cls._builder(agent_name, agent_metadata, kv_args)
 
     @classmethod
     def from_agent(cls, agent: Any, kv_args: DecodeKVArgs) -> Callable[[str, int], NixlBackend]:
@@ -111,31 +127,7 @@ class NixlBackend:
         if not isinstance(kv_args, DecodeKVArgs):
             raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
         kv_args.check_for_nixl()
-        kinds = kv_args.kv_mem_kinds or ("VRAM",) * len(kv_args.kv_data_ptrs)
-        # (what, pointer, length, kind): the prefill's NIXL reads KV as claimed, aux as DRAM
-        # and state as VRAM (nixl/conn.py:1972-2030).
-        regions = [
-            (f"kv_data_ptrs[{i}]", ptr, length, kind)
-            for i, (ptr, length, kind) in enumerate(
-                zip(
-                    kv_args.kv_data_ptrs,
-                    kv_args.kv_data_lens or (1,) * len(kinds),
-                    kinds,
-                    strict=False,
-                )
-            )
-        ]
-        regions += [
-            (f"aux_data_ptrs[{i}]", ptr, 1, "DRAM") for i, ptr in enumerate(kv_args.aux_data_ptrs)
-        ]
-        for t, (ptrs, lens) in enumerate(
-            zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=False)
-        ):
-            regions += [
-                (f"state_data_ptrs[{t}][{i}]", p, n, "VRAM")
-                for i, (p, n) in enumerate(zip(ptrs, lens, strict=False))
-            ]
-        for what, ptr, length, kind in regions:
+        for what, ptr, length, kind in _regions(kv_args):
             device = kv_args.gpu_id if kind == "VRAM" else 0
             try:
                 handle = agent.prep_xfer_dlist(
@@ -149,7 +141,18 @@ class NixlBackend:
                     "DecodeKVArgs(kv_mem_kinds=...) the kind you registered (empty means VRAM)"
                 ) from exc
             agent.release_dlist_handle(handle)
-        return cls.factory(agent.name, agent.get_agent_metadata(), kv_args)
+        return cls._builder(str(agent.name), bytes(agent.get_agent_metadata()), kv_args)
+
+    @classmethod
+    def _builder(
+        cls, agent_name: str, agent_metadata: bytes, kv_args: DecodeKVArgs
+    ) -> Callable[[str, int], NixlBackend]:
+        """The factory proper, once the caller's inputs were checked."""
+
+        def build(ip: str, port: int) -> NixlBackend:
+            return cls(ip, port, agent_name, agent_metadata, kv_args)
+
+        return build
 
     def refresh_agent_metadata(self, agent_metadata: bytes) -> None:
         """Carry ``agent_metadata`` in every registration from now on: the agent's metadata
@@ -258,3 +261,80 @@ class NixlBackend:
     def decode_message(self, frames: Sequence[bytes]) -> PrefillEvent | None:
         """NIXL statuses are ``[KV_STATUS, room, status, prefill rank, reason]`` (SGW-8)."""
         return decode_prefill_message(frames, KV_STATUS_TAG)
+
+
+def _regions(kv_args: DecodeKVArgs) -> list[tuple[str, int, int, str]]:
+    """(what, pointer, length, kind) of every buffer ``kv_args`` names, as a NIXL prefill
+    prepares them: KV as claimed (empty kinds mean VRAM), aux as DRAM, state as VRAM
+    (``nixl/conn.py:1972-2030``)."""
+    kinds = kv_args.kv_mem_kinds or ("VRAM",) * len(kv_args.kv_data_ptrs)
+    regions = [
+        (f"kv_data_ptrs[{i}]", ptr, length, kind)
+        for i, (ptr, length, kind) in enumerate(
+            zip(
+                kv_args.kv_data_ptrs, kv_args.kv_data_lens or (1,) * len(kinds), kinds, strict=False
+            )
+        )
+    ]
+    regions += [
+        (f"aux_data_ptrs[{i}]", ptr, 1, "DRAM") for i, ptr in enumerate(kv_args.aux_data_ptrs)
+    ]
+    for t, (ptrs, lens) in enumerate(
+        zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=False)
+    ):
+        regions += [
+            (f"state_data_ptrs[{t}][{i}]", p, n, "VRAM")
+            for i, (p, n) in enumerate(zip(ptrs, lens, strict=False))
+        ]
+    return regions
+
+
+def _check_metadata(
+    agent_name: str, agent_metadata: bytes, kv_args: DecodeKVArgs, backend: str
+) -> None:
+    """Read ``agent_metadata`` back as a prefill does (a NIXL agent of our own loads it as a
+    remote agent and prepares every buffer under its kind); refuse what a prefill would choke
+    on. Nothing is sent to the decode's agent: loading metadata and preparing descriptors are
+    local to the checking agent."""
+    try:
+        api = importlib.import_module("nixl._api")
+    except ImportError as exc:
+        raise ConfigurationError(
+            "NixlBackend.factory reads the agent's registrations back from its metadata with a "
+            "NIXL agent of its own, and NIXL is not installed: install it (as for SGLang's NIXL "
+            "backend), or use NixlBackend.from_agent(agent, kv_args)"
+        ) from exc
+    checker = api.nixl_agent(
+        f"statemachine-metadata-check-{uuid.uuid4()}", api.nixl_agent_config(backends=[backend])
+    )
+    try:
+        remote = checker.add_remote_agent(agent_metadata)
+    except Exception as exc:  # not a NIXL agent's metadata, or of a backend we lack
+        raise InvalidArgument(
+            f"agent_metadata ({len(agent_metadata)} bytes) cannot be loaded as a NIXL agent's "
+            f"metadata on backend {backend!r} ({exc}): pass agent.get_agent_metadata() of the "
+            "decode's agent, and factory(..., backend=...) the backend that agent uses"
+        ) from exc
+    try:
+        name = remote.decode() if isinstance(remote, bytes) else str(remote)
+        if name != agent_name:
+            raise InvalidArgument(
+                f"agent_name {agent_name!r} is not the name in agent_metadata ({name!r}): a "
+                "prefill would answer a peer it does not know; pass agent.name of the agent "
+                "whose get_agent_metadata() you pass"
+            )
+        for what, ptr, length, kind in _regions(kv_args):
+            device = kv_args.gpu_id if kind == "VRAM" else 0
+            try:
+                handle = checker.prep_xfer_dlist(remote, [(ptr, max(length, 1), device)], kind)
+            except Exception as exc:  # nixlNotFoundError: not in the metadata as claimed
+                raise InvalidArgument(
+                    f"{what} ({ptr:#x}, {length} bytes, {kind}) is not registered as {kind} in "
+                    f"agent_metadata of NIXL agent {agent_name!r} ({exc}): register it first "
+                    f"with agent.register_memory([(ptr, nbytes, device, '')], {kind!r}), take "
+                    "agent.get_agent_metadata() after registering (it is a snapshot), and give "
+                    "DecodeKVArgs(kv_mem_kinds=...) the kind you registered (empty means VRAM)"
+                ) from exc
+            checker.release_dlist_handle(handle)
+    finally:
+        checker.remove_remote_agent(remote)

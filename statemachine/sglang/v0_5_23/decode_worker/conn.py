@@ -572,7 +572,7 @@ class NixlKVManager(_DecodeKVManager):
         return bytes(self.agent.get_agent_metadata())
 
     def _backend_factory(self) -> Callable[[str, int], KVBackend]:
-        return NixlBackend.factory(str(self.agent.name), self.agent_metadata(), self.decode_kv_args)
+        return NixlBackend.from_agent(self.agent, self.decode_kv_args)
 
     def _buffers_changed(self) -> None:
         """Every registration from now on carries the agent's metadata as it is now, as
