@@ -22,7 +22,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from statemachine.demo.report import write_json
 from statemachine.demo.sglang_report import (
@@ -58,6 +58,31 @@ def missing() -> str | None:
     return None
 
 
+def one_run(
+    restart: Any, args: argparse.Namespace, backend: str, kind: str, peer_log: Path, out: TextIO
+) -> dict[str, Any]:
+    """One restart (``kind``: warm or cold) on ``backend``: its table on ``out``, its report."""
+    before = load_average()
+    with tempfile.TemporaryDirectory(prefix="demo-sglang-") as logs:
+        try:
+            reports, timeline = restart.run_restart(
+                backend,
+                warm=kind == "warm",
+                kill_at_s=args.kill_at,
+                after_ready_s=args.after_ready,
+                log=lambda line: print(line, file=out),
+                log_dir=Path(logs),
+            )
+        finally:
+            append_rank_logs(peer_log, Path(logs), f"{backend}, {kind}")
+    down = timeline["ready"] - timeline["kill"]
+    title = f"\n{backend}, {kind} replacement (READY {down:.2f} s after the kill)"
+    table = restart.table(title, reports)
+    print(table, file=out)
+    loads = (before, load_average())
+    return run_report(restart, backend, kind, reports, timeline, loads, table)
+
+
 def main(args: argparse.Namespace) -> int:
     reason = missing()
     if reason is not None:
@@ -83,43 +108,27 @@ def main(args: argparse.Namespace) -> int:
         f"SGLang's and the engines' logs go to {peer_log}.",
         flush=True,
     )
-    for engine in wanted:
-        if engine not in backends:
-            print(f"{engine}: skipped: {engines.engine_unavailable(engine)}")
-    runs: list[dict[str, Any]] = []
-    for backend in backends:
-        for kind in kinds:
-            warm = kind == "warm"
-            before = load_average()
-            with tempfile.TemporaryDirectory(prefix="demo-sglang-") as logs:
-                try:
-                    with peer_output_to(peer_log) as out:
-                        reports, timeline = restart.run_restart(
-                            backend,
-                            warm=warm,
-                            kill_at_s=args.kill_at,
-                            after_ready_s=args.after_ready,
-                            log=lambda line, out=out: print(line, file=out),
-                            log_dir=Path(logs),
-                        )
-                finally:
-                    append_rank_logs(peer_log, Path(logs), f"{backend}, {kind}")
-            down = timeline["ready"] - timeline["kill"]
-            title = f"\n{backend}, {kind} replacement (READY {down:.2f} s after the kill)"
-            table = restart.table(title, reports)
-            print(table, flush=True)
-            loads = (before, load_average())
-            runs.append(run_report(restart, backend, kind, reports, timeline, loads, table))
-    write_json(
-        report_path,
-        {
-            "command": "pd-bootstrap demo --prefill sglang",
-            "kill_at_s": args.kill_at,
-            "after_ready_s": args.after_ready,
-            "peer_log": str(peer_log),
-            "cpus": os.cpu_count(),
-            "runs": runs,
-        },
-    )
-    print(f"\nreport: {report_path}\npeer logs: {peer_log}")
+    # From here to the process's exit the peers' logging goes to the file (an error shows on
+    # the terminal); the demo's own lines go to ``out``.
+    with peer_output_to(peer_log, restore=False) as out:
+        for engine in wanted:
+            if engine not in backends:
+                print(f"{engine}: skipped: {engines.engine_unavailable(engine)}", file=out)
+        runs = [
+            one_run(restart, args, backend, kind, peer_log, out)
+            for backend in backends
+            for kind in kinds
+        ]
+        write_json(
+            report_path,
+            {
+                "command": "pd-bootstrap demo --prefill sglang",
+                "kill_at_s": args.kill_at,
+                "after_ready_s": args.after_ready,
+                "peer_log": str(peer_log),
+                "cpus": os.cpu_count(),
+                "runs": runs,
+            },
+        )
+        print(f"\nreport: {report_path}\npeer logs: {peer_log}", file=out)
     return 0

@@ -18,25 +18,31 @@ from typing import Any, TextIO
 
 
 @contextlib.contextmanager
-def peer_output_to(path: Path) -> Iterator[TextIO]:
+def peer_output_to(path: Path, *, restore: bool = True) -> Iterator[TextIO]:
     """Send this process's stdout and stderr (file descriptors 1 and 2: the engines' C++
     logging writes there as well as Python's) to ``path``, appended; yield a stream on the
-    terminal's stdout for the demo's own lines. Both are restored on the way out, so an error
-    ending the demo shows on the terminal."""
+    terminal's stdout for the demo's own lines. An error ending the block restores both, so it
+    shows on the terminal; so does a normal end unless ``restore`` is False: the engines' threads
+    go on logging until the process exits (Mooncake's segment teardown), and with ``restore``
+    False that too stays in the file."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
     log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     own = os.fdopen(os.dup(saved[1]), "w", buffering=1, encoding="utf-8")
+    ended_well = False
     try:
         for fd in saved:
             os.dup2(log, fd)
         yield own
+        ended_well = True
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        for fd, original in saved.items():
-            os.dup2(original, fd)
+        if restore or not ended_well:
+            for fd, original in saved.items():
+                os.dup2(original, fd)
+        for original in saved.values():
             os.close(original)
         os.close(log)
         own.close()
