@@ -103,8 +103,8 @@ def main(args: argparse.Namespace) -> int:
         "decodes sending it a request every 20 ms: this library's DecodeManager and SGLang's own\n"
         "decode (its KV manager and receivers, driven as its decode.py drives them). Every page\n"
         f"is checked byte for byte. At {args.kill_at:g} s the prefill is SIGKILLed and replaced\n"
-        f"behind the same bootstrap port, per engine ({', '.join(wanted)}): "
-        f"{' and '.join(KINDS[k] for k in kinds)}.\n"
+        "behind the same bootstrap port, "
+        f"{' and '.join(KINDS[k] for k in kinds)}, on {' and '.join(wanted)}.\n"
         f"SGLang's and the engines' logs go to {peer_log}.",
         flush=True,
     )
