@@ -31,6 +31,15 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "ours: manager receiver per request",
         "hit path only",
     ),
+    "bench_decode_queues": (
+        "bootstrap (add .. WaitingForInput)",
+        "send (_send_kv_metadata + extend)",
+        "poll while waiting (per iteration)",
+        "complete (pop_transferred + clear)",
+        "whole request (bootstrap..clear, one wait)",
+        "load average",
+        "floor: whole request >= 1.0x SGLang's: not judged (smoke run)",
+    ),
     "bench_e2e": (
         "floor (transfer_sync_write)",
         "SGLang's decode",
@@ -85,7 +94,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
 
 
 def _skip_reason(name: str) -> str | None:
-    if name == "bench_vs_sglang":
+    if name in ("bench_vs_sglang", "bench_decode_queues"):
         return sglang_unavailable()
     if name == "bench_e2e":
         return sglang_unavailable() or engine_unavailable("mooncake")

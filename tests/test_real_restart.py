@@ -38,6 +38,8 @@ from real_prefill.restart import (
 )
 from sglang_support import requires_sglang
 
+from statemachine.errors import WaitingTimeout
+
 
 def assert_library_recovered(library: DecodeReport) -> None:
     assert library.wrong_pages == 0
@@ -129,6 +131,33 @@ def test_a_failure_after_ready_is_the_prefills_only_with_its_evidence(
     request = failed_request(7, failed_at=10.0)
     report = RoomReport(metadata_at=metadata_at, concluded_at=concluded_at)
     assert prefill_was_late(request, report) is late
+
+
+class TimedOut:
+    """A request handle whose failure is the library's waiting timeout."""
+
+    failure = WaitingTimeout("room 7: no transfer within 2.5 s")
+
+
+@pytest.mark.parametrize(
+    ("concluded_at", "late"),
+    [
+        # after the deadline (sent 7.5 + 2.5 = 10.0), before the poll that noticed (10.3)
+        (10.1, True),
+        # in time for the deadline: the decode had it and missed it
+        (9.8, False),
+    ],
+    ids=["answered-after-the-deadline", "answered-before-the-deadline"],
+)
+def test_a_waiting_timeout_is_judged_at_its_deadline_not_at_the_poll_that_noticed_it(
+    concluded_at: float, late: bool
+) -> None:
+    request = Request(7, [0], 0, handle=TimedOut(), issued_at=7.5)
+    request.sent_at, request.failed_at = 7.5, 10.3
+    report = RoomReport(metadata_at=7.6, concluded_at=concluded_at)
+    assert prefill_was_late(request, report, waiting_timeout_s=2.5) is late
+    # Without the timeout (SGLang's decode), the failure's own time is the reference.
+    assert prefill_was_late(request, report) is (concluded_at > 10.3 - ANSWER_IN_TRANSIT_S)
 
 
 def test_a_request_that_did_not_fail_is_never_counted_late() -> None:

@@ -89,7 +89,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "on the etcd watch, side by side (http needs no etcd)",
     )
     parser.add_argument("--compare", action="store_true", help="run all three modes")
-    parser.add_argument("--report", default="demo-report.json", help="JSON report file")
+    parser.add_argument(
+        "--report",
+        default=None,
+        help="JSON report file (default: demo-report.json; --prefill sglang: "
+        "demo-sglang-report.json)",
+    )
     parser.add_argument(
         "--plot", default=None, metavar="FILE.png", help="write a timeline plot (plot extra)"
     )
@@ -106,7 +111,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--after-ready", type=float, default=5.0, help="--prefill sglang: seconds run after READY"
     )
+    parser.add_argument(
+        "--engine",
+        choices=("mooncake", "nixl"),
+        action="append",
+        default=None,
+        help="--prefill sglang: run this transfer engine only (repeatable; default: both)",
+    )
+    parser.add_argument(
+        "--replacement",
+        choices=("warm", "cold"),
+        action="append",
+        default=None,
+        help="--prefill sglang: this kind of replacement only (repeatable; default: both)",
+    )
+    parser.add_argument(
+        "--peer-log",
+        default="demo-sglang.log",
+        metavar="FILE",
+        help="--prefill sglang: where SGLang's and the engines' logging goes",
+    )
     args = parser.parse_args(argv)
+    if args.report is None:
+        args.report = "demo-sglang-report.json" if args.prefill == "sglang" else "demo-report.json"
     if args.duration <= 0 or args.loops < 1 or args.rate <= 0:
         parser.error("--duration, --loops and --rate must be positive")
     if args.tp < 1 or args.pp < 1 or args.restarts < 0:

@@ -5,6 +5,12 @@ Loaded only for ``--prefill sglang``: SGLang, its transfer engines and the harne
 prefill (``tests/real_prefill`` of a source checkout, with the CPU import stand-ins of
 ``tests/sglang_stubs``) never become a dependency of the library. Where any of them is missing
 this says what to install instead of failing.
+
+The peers log a lot (SGLang's managers, Mooncake's and NIXL's engines, in this process from C++
+as well as Python, and the prefill's rank processes): all of it goes to the file ``--peer-log``
+names, so that the terminal shows the demo's own lines and tables. The JSON report
+(``--report``) lists every failure with its type, its times from the kill and from READY, and
+whose it was.
 """
 
 from __future__ import annotations
@@ -12,9 +18,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+from statemachine.demo.report import write_json
+from statemachine.demo.sglang_report import (
+    append_rank_logs,
+    load_average,
+    peer_output_to,
+    run_report,
+)
 
 #: Where a source checkout keeps the harness, relative to this package's parent.
 _TESTS = Path(__file__).resolve().parents[2] / "tests"
@@ -22,6 +38,9 @@ NEEDS = (
     "needs a source checkout with SGLang's interop packages and the transfer engines on "
     "Python 3.11: run `make demo-sglang` (it installs them: `make .venv/.engines`)"
 )
+
+
+KINDS = {"warm": "warm (started at the kill)", "cold": "cold (started after)"}
 
 
 def missing() -> str | None:
@@ -39,6 +58,31 @@ def missing() -> str | None:
     return None
 
 
+def one_run(
+    restart: Any, args: argparse.Namespace, backend: str, kind: str, peer_log: Path, out: TextIO
+) -> dict[str, Any]:
+    """One restart (``kind``: warm or cold) on ``backend``: its table on ``out``, its report."""
+    before = load_average()
+    with tempfile.TemporaryDirectory(prefix="demo-sglang-") as logs:
+        try:
+            reports, timeline = restart.run_restart(
+                backend,
+                warm=kind == "warm",
+                kill_at_s=args.kill_at,
+                after_ready_s=args.after_ready,
+                log=lambda line: print(line, file=out),
+                log_dir=Path(logs),
+            )
+        finally:
+            append_rank_logs(peer_log, Path(logs), f"{backend}, {kind}")
+    down = timeline["ready"] - timeline["kill"]
+    title = f"\n{backend}, {kind} replacement (READY {down:.2f} s after the kill)"
+    table = restart.table(title, reports)
+    print(table, file=out)
+    loads = (before, load_average())
+    return run_report(restart, backend, kind, reports, timeline, loads, table)
+
+
 def main(args: argparse.Namespace) -> int:
     reason = missing()
     if reason is not None:
@@ -47,26 +91,44 @@ def main(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(_TESTS))
     engines: Any = importlib.import_module("real_prefill.engines")
     restart: Any = importlib.import_module("real_prefill.restart")
-    backends = [b for b in engines.BACKENDS if engines.engine_unavailable(b) is None]
+    wanted = args.engine or list(engines.BACKENDS)
+    backends = [b for b in wanted if engines.engine_unavailable(b) is None]
+    kinds = args.replacement or ["warm", "cold"]
+    report_path = Path(args.report)
+    peer_log = Path(args.peer_log)
+    peer_log.write_text("")  # this run's logs only
     print(
         "On 127.0.0.1: SGLang 0.5.23's own prefill (its bootstrap server and Mooncake/NIXL\n"
         "prefill manager in their own process, CPU buffers, real engines over TCP), and two\n"
         "decodes sending it a request every 20 ms: this library's DecodeManager and SGLang's own\n"
         "decode (its KV manager and receivers, driven as its decode.py drives them). Every page\n"
         f"is checked byte for byte. At {args.kill_at:g} s the prefill is SIGKILLed and replaced\n"
-        "behind the same bootstrap port: warm (started at the kill) and cold (started after).",
+        "behind the same bootstrap port, "
+        f"{' and '.join(KINDS[k] for k in kinds)}, on {' and '.join(wanted)}.\n"
+        f"SGLang's and the engines' logs go to {peer_log}.",
         flush=True,
     )
-    for engine in engines.BACKENDS:
-        if engine not in backends:
-            print(f"{engine}: skipped: {engines.engine_unavailable(engine)}")
-    for backend in backends:
-        for warm in (True, False):
-            reports, timeline = restart.run_restart(
-                backend, warm=warm, kill_at_s=args.kill_at, after_ready_s=args.after_ready
-            )
-            kind = "warm" if warm else "cold"
-            down = timeline["ready"] - timeline["kill"]
-            title = f"\n{backend}, {kind} replacement (READY {down:.2f} s after the kill)"
-            print(restart.table(title, reports), flush=True)
+    # From here to the process's exit the peers' logging goes to the file (an error shows on
+    # the terminal); the demo's own lines go to ``out``.
+    with peer_output_to(peer_log, restore=False) as out:
+        for engine in wanted:
+            if engine not in backends:
+                print(f"{engine}: skipped: {engines.engine_unavailable(engine)}", file=out)
+        runs = [
+            one_run(restart, args, backend, kind, peer_log, out)
+            for backend in backends
+            for kind in kinds
+        ]
+        write_json(
+            report_path,
+            {
+                "command": "pd-bootstrap demo --prefill sglang",
+                "kill_at_s": args.kill_at,
+                "after_ready_s": args.after_ready,
+                "peer_log": str(peer_log),
+                "cpus": os.cpu_count(),
+                "runs": runs,
+            },
+        )
+        print(f"\nreport: {report_path}\npeer logs: {peer_log}", file=out)
     return 0

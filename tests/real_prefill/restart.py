@@ -6,15 +6,19 @@ from the start until ``after_ready_s`` after the replacement is READY,
 every request in flight polled each iteration, every Success checked byte for byte. Both send to
 the same SGLang prefill. At ``kill_at_s`` every prefill rank is SIGKILLed; the replacement is
 either warm (imported beforehand, started at the kill: ready at once) or cold (started after
-the kill). :func:`run_restart` returns one :class:`DecodeReport` per decode.
+the kill). :func:`run_restart` returns one :class:`DecodeReport` per decode, each failure in it
+a :class:`Failure` saying when it was issued and ended (from the kill and from READY), its
+error type and whose it was (:func:`whose`).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from real_prefill.harness import Layout, LibraryDecode, RealPrefill
@@ -27,6 +31,42 @@ LIBRARY_ROOMS, SGLANG_ROOMS = 1 << 40, 2 << 40
 RESTART_GEOMETRY = Geometry(slots=1024, aux_slots=256)
 
 
+#: The windows a failure falls in, by when its request was issued and ended (the table's rows).
+BEFORE_KILL, IN_FLIGHT_AT_KILL, ISSUED_WHILE_DOWN, ISSUED_AFTER_READY = (
+    "failed before the kill",
+    "in flight at the kill",
+    "issued while down",
+    "issued after READY",
+)
+#: Whose a failure was (:func:`whose`): the kill's (its request met the dead prefill), the
+#: replacement's (it had the request and answered after the decode gave up), or the decode's own.
+KILLED_PREFILL, PREFILL_LATE = "killed prefill", "prefill answered late"
+
+
+@dataclass
+class Failure:
+    """One failed request, as the JSON report of ``make demo-sglang`` lists it. Times are
+    seconds from the kill and from the replacement's READY (negative: before it); the
+    replacement's times of the room are from the decode's failure (None: it never reported
+    them)."""
+
+    room: int
+    window: str
+    error: str
+    message: str
+    whose: str
+    issued_from_kill: float
+    failed_from_kill: float
+    issued_from_ready: float | None
+    failed_from_ready: float | None
+    #: the replacement's view of the room: its metadata arrived / it sent / it concluded, each
+    #: in seconds from the decode's failure, and its verdict ("Success", "Failed", None)
+    metadata_from_failure: float | None = None
+    sent_from_failure: float | None = None
+    concluded_from_failure: float | None = None
+    prefill_status: str | None = None
+
+
 @dataclass
 class DecodeReport:
     """What one decode saw (times in seconds; None: never)."""
@@ -35,6 +75,8 @@ class DecodeReport:
     issued: int = 0
     verified: int = 0
     failed: int = 0
+    #: against the first prefill, alive: no restart was involved
+    failed_before_kill: int = 0
     failed_in_flight_at_kill: int = 0
     failed_while_down: int = 0
     failed_after_ready: int = 0
@@ -58,10 +100,25 @@ class DecodeReport:
     #: per hung request: its poll() state and the prefill's verdict on its room (None: none)
     hung_detail: list[tuple[float, int, str | None]] = field(default_factory=list)
     wrong_issued_from_kill: list[float] = field(default_factory=list)
+    #: every failure, in the order they ended (filled in at the end of the run)
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def failed_after_ready_own(self) -> int:
+        """Failures after READY the prefill did not cause: the decode's own."""
+        return self.failed_after_ready - self.failed_after_ready_prefill_late
+
+    def failures_by_type(self, window: str) -> dict[str, int]:
+        """How many of the failures in ``window`` had each error type."""
+        counts: dict[str, int] = {}
+        for failure in self.failures:
+            if failure.window == window:
+                counts[failure.error] = counts.get(failure.error, 0) + 1
+        return counts
 
 
 class Request:
-    __slots__ = ("aux", "dst", "failed_at", "handle", "issued_at", "room")
+    __slots__ = ("aux", "dst", "failed_at", "handle", "issued_at", "room", "sent_at", "window")
 
     def __init__(self, room: int, dst: list[int], aux: int, handle: Any, issued_at: float):
         self.room, self.dst, self.aux, self.handle, self.issued_at = (
@@ -72,6 +129,10 @@ class Request:
             issued_at,
         )
         self.failed_at: float | None = None
+        self.window: str | None = None
+        #: when the decode's request() returned: its metadata was sent by then, so its waiting
+        #: timeout runs out no later than this plus the timeout
+        self.sent_at: float | None = None
 
 
 class Driver(threading.Thread):
@@ -85,6 +146,7 @@ class Driver(threading.Thread):
         self.rooms = itertools.count(rooms)
         self.report = DecodeReport(name)
         self.in_flight: list[Request] = []
+        self.failed: list[Request] = []
         self.failed_after_ready: list[Request] = []
         self.issuing = threading.Event()
         self.issuing.set()
@@ -99,7 +161,9 @@ class Driver(threading.Thread):
         aux = room % RESTART_GEOMETRY.aux_slots
         self.prefill.transfer(room, PAGES)  # the prefill allocates its own pages
         handle = self.decode.request(self.prefill.address, room, dst, aux)
-        self.in_flight.append(Request(room, dst, aux, handle, now))
+        request = Request(room, dst, aux, handle, now)
+        request.sent_at = time.monotonic()
+        self.in_flight.append(request)
         self.report.issued += 1
 
     def settle(self, request: Request, success: bool, now: float) -> None:
@@ -137,16 +201,23 @@ class Driver(threading.Thread):
         kind = failure_kind(request.handle)
         report.failure_kinds[kind] = report.failure_kinds.get(kind, 0) + 1
         kill, ready = timeline.get("kill"), timeline.get("ready")
+        request.failed_at = now
+        self.failed.append(request)
         if ready is not None and request.issued_at >= ready:
             report.failed_after_ready += 1
+            request.window = ISSUED_AFTER_READY
             failure = str(getattr(request.handle, "failure", None))[:160]
             report.failed_after_ready_detail.append((round(request.issued_at - ready, 3), failure))
-            request.failed_at = now
             self.failed_after_ready.append(request)
         elif kill is not None and request.issued_at >= kill:
             report.failed_while_down += 1
+            request.window = ISSUED_WHILE_DOWN
         elif kill is not None:
             report.failed_in_flight_at_kill += 1
+            request.window = IN_FLIGHT_AT_KILL
+        else:
+            report.failed_before_kill += 1
+            request.window = BEFORE_KILL
 
     def run(self) -> None:
         next_issue = time.monotonic()
@@ -173,25 +244,85 @@ SUCCESS, FAILED = 4, 0  # KVPoll values, the same in SGLang and this library
 ANSWER_IN_TRANSIT_S = 0.05
 
 
-def prefill_was_late(request: Request, report: RoomReport) -> bool:
-    """Whether a request issued after READY failed because the replacement was slow, from the
-    replacement's ``report`` of its room: the decode's metadata reached the replacement's rank
-    (so it addressed the live incarnation, not a dead rank's port), and the rank had not
-    answered by the time the decode gave up (it answered later, or not within the run). False
-    is the decode's doing: metadata that never reached the replacement, or an answer the
-    decode had in time and missed."""
+def prefill_was_late(
+    request: Request, report: RoomReport, waiting_timeout_s: float | None = None
+) -> bool:
+    """Whether a request failed because the prefill was slow, from the prefill's ``report`` of
+    its room: the decode's metadata reached the prefill's rank (so it addressed the live
+    incarnation, not a dead rank's port), and the rank had not answered by the time the decode
+    gave up (it answered later, or not within the run). For a ``WaitingTimeout`` the decode
+    gave up when its waiting timeout ran out (``waiting_timeout_s`` after it sent the
+    metadata), however late its poll noticed: an answer after that deadline is late even if
+    it came before the decode's poll. False is the decode's doing: metadata that never reached
+    the prefill, or an answer the decode had in time and missed."""
     if request.failed_at is None or report.metadata_at is None:
         return False
+    gave_up = request.failed_at
+    if (
+        waiting_timeout_s is not None
+        and request.sent_at is not None
+        and failure_kind(request.handle) == "WaitingTimeout"
+    ):
+        gave_up = min(gave_up, request.sent_at + waiting_timeout_s)
     concluded_at = report.concluded_at
-    return concluded_at is None or concluded_at > request.failed_at - ANSWER_IN_TRANSIT_S
+    return concluded_at is None or concluded_at > gave_up - ANSWER_IN_TRANSIT_S
+
+
+def whose(decode: str, window: str, late: bool) -> str:
+    """Whose a failure was: the killed prefill's for a request in flight at the kill or issued
+    while it was down (it met the dead prefill, or reached no live one); against a live prefill
+    (before the kill, after READY) the prefill's when it answered late
+    (:func:`prefill_was_late`), else the decode's own (``decode``: "library" or "sglang")."""
+    if window in (IN_FLIGHT_AT_KILL, ISSUED_WHILE_DOWN):
+        return KILLED_PREFILL
+    return PREFILL_LATE if late else decode
+
+
+def describe_failure(
+    decode: str,
+    request: Request,
+    report: RoomReport,
+    timeline: dict[str, float],
+    waiting_timeout_s: float | None,
+) -> Failure:
+    """A failed request as the JSON report lists it (``timeline``: monotonic kill and READY;
+    ``waiting_timeout_s``: the decode's, None where it is not the run's to know)."""
+    assert request.failed_at is not None and request.window is not None
+    kill, ready = timeline["kill"], timeline.get("ready")
+    late = prefill_was_late(request, report, waiting_timeout_s)
+
+    def since(moment: float | None, origin: float | None) -> float | None:
+        return None if moment is None or origin is None else round(moment - origin, 3)
+
+    failure = getattr(request.handle, "failure", None)
+    return Failure(
+        room=request.room,
+        window=request.window,
+        error=failure_kind(request.handle),
+        message=str(failure)[:300],
+        whose=whose(decode, request.window, late),
+        issued_from_kill=round(request.issued_at - kill, 3),
+        failed_from_kill=round(request.failed_at - kill, 3),
+        issued_from_ready=since(request.issued_at, ready),
+        failed_from_ready=since(request.failed_at, ready),
+        metadata_from_failure=since(report.metadata_at, request.failed_at),
+        sent_from_failure=since(report.sent_at, request.failed_at),
+        concluded_from_failure=since(report.concluded_at, request.failed_at),
+        prefill_status=report.status,
+    )
 
 
 def failure_kind(handle: Any) -> str:
+    """The library's error type; for SGLang's decode (a message), the message without its room
+    and addresses ("KVTransferError: Lost connection with prefill instance")."""
     failure = getattr(handle, "failure", None)
     if failure is None:
         return "unknown"
     if isinstance(failure, str):
-        return failure.split(":")[0][:60]
+        text = re.sub(r"\(bootstrap_room=\d+\)", "", failure)
+        text = re.sub(r"\s*\(bootstrap_addr: [^)]*\)", "", text)
+        text = re.sub(r"\d+\.\d+\.\d+\.\d+:\d+", "<address>", text)
+        return " ".join(text.split())[:60]
     return type(failure).__name__
 
 
@@ -206,13 +337,23 @@ def run_restart(
     waiting_timeout_s: float = 2.5,
     with_sglang: bool = True,
     log: Any = print,
+    log_dir: Path | None = None,
 ) -> tuple[list[DecodeReport], dict[str, float]]:
-    """One run; returns the reports (the library's first) and the timeline (seconds from start)."""
+    """One run; returns the reports (the library's first) and the timeline (seconds from start).
+    ``log_dir``: where the prefill's rank processes write their logs (``killed/`` and
+    ``replacement/`` in it; default: a new temporary directory each)."""
     from real_prefill.sglang_decode import SGLangDecode
 
     layout = Layout(geometry=RESTART_GEOMETRY)
-    prefill = RealPrefill(backend, layout=layout).start()
-    replacement = RealPrefill(backend, layout=layout, bootstrap_port=prefill.port)
+    killed_logs = replacement_logs = None
+    if log_dir is not None:
+        killed_logs, replacement_logs = log_dir / "killed", log_dir / "replacement"
+        killed_logs.mkdir(parents=True, exist_ok=True)
+        replacement_logs.mkdir(parents=True, exist_ok=True)
+    prefill = RealPrefill(backend, layout=layout, log_dir=killed_logs).start()
+    replacement = RealPrefill(
+        backend, layout=layout, bootstrap_port=prefill.port, log_dir=replacement_logs
+    )
     # The library's waiting timeout below the grace: a request issued while the replacement
     # registered but before it served (its metadata reached the new rank, the prefill never
     # got the request) ends typed (WaitingTimeout) within the run instead of outliving it.
@@ -270,9 +411,25 @@ def run_restart(
                 round(r.issued_at - timeline["kill"], 3) for r in driver.in_flight
             ]
             report.kv_held_pages = PAGES * len(driver.in_flight)
+            # The library's waiting timeout is the run's; SGLang's decode waits 300 s, longer
+            # than any run, so its failures are never its waiting timeout.
+            timeout = waiting_timeout_s if name == "library" else None
             report.failed_after_ready_prefill_late = sum(
-                prefill_was_late(r, replacement.report(r.room)) for r in driver.failed_after_ready
+                prefill_was_late(r, replacement.report(r.room), timeout)
+                for r in driver.failed_after_ready
             )
+            # The replacement's report for requests routed to it (issued after READY), the
+            # killed prefill's for the others.
+            report.failures = [
+                describe_failure(
+                    name,
+                    r,
+                    (replacement if r.window == ISSUED_AFTER_READY else prefill).report(r.room),
+                    timeline,
+                    timeout,
+                )
+                for r in driver.failed
+            ]
             report.hung_detail = [
                 (round(r.issued_at - timeline["kill"], 3), int(r.handle.poll()),
                  replacement.report(r.room).status or prefill.report(r.room).status)
@@ -300,10 +457,12 @@ ROWS = [
     ("requests issued", "issued"),
     ("verified byte for byte", "verified"),
     ("failed", "failed"),
+    ("  before the kill", "failed_before_kill"),
     ("  in flight at the kill", "failed_in_flight_at_kill"),
     ("  issued while down", "failed_while_down"),
     ("  issued after READY", "failed_after_ready"),
     ("    prefill answered late", "failed_after_ready_prefill_late"),
+    ("    the decode's own", "failed_after_ready_own"),
     ("hung (no answer at the end)", "hung"),
     ("wrong pages", "wrong_pages"),
     ("Success before its bytes", "late_bytes"),
@@ -312,19 +471,43 @@ ROWS = [
     ("stale pool entries", "stale_pool_entries"),
     ("KV pages still held", "kv_held_pages"),
 ]
+#: The failure rows followed by one row per error type (``failures_by_type``).
+WINDOW_OF_ROW = {
+    "failed_before_kill": BEFORE_KILL,
+    "failed_in_flight_at_kill": IN_FLIGHT_AT_KILL,
+    "failed_while_down": ISSUED_WHILE_DOWN,
+    "failed_after_ready": ISSUED_AFTER_READY,
+}
+CELL = 14
+#: An error type is cut to this in the table (the JSON report has it whole).
+TYPE_WIDTH = 36
+
+
+def _cell(value: Any) -> str:
+    text = "never" if value is None else f"{value:.3f}" if isinstance(value, float) else value
+    return f"{text:>{CELL}}"
 
 
 def table(title: str, reports: list[DecodeReport]) -> str:
-    """The side-by-side table, one column per decode."""
+    """The side-by-side table, one column per decode. Under each failure row, one row per
+    error type any decode failed with there (a long type is cut to ``TYPE_WIDTH``; the JSON
+    report has it whole)."""
+    kinds = {failure.error[:TYPE_WIDTH] for r in reports for failure in r.failures}
     width = max(len(label) for label, _ in ROWS) + 2
-    lines = [title, " " * width + "".join(f"{r.name:>14}" for r in reports)]
+    width = max([width, *(len(kind) + 8 for kind in kinds)])
+    lines = [title, " " * width + "".join(f"{r.name:>{CELL}}" for r in reports)]
     for label, name in ROWS:
-        cells = []
-        for report in reports:
-            value = getattr(report, name)
-            text = (
-                "never" if value is None else f"{value:.3f}" if isinstance(value, float) else value
-            )
-            cells.append(f"{text:>14}")
-        lines.append(f"{label:<{width}}" + "".join(cells))
+        lines.append(f"{label:<{width}}" + "".join(_cell(getattr(r, name)) for r in reports))
+        window = WINDOW_OF_ROW.get(name)
+        if window is None:
+            continue
+        by_type = [
+            {kind[:TYPE_WIDTH]: n for kind, n in r.failures_by_type(window).items()}
+            for r in reports
+        ]
+        indent = " " * (len(label) - len(label.lstrip()) + 2)
+        for kind in sorted({kind for counts in by_type for kind in counts}):
+            type_label = f"{indent}- {kind}"
+            cells = "".join(_cell(counts.get(kind, 0)) for counts in by_type)
+            lines.append(f"{type_label:<{width}}" + cells)
     return "\n".join(lines)
