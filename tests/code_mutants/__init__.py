@@ -698,10 +698,10 @@ MUTANTS: tuple[CodeMutant, ...] = (
         (T_FAST + "test_http74_a_body_that_looks_like_a_probe_is_a_body",),
         "aiohttp is taken to hold nothing while the body of a request it answered is still due",
     ),
-    # --- SGLang 0.5.23's decode classes (decode_worker/conn.py) ---------------------------------
+    # --- SGLang 0.5.23's decode classes (decode_worker/: conn.py and its bases) -----------------
     CodeMutant(
         "memory_release_keeps_the_rooms",
-        "statemachine/sglang/v0_5_23/decode_worker/conn.py",
+        "statemachine/sglang/v0_5_23/decode_worker/kv_manager.py",
         (
             (
                 "            for receiver in manager.in_flight():\n                receiver.abort()",
@@ -715,7 +715,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "prefill_complete_duplicate_spares_the_first",
-        "statemachine/sglang/v0_5_23/decode_worker/conn.py",
+        "statemachine/sglang/v0_5_23/decode_worker/kv_receiver.py",
         (("            live.mark_lost(error)\n", ""),),
         (
             "tests/test_sglang_decode_surface.py::test_prefill_complete_a_duplicate_room_fails_both_requests_as_sglang_does",
