@@ -7,7 +7,7 @@ this benchmark creates (``tests/netns_support.py``; needs root, ``ip`` and ``nft
 
 * ``hang``: every prefill process SIGSTOPped, then SIGCONTed;
 * ``partition``: every packet between decode and prefill dropped both ways (no resets), then
-  let through again;
+  let through again; ``partition-to-prefill`` / ``partition-from-prefill``: one way only;
 * ``rank-cut``: only the ranks' ZMQ ports cut, the bootstrap server still answers;
 * ``replace``: every prefill process SIGKILLed and a new instance started behind the same
   bootstrap address (the "heal" is the moment it serves again).
@@ -24,6 +24,12 @@ completes with Success). Configurations, in the same run:
   part built by the manager from the one setting
   (:class:`~statemachine.decode.liveness_bound.LivenessBound`), with the hold-off of a silent
   bootstrap server (MGR-22).
+
+``--ack-delay-ms N`` gives the prefill a transfer time: each status leaves N ms after its
+metadata, so statuses are in flight when a partition begins (ZMQ-26); ``--status-sockets``
+runs the prefill's status sockets as they were before (``before``: libzmq's defaults) or with
+the bound (``bound``, the default). ``--prefill-sysctl name=value`` sets a kernel setting in the
+prefill's namespace only (its host), e.g. ``net.ipv4.tcp_rto_max_ms=1000``.
 
 Figures come from a machine shared with other work: indicative only.
 """
@@ -61,6 +67,8 @@ SMOKE_WARMUP_S = 0.5
 AFTER_SUCCESS_S = 0.5
 AFTER_MAX_S = 15.0
 FAULTS = ("hang", "partition", "rank-cut", "replace")
+#: The one-way cuts (ZMQ-26): what the decode sends the prefill, or what the prefill sends back.
+ONE_WAY = {"partition-to-prefill": "to-ns", "partition-from-prefill": "from-ns"}
 
 
 @dataclass
@@ -196,6 +204,8 @@ def run_one(
             prefill.hang()
         elif fault == "partition":
             ns.partition()
+        elif fault in ONE_WAY:
+            ns.partition(ONE_WAY[fault])
         elif fault == "rank-cut":
             ns.cut_ports(prefill.rank_ports)
         elif fault == "replace":
@@ -247,6 +257,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--configs", default="before,bound=3s,bound=1s", help="comma-separated configurations"
     )
+    parser.add_argument(
+        "--ack-delay-ms",
+        type=int,
+        default=0,
+        help="the prefill's transfer time (ms)",
+    )
+    parser.add_argument(
+        "--status-sockets",
+        choices=("before", "bound"),
+        default="bound",
+        help="the prefill's status sockets: libzmq's defaults (before) or the bound (ZMQ-26)",
+    )
+    parser.add_argument(
+        "--prefill-sysctl",
+        action="append",
+        default=[],
+        help="NAME=VALUE set in the prefill's namespace (repeatable)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     reason = netns_unavailable()
     if reason is not None:
@@ -262,23 +290,22 @@ def main(argv: list[str] | None = None) -> int:
         fault_s, warmup_s = 1.5, SMOKE_WARMUP_S
     print(
         f"a request every {PERIOD_S * 1000:.0f} ms; faults of {fault_s:g} s; "
-        f"{args.reps} run(s) each; the reference prefill in its own network namespace",
+        f"{args.reps} run(s) each; the reference prefill in its own network namespace; "
+        f"transfer {args.ack_delay_ms} ms; status sockets {args.status_sockets}"
+        + "".join(f"; {setting}" for setting in args.prefill_sysctl),
         flush=True,
     )
     results: dict[tuple[str, str], list[RunFigures]] = {}
-    with NetNamespace() as ns, NetnsPrefill(ns) as prefill:
-        for _ in range(args.reps):
-            for fault in faults:
-                for config in configs:  # interleaved: a slow moment hits every configuration
-                    figures = run_one(ns, prefill, config, fault, fault_s, warmup_s)
-                    results.setdefault((fault, config), []).append(figures)
-                    print(
-                        f"  {fault:9} {config:9} detection {_fmt(figures.detection_s)}  "
-                        f"failed {figures.failed:4}  longest wait {figures.longest_wait_s:6.2f} s  "
-                        f"first success after heal {_fmt(figures.first_success_after_heal_s)}  "
-                        f"({figures.requests} requests; {figures.errors})",
-                        flush=True,
-                    )
+    with NetNamespace() as ns:
+        for setting in args.prefill_sysctl:
+            name, _, value = setting.partition("=")
+            ns.sysctl(name, int(value))
+        with NetnsPrefill(
+            ns,
+            ack_delay_ms=args.ack_delay_ms,
+            status_liveness_s=0.0 if args.status_sockets == "before" else None,
+        ) as prefill:
+            _run_all(ns, prefill, args.reps, faults, configs, fault_s, warmup_s, results)
     if args.reps > 1:
         print("medians:")
         for (fault, config), runs in results.items():
@@ -288,6 +315,30 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_fmt(_median([r.first_success_after_heal_s for r in runs]))}"
             )
     return 0
+
+
+def _run_all(
+    ns: NetNamespace,
+    prefill: NetnsPrefill,
+    reps: int,
+    faults: list[str],
+    configs: list[str],
+    fault_s: float,
+    warmup_s: float,
+    results: dict[tuple[str, str], list[RunFigures]],
+) -> None:
+    for _ in range(reps):
+        for fault in faults:
+            for config in configs:  # interleaved: a slow moment hits every configuration
+                figures = run_one(ns, prefill, config, fault, fault_s, warmup_s)
+                results.setdefault((fault, config), []).append(figures)
+                print(
+                    f"  {fault:9} {config:9} detection {_fmt(figures.detection_s)}  "
+                    f"failed {figures.failed:4}  longest wait {figures.longest_wait_s:6.2f} s  "
+                    f"first success after heal {_fmt(figures.first_success_after_heal_s)}  "
+                    f"({figures.requests} requests; {figures.errors})",
+                    flush=True,
+                )
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -216,9 +216,12 @@ class NetNamespace:
 
     # --- faults -------------------------------------------------------------------------------
 
-    def partition(self) -> None:
-        """Drop every packet both ways (ARP included): a cut without resets."""
-        self._nft(f"add rule netdev {_TABLE} in drop\nadd rule netdev {_TABLE} out drop\n")
+    def partition(self, direction: str = "both") -> None:
+        """Drop every packet (ARP included): a cut without resets. ``direction``: ``both``;
+        ``to-ns`` (what the host sends the namespace: a decode's requests and its TCP acks of
+        the prefill's statuses) or ``from-ns`` (what the namespace sends: statuses, replies)."""
+        chains = {"both": ("in", "out"), "to-ns": ("in",), "from-ns": ("out",)}[direction]
+        self._nft("".join(f"add rule netdev {_TABLE} {chain} drop\n" for chain in chains))
 
     def cut_ports(self, ports: Sequence[int]) -> None:
         """Drop TCP to and from ``ports`` of the namespace only; everything else still flows."""
@@ -227,6 +230,11 @@ class NetNamespace:
             f"add rule netdev {_TABLE} in meta l4proto tcp tcp dport {{ {listed} }} drop\n"
             f"add rule netdev {_TABLE} out meta l4proto tcp tcp sport {{ {listed} }} drop\n"
         )
+
+    def sysctl(self, name: str, value: int) -> None:
+        """Set a per-namespace kernel setting (``net.ipv4.tcp_*``) inside the namespace only:
+        what an operator would set on the prefill's host."""
+        self.exec("sysctl", "-q", "-w", f"{name}={value}")
 
     def heal(self) -> None:
         """Remove every fault rule."""
@@ -295,10 +303,20 @@ class NetnsPrefill:
     ranks' ZMQ ports. Use as a context manager: every process is killed on exit.
     """
 
-    def __init__(self, ns: NetNamespace, *, tp: int = 2, ack_delay_ms: int = 0) -> None:
+    def __init__(
+        self,
+        ns: NetNamespace,
+        *,
+        tp: int = 2,
+        ack_delay_ms: int = 0,
+        status_liveness_s: float | None = None,
+    ) -> None:
         self.ns = ns
         self.tp = tp
         self.ack_delay_ms = ack_delay_ms
+        #: the ranks' ``--liveness-timeout-s`` (None: their default; 0: libzmq's defaults, the
+        #: status sockets as they were before ZMQ-26)
+        self.status_liveness_s = status_liveness_s
         self.addr = ""
         self.instance_id = ""
         self.rank_ports: list[int] = []
@@ -336,6 +354,11 @@ class NetnsPrefill:
                     *("--bootstrap", self.addr, "--host", self.ns.ns_ip),
                     *("--tp-rank", str(tp_rank), "--tp-size", str(self.tp)),
                     *("--ack-delay-ms", str(self.ack_delay_ms)),
+                    *(
+                        ()
+                        if self.status_liveness_s is None
+                        else ("--liveness-timeout-s", str(self.status_liveness_s))
+                    ),
                 ],
                 f"rank{tp_rank}",
             )
