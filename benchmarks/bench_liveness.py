@@ -26,7 +26,7 @@ completes with Success). Configurations, in the same run:
   bootstrap server (MGR-22).
 
 ``--ack-delay-ms N`` gives the prefill a transfer time: each status leaves N ms after its
-metadata, so statuses are in flight when a partition begins (ZMQ-26); ``--status-sockets``
+metadata, so statuses are in flight when a partition begins (ZMQ-27); ``--status-sockets``
 runs the prefill's status sockets as they were before (``before``: libzmq's defaults) or with
 the bound (``bound``, the default). ``--prefill-sysctl name=value`` sets a kernel setting in the
 prefill's namespace only (its host), e.g. ``net.ipv4.tcp_rto_max_ms=1000``.
@@ -67,7 +67,7 @@ SMOKE_WARMUP_S = 0.5
 AFTER_SUCCESS_S = 0.5
 AFTER_MAX_S = 15.0
 FAULTS = ("hang", "partition", "rank-cut", "replace")
-#: The one-way cuts (ZMQ-26): what the decode sends the prefill, or what the prefill sends back.
+#: The one-way cuts (ZMQ-27): what the decode sends the prefill, or what the prefill sends back.
 ONE_WAY = {"partition-to-prefill": "to-ns", "partition-from-prefill": "from-ns"}
 
 
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "--status-sockets",
         choices=("before", "bound"),
         default="bound",
-        help="the prefill's status sockets: libzmq's defaults (before) or the bound (ZMQ-26)",
+        help="the prefill's status sockets: libzmq's defaults (before) or the bound (ZMQ-27)",
     )
     parser.add_argument(
         "--prefill-sysctl",

@@ -48,7 +48,7 @@ dead decode blocked the rank for ``SNDTIMEO`` and ten of them held a live decode
 10 s). An ack not sent within ``--ack-send-timeout-ms`` (or pushed out of a full queue) is
 dropped and counted in ``ack_failures``. A status connection silent past
 ``--liveness-timeout-s`` is dropped and redialled (ZMTP heartbeats, a bounded TCP
-retransmission: ZMQ-26), so statuses sent while the path to a decode was cut never hold back
+retransmission: ZMQ-27), so statuses sent while the path to a decode was cut never hold back
 the statuses after it returns.
 SIGTERM/SIGINT end it cleanly: sockets closed with LINGER=0, one ``STATS {json}`` line with
 the message counters on stdout, exit 0. ``--trace PATH`` writes one ``Ack`` event per ack

@@ -1,6 +1,6 @@
 """How the reference prefill rank sends its statuses to decode peers: :class:`AckSender`, one
 queue and one non-blocking ``PUSH`` socket per peer (ACK-1), each socket kept honest by
-:class:`StatusSocketOptions` (ZMQ-26).
+:class:`StatusSocketOptions` (ZMQ-27).
 
 A status connection that carried statuses while the path to its decode was cut sits in TCP's
 retransmission back-off: the kernel resends the oldest unacknowledged segment after 0.2 s, then
