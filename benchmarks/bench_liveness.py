@@ -1,9 +1,12 @@
 """Silence: how soon a stopped or cut-off prefill is found, and how soon requests succeed again.
 
-The reference prefill (bootstrap server + 2 tp ranks) runs as processes in a network namespace
-this benchmark creates (``tests/netns_support.py``; needs root, ``ip`` and ``nft``). A
-``DecodeManager`` on the host side issues a request every 20 ms through its public API
-(``receiver`` → ``init`` → ``send_metadata`` → ``poll``), and a fault lasts ``--fault-s``:
+The reference prefill (bootstrap server + 2 tp ranks), or with ``--prefill sglang`` SGLang
+0.5.23's bootstrap server and one rank (its statuses through SGLang's own status sockets, a
+stand-in answering for its transfer engine: ``tests/sglang_netns_prefill.py``), runs as
+processes in a network namespace this benchmark creates (``tests/netns_support.py``; needs
+root, ``ip`` and ``nft``). A ``DecodeManager`` on the host side issues a request every 20 ms
+through its public API (``receiver`` → ``init`` → ``send_metadata`` → ``poll``), and a fault
+lasts ``--fault-s``:
 
 * ``hang``: every prefill process SIGSTOPped, then SIGCONTed;
 * ``partition``: every packet between decode and prefill dropped both ways (no resets), then
@@ -56,9 +59,11 @@ from statemachine.decode.receiver import BootstrapReceiver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from netns_support import NetNamespace, NetnsPrefill, netns_unavailable
+from netns_support import NetNamespace, NetnsPrefill, SGLangNetnsPrefill, netns_unavailable
 
-PLAN = RankPlan(tp_ranks=(0, 1))
+#: The reference prefill's two tp ranks; SGLang's (``--prefill sglang``) has one.
+PLANS = {"reference": RankPlan(tp_ranks=(0, 1)), "sglang": RankPlan(tp_ranks=(0,))}
+Prefill = NetnsPrefill | SGLangNetnsPrefill
 PERIOD_S = 0.02
 WARMUP_S = 1.0
 #: --smoke: requests flow for half a second before the fault (25 of them).
@@ -94,9 +99,10 @@ class RunFigures:
 class Load:
     """A request every ``PERIOD_S``: init and send on a pool of workers, polled by one thread."""
 
-    def __init__(self, manager: DecodeManager, addr: str) -> None:
+    def __init__(self, manager: DecodeManager, addr: str, plan: RankPlan) -> None:
         self.manager = manager
         self.addr = addr
+        self.plan = plan
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._pending: list[tuple[float, BootstrapReceiver]] = []
@@ -130,7 +136,7 @@ class Load:
     def _start_one(self, room: int) -> None:
         start = time.monotonic()
         try:
-            receiver = self.manager.receiver(self.addr, room, PLAN, prefill_dp_rank=0)
+            receiver = self.manager.receiver(self.addr, room, self.plan, prefill_dp_rank=0)
             if receiver.init(0) == KVPoll.WaitingForInput:
                 receiver.send_metadata((1, 2, 3), aux_index=0)
         except Exception as exc:
@@ -191,13 +197,14 @@ def manager_for(config: str, ack_ip: str) -> Iterator[DecodeManager]:
 
 def run_one(
     ns: NetNamespace,
-    prefill: NetnsPrefill,
+    prefill: Prefill,
     config: str,
     fault: str,
     fault_s: float,
     warmup_s: float = WARMUP_S,
 ) -> RunFigures:
-    with manager_for(config, ns.host_ip) as manager, Load(manager, prefill.addr) as load:
+    plan = PLANS["reference" if isinstance(prefill, NetnsPrefill) else "sglang"]
+    with manager_for(config, ns.host_ip) as manager, Load(manager, prefill.addr, plan) as load:
         time.sleep(warmup_s)
         fault_at = time.monotonic()
         if fault == "hang":
@@ -207,13 +214,17 @@ def run_one(
         elif fault in ONE_WAY:
             ns.partition(ONE_WAY[fault])
         elif fault == "rank-cut":
-            ns.cut_ports(prefill.rank_ports)
+            ns.cut_ports(
+                prefill.rank_ports if isinstance(prefill, NetnsPrefill) else [prefill.rank_port]
+            )
         elif fault == "replace":
+            assert isinstance(prefill, NetnsPrefill), "replace runs the reference prefill only"
             prefill.kill()
         time.sleep(fault_s)
         if fault == "hang":
             prefill.resume()
         elif fault == "replace":
+            assert isinstance(prefill, NetnsPrefill)
             prefill.start(server_port=int(prefill.addr.rsplit(":", 1)[1]))
         else:
             ns.heal()
@@ -270,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the prefill's status sockets: libzmq's defaults (before) or the bound (ZMQ-27)",
     )
     parser.add_argument(
+        "--prefill",
+        choices=("reference", "sglang"),
+        default="reference",
+        help="the reference prefill, or SGLang 0.5.23's bootstrap server and rank answering "
+        "each transfer through SGLang's own status sockets (tests/sglang_netns_prefill.py)",
+    )
+    parser.add_argument(
         "--prefill-sysctl",
         action="append",
         default=[],
@@ -290,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         fault_s, warmup_s = 1.5, SMOKE_WARMUP_S
     print(
         f"a request every {PERIOD_S * 1000:.0f} ms; faults of {fault_s:g} s; "
-        f"{args.reps} run(s) each; the reference prefill in its own network namespace; "
-        f"transfer {args.ack_delay_ms} ms; status sockets {args.status_sockets}"
+        f"{args.reps} run(s) each; the {args.prefill} prefill in its own network namespace; "
+        f"transfer {args.ack_delay_ms} ms; status sockets "
+        f"{'SGLang' + chr(39) + 's' if args.prefill == 'sglang' else args.status_sockets}"
         + "".join(f"; {setting}" for setting in args.prefill_sysctl),
         flush=True,
     )
@@ -300,11 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         for setting in args.prefill_sysctl:
             name, _, value = setting.partition("=")
             ns.sysctl(name, int(value))
-        with NetnsPrefill(
-            ns,
-            ack_delay_ms=args.ack_delay_ms,
-            status_liveness_s=0.0 if args.status_sockets == "before" else None,
-        ) as prefill:
+        prefill: Prefill
+        if args.prefill == "sglang":
+            prefill = SGLangNetnsPrefill(ns, transfer_ms=args.ack_delay_ms)
+        else:
+            prefill = NetnsPrefill(
+                ns,
+                ack_delay_ms=args.ack_delay_ms,
+                status_liveness_s=0.0 if args.status_sockets == "before" else None,
+            )
+        with prefill:
             _run_all(ns, prefill, args.reps, faults, configs, fault_s, warmup_s, results)
     if args.reps > 1:
         print("medians:")
@@ -319,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_all(
     ns: NetNamespace,
-    prefill: NetnsPrefill,
+    prefill: Prefill,
     reps: int,
     faults: list[str],
     configs: list[str],

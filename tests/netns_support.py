@@ -251,15 +251,18 @@ class NetNamespace:
     # --- faults -------------------------------------------------------------------------------
 
     def partition(self, direction: str = "both") -> None:
-        """Drop every packet (ARP included): a cut without resets. ``direction``: ``both``;
-        ``to-ns`` (what the host sends the namespace: a decode's requests and its TCP acks of
-        the prefill's statuses) or ``from-ns`` (what the namespace sends: statuses, replies)."""
+        """Drop every IP packet: a cut without resets. ``direction``: ``both``; ``to-ns`` (what
+        the host sends the namespace: a decode's requests and its TCP acks of the prefill's
+        statuses) or ``from-ns`` (what the namespace sends: statuses, replies). ARP still
+        passes, as it does between a host and its router when a cut is further on: a neighbour
+        entry that failed makes the kernel drop a host's retransmissions before they leave,
+        which a routed network's cut never does."""
         if direction not in ("both", "to-ns", "from-ns"):
             raise ValueError(f"direction {direction!r}: both, to-ns or from-ns")
         if direction != "from-ns":
-            self._nft(f"add rule netdev {_TABLE} in drop\n")
+            self._nft(f"add rule netdev {_TABLE} in meta protocol {{ ip, ip6 }} drop\n")
         if direction != "to-ns":
-            self._host_nft(f"add rule netdev {self.name} in drop\n")
+            self._host_nft(f"add rule netdev {self.name} in meta protocol {{ ip, ip6 }} drop\n")
 
     def cut_ports(self, ports: Sequence[int]) -> None:
         """Drop TCP to and from ``ports`` of the namespace only; everything else still flows."""
@@ -442,3 +445,40 @@ class NetnsPrefill:
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self._logs, ignore_errors=True)
+
+
+class SGLangNetnsPrefill:
+    """SGLang's ``CommonKVBootstrapServer`` and one SGLang prefill rank, one process in ``ns``
+    (``tests/sglang_netns_prefill.py``): stopped and continued as a whole, or cut off. With
+    ``transfer_ms`` it answers each transfer that long after its metadata through SGLang's own
+    status sockets (a stand-in for its transfer engine: see that script)."""
+
+    def __init__(self, ns: NetNamespace, *, transfer_ms: int | None = None) -> None:
+        self.ns = ns
+        self._logs = Path(tempfile.mkdtemp(prefix="netns-sglang-"))
+        argv = [sys.executable, str(_SGLANG_SCRIPT), ns.ns_ip]
+        if transfer_ms is not None:
+            argv += ["--transfer-ms", str(transfer_ms)]
+        self._child = NamespaceProcess(ns, argv, self._logs / "sglang.log")
+        words = self._child.read_line(b"listening on").split()
+        self.addr = words[2].decode()
+        self.rank_port = int(words[3])
+
+    def hang(self) -> None:
+        self._child.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._child.signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        self._child.kill()
+        shutil.rmtree(self._logs, ignore_errors=True)
+
+    def __enter__(self) -> SGLangNetnsPrefill:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_SGLANG_SCRIPT = Path(__file__).resolve().parent / "sglang_netns_prefill.py"
