@@ -28,10 +28,12 @@ completes with Success). Configurations, in the same run:
   (:class:`~statemachine.decode.liveness_bound.LivenessBound`), with the hold-off of a silent
   bootstrap server (MGR-22).
 
-``--ack-delay-ms N`` gives the prefill a transfer time: each status leaves N ms after its
-metadata, so statuses are in flight when a partition begins (ZMQ-27); ``--status-sockets``
-runs the prefill's status sockets as they were before (``before``: libzmq's defaults) or with
-the bound (``bound``, the default). ``--prefill-sysctl name=value`` sets a kernel setting in the
+Then, unless ``--no-in-flight``, *statuses in flight* (ZMQ-27): a second prefill whose statuses
+leave 200 ms after their metadata (a transfer time), so that statuses are in flight when the cut
+begins, cut both ways and each way alone, its status sockets as they were before (libzmq's
+defaults) and with the bound, against the default decode (``bound=3s``). ``--ack-delay-ms N``
+gives the first table's prefill a transfer time too; ``--status-sockets before`` gives it
+libzmq's defaults. ``--prefill-sysctl name=value`` sets a kernel setting in the
 prefill's namespace only (its host), e.g. ``net.ipv4.tcp_rto_max_ms=1000``.
 
 Figures come from a machine shared with other work: indicative only.
@@ -74,6 +76,10 @@ AFTER_MAX_S = 15.0
 FAULTS = ("hang", "partition", "rank-cut", "replace")
 #: The one-way cuts (ZMQ-27): what the decode sends the prefill, or what the prefill sends back.
 ONE_WAY = {"partition-to-prefill": "to-ns", "partition-from-prefill": "from-ns"}
+#: The statuses-in-flight table (ZMQ-27): a transfer time, the cuts, the default bound.
+IN_FLIGHT_TRANSFER_MS = 200
+IN_FLIGHT_FAULTS = ("partition", *ONE_WAY)
+IN_FLIGHT_CONFIG = "bound=3s"
 
 
 @dataclass
@@ -288,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         "each transfer through SGLang's own status sockets (tests/sglang_netns_prefill.py)",
     )
     parser.add_argument(
+        "--no-in-flight", action="store_true", help="skip the statuses-in-flight table"
+    )
+    parser.add_argument(
         "--prefill-sysctl",
         action="append",
         default=[],
@@ -330,7 +339,50 @@ def main(argv: list[str] | None = None) -> int:
             )
         with prefill:
             _run_all(ns, prefill, args.reps, faults, configs, fault_s, warmup_s, results)
-    if args.reps > 1:
+    _print_medians(args.reps, results)
+    if not args.no_in_flight:
+        in_flight(args, fault_s, warmup_s)
+    return 0
+
+
+def in_flight(args: argparse.Namespace, fault_s: float, warmup_s: float) -> None:
+    """The statuses-in-flight table: the reference prefill's status sockets before and with the
+    bound (SGLang's own, with ``--prefill sglang``), every cut of IN_FLIGHT_FAULTS."""
+    faults = ["partition"] if args.smoke else list(IN_FLIGHT_FAULTS)
+    sockets = ["bound"] if args.smoke else ["before", "bound"]
+    if args.prefill == "sglang":
+        sockets = ["SGLang's"]
+    print(
+        f"statuses in flight: transfer {IN_FLIGHT_TRANSFER_MS} ms, faults of {fault_s:g} s, "
+        f"decode {IN_FLIGHT_CONFIG}",
+        flush=True,
+    )
+    results: dict[tuple[str, str], list[RunFigures]] = {}
+    with NetNamespace() as ns:
+        for setting in args.prefill_sysctl:
+            name, _, value = setting.partition("=")
+            ns.sysctl(name, int(value))
+        for socks in sockets:
+            prefill: Prefill
+            if args.prefill == "sglang":
+                prefill = SGLangNetnsPrefill(ns, transfer_ms=IN_FLIGHT_TRANSFER_MS)
+            else:
+                prefill = NetnsPrefill(
+                    ns,
+                    ack_delay_ms=IN_FLIGHT_TRANSFER_MS,
+                    status_liveness_s=0.0 if socks == "before" else None,
+                )
+            print(f" status sockets {socks}:", flush=True)
+            with prefill:
+                _run_all(
+                    ns, prefill, args.reps, faults, [IN_FLIGHT_CONFIG], fault_s, warmup_s, results
+                )
+            _print_medians(args.reps, results)
+            results.clear()
+
+
+def _print_medians(reps: int, results: dict[tuple[str, str], list[RunFigures]]) -> None:
+    if reps > 1:
         print("medians:")
         for (fault, config), runs in results.items():
             print(
@@ -338,7 +390,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"  first success after heal "
                 f"{_fmt(_median([r.first_success_after_heal_s for r in runs]))}"
             )
-    return 0
 
 
 def _run_all(
