@@ -6,8 +6,8 @@ with no reset (a partition), only the ranks' ports dropped while the bootstrap s
 (a rank-path cut), the whole prefill SIGKILLed and replaced behind the same bootstrap address.
 The parts are built from :class:`~statemachine.decode.liveness_bound.LivenessBound` as a user's
 one setting would build them, and the manager from that setting itself
-(``liveness_timeout_s``). Requirement IDs: ZMQ-25, HEALTH-5, HEALTH-6 (spec/zmq.md), MGR-22
-(spec/manager.md).
+(``liveness_timeout_s``). Requirement IDs: ZMQ-25, ZMQ-27 (statuses in flight at a cut, both
+ways and each way), HEALTH-5, HEALTH-6 (spec/zmq.md), MGR-22 (spec/manager.md).
 
 Detection is checked against the bound and recovery against 0.5 s, each with a margin
 (``LOAD_MARGIN_S``) for a loaded 2-core machine; the figures themselves are the benchmark's
