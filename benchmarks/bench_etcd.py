@@ -409,7 +409,7 @@ def _restart_with_in_flight(kind: str, endpoint: str) -> tuple[int, int, int, di
     from statemachine.decode.manager import DecodeManager
     from statemachine.decode_on_etcd import manager_on_etcd
     from statemachine.discovery.local_server import free_port
-    from statemachine.prefill.rank import PrefillRankProcess
+    from statemachine.prefill.rank_process import PrefillRankProcess
     from statemachine.prefill.server import BootstrapServer
 
     token = "bench-etcd"

@@ -1,13 +1,16 @@
 """Silence: how soon a stopped or cut-off prefill is found, and how soon requests succeed again.
 
-The reference prefill (bootstrap server + 2 tp ranks) runs as processes in a network namespace
-this benchmark creates (``tests/netns_support.py``; needs root, ``ip`` and ``nft``). A
-``DecodeManager`` on the host side issues a request every 20 ms through its public API
-(``receiver`` → ``init`` → ``send_metadata`` → ``poll``), and a fault lasts ``--fault-s``:
+The reference prefill (bootstrap server + 2 tp ranks), or with ``--prefill sglang`` SGLang
+0.5.23's bootstrap server and one rank (its statuses through SGLang's own status sockets, a
+stand-in answering for its transfer engine: ``tests/sglang_netns_prefill.py``), runs as
+processes in a network namespace this benchmark creates (``tests/netns_support.py``; needs
+root, ``ip`` and ``nft``). A ``DecodeManager`` on the host side issues a request every 20 ms
+through its public API (``receiver`` → ``init`` → ``send_metadata`` → ``poll``), and a fault
+lasts ``--fault-s``:
 
 * ``hang``: every prefill process SIGSTOPped, then SIGCONTed;
 * ``partition``: every packet between decode and prefill dropped both ways (no resets), then
-  let through again;
+  let through again; ``partition-to-prefill`` / ``partition-from-prefill``: one way only;
 * ``rank-cut``: only the ranks' ZMQ ports cut, the bootstrap server still answers;
 * ``replace``: every prefill process SIGKILLed and a new instance started behind the same
   bootstrap address (the "heal" is the moment it serves again).
@@ -24,6 +27,14 @@ completes with Success). Configurations, in the same run:
   part built by the manager from the one setting
   (:class:`~statemachine.decode.liveness_bound.LivenessBound`), with the hold-off of a silent
   bootstrap server (MGR-22).
+
+Then, unless ``--no-in-flight``, *statuses in flight* (ZMQ-27): a second prefill whose statuses
+leave 200 ms after their metadata (a transfer time), so that statuses are in flight when the cut
+begins, cut both ways and each way alone, its status sockets as they were before (libzmq's
+defaults) and with the bound, against the default decode (``bound=3s``). ``--ack-delay-ms N``
+gives the first table's prefill a transfer time too; ``--status-sockets before`` gives it
+libzmq's defaults. ``--prefill-sysctl name=value`` sets a kernel setting in the
+prefill's namespace only (its host), e.g. ``net.ipv4.tcp_rto_max_ms=1000``.
 
 Figures come from a machine shared with other work: indicative only.
 """
@@ -50,9 +61,11 @@ from statemachine.decode.receiver import BootstrapReceiver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from netns_support import NetNamespace, NetnsPrefill, netns_unavailable
+from netns_support import NetNamespace, NetnsPrefill, SGLangNetnsPrefill, netns_unavailable
 
-PLAN = RankPlan(tp_ranks=(0, 1))
+#: The reference prefill's two tp ranks; SGLang's (``--prefill sglang``) has one.
+PLANS = {"reference": RankPlan(tp_ranks=(0, 1)), "sglang": RankPlan(tp_ranks=(0,))}
+Prefill = NetnsPrefill | SGLangNetnsPrefill
 PERIOD_S = 0.02
 WARMUP_S = 1.0
 #: --smoke: requests flow for half a second before the fault (25 of them).
@@ -61,6 +74,12 @@ SMOKE_WARMUP_S = 0.5
 AFTER_SUCCESS_S = 0.5
 AFTER_MAX_S = 15.0
 FAULTS = ("hang", "partition", "rank-cut", "replace")
+#: The one-way cuts (ZMQ-27): what the decode sends the prefill, or what the prefill sends back.
+ONE_WAY = {"partition-to-prefill": "to-ns", "partition-from-prefill": "from-ns"}
+#: The statuses-in-flight table (ZMQ-27): a transfer time, the cuts, the default bound.
+IN_FLIGHT_TRANSFER_MS = 200
+IN_FLIGHT_FAULTS = ("partition", *ONE_WAY)
+IN_FLIGHT_CONFIG = "bound=3s"
 
 
 @dataclass
@@ -86,9 +105,10 @@ class RunFigures:
 class Load:
     """A request every ``PERIOD_S``: init and send on a pool of workers, polled by one thread."""
 
-    def __init__(self, manager: DecodeManager, addr: str) -> None:
+    def __init__(self, manager: DecodeManager, addr: str, plan: RankPlan) -> None:
         self.manager = manager
         self.addr = addr
+        self.plan = plan
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._pending: list[tuple[float, BootstrapReceiver]] = []
@@ -122,7 +142,7 @@ class Load:
     def _start_one(self, room: int) -> None:
         start = time.monotonic()
         try:
-            receiver = self.manager.receiver(self.addr, room, PLAN, prefill_dp_rank=0)
+            receiver = self.manager.receiver(self.addr, room, self.plan, prefill_dp_rank=0)
             if receiver.init(0) == KVPoll.WaitingForInput:
                 receiver.send_metadata((1, 2, 3), aux_index=0)
         except Exception as exc:
@@ -183,27 +203,34 @@ def manager_for(config: str, ack_ip: str) -> Iterator[DecodeManager]:
 
 def run_one(
     ns: NetNamespace,
-    prefill: NetnsPrefill,
+    prefill: Prefill,
     config: str,
     fault: str,
     fault_s: float,
     warmup_s: float = WARMUP_S,
 ) -> RunFigures:
-    with manager_for(config, ns.host_ip) as manager, Load(manager, prefill.addr) as load:
+    plan = PLANS["reference" if isinstance(prefill, NetnsPrefill) else "sglang"]
+    with manager_for(config, ns.host_ip) as manager, Load(manager, prefill.addr, plan) as load:
         time.sleep(warmup_s)
         fault_at = time.monotonic()
         if fault == "hang":
             prefill.hang()
         elif fault == "partition":
             ns.partition()
+        elif fault in ONE_WAY:
+            ns.partition(ONE_WAY[fault])
         elif fault == "rank-cut":
-            ns.cut_ports(prefill.rank_ports)
+            ns.cut_ports(
+                prefill.rank_ports if isinstance(prefill, NetnsPrefill) else [prefill.rank_port]
+            )
         elif fault == "replace":
+            assert isinstance(prefill, NetnsPrefill), "replace runs the reference prefill only"
             prefill.kill()
         time.sleep(fault_s)
         if fault == "hang":
             prefill.resume()
         elif fault == "replace":
+            assert isinstance(prefill, NetnsPrefill)
             prefill.start(server_port=int(prefill.addr.rsplit(":", 1)[1]))
         else:
             ns.heal()
@@ -247,6 +274,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--configs", default="before,bound=3s,bound=1s", help="comma-separated configurations"
     )
+    parser.add_argument(
+        "--ack-delay-ms",
+        type=int,
+        default=0,
+        help="the prefill's transfer time (ms)",
+    )
+    parser.add_argument(
+        "--status-sockets",
+        choices=("before", "bound"),
+        default="bound",
+        help="the prefill's status sockets: libzmq's defaults (before) or the bound (ZMQ-27)",
+    )
+    parser.add_argument(
+        "--prefill",
+        choices=("reference", "sglang"),
+        default="reference",
+        help="the reference prefill, or SGLang 0.5.23's bootstrap server and rank answering "
+        "each transfer through SGLang's own status sockets (tests/sglang_netns_prefill.py)",
+    )
+    parser.add_argument(
+        "--no-in-flight", action="store_true", help="skip the statuses-in-flight table"
+    )
+    parser.add_argument(
+        "--prefill-sysctl",
+        action="append",
+        default=[],
+        help="NAME=VALUE set in the prefill's namespace (repeatable)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     reason = netns_unavailable()
     if reason is not None:
@@ -262,24 +317,72 @@ def main(argv: list[str] | None = None) -> int:
         fault_s, warmup_s = 1.5, SMOKE_WARMUP_S
     print(
         f"a request every {PERIOD_S * 1000:.0f} ms; faults of {fault_s:g} s; "
-        f"{args.reps} run(s) each; the reference prefill in its own network namespace",
+        f"{args.reps} run(s) each; the {args.prefill} prefill in its own network namespace; "
+        f"transfer {args.ack_delay_ms} ms; status sockets "
+        f"{'SGLang' + chr(39) + 's' if args.prefill == 'sglang' else args.status_sockets}"
+        + "".join(f"; {setting}" for setting in args.prefill_sysctl),
         flush=True,
     )
     results: dict[tuple[str, str], list[RunFigures]] = {}
-    with NetNamespace() as ns, NetnsPrefill(ns) as prefill:
-        for _ in range(args.reps):
-            for fault in faults:
-                for config in configs:  # interleaved: a slow moment hits every configuration
-                    figures = run_one(ns, prefill, config, fault, fault_s, warmup_s)
-                    results.setdefault((fault, config), []).append(figures)
-                    print(
-                        f"  {fault:9} {config:9} detection {_fmt(figures.detection_s)}  "
-                        f"failed {figures.failed:4}  longest wait {figures.longest_wait_s:6.2f} s  "
-                        f"first success after heal {_fmt(figures.first_success_after_heal_s)}  "
-                        f"({figures.requests} requests; {figures.errors})",
-                        flush=True,
-                    )
-    if args.reps > 1:
+    with NetNamespace() as ns:
+        for setting in args.prefill_sysctl:
+            name, _, value = setting.partition("=")
+            ns.sysctl(name, int(value))
+        prefill: Prefill
+        if args.prefill == "sglang":
+            prefill = SGLangNetnsPrefill(ns, transfer_ms=args.ack_delay_ms)
+        else:
+            prefill = NetnsPrefill(
+                ns,
+                ack_delay_ms=args.ack_delay_ms,
+                status_liveness_s=0.0 if args.status_sockets == "before" else None,
+            )
+        with prefill:
+            _run_all(ns, prefill, args.reps, faults, configs, fault_s, warmup_s, results)
+    _print_medians(args.reps, results)
+    if not args.no_in_flight:
+        in_flight(args, fault_s, warmup_s)
+    return 0
+
+
+def in_flight(args: argparse.Namespace, fault_s: float, warmup_s: float) -> None:
+    """The statuses-in-flight table: the reference prefill's status sockets before and with the
+    bound (SGLang's own, with ``--prefill sglang``), every cut of IN_FLIGHT_FAULTS."""
+    faults = ["partition"] if args.smoke else list(IN_FLIGHT_FAULTS)
+    sockets = ["bound"] if args.smoke else ["before", "bound"]
+    if args.prefill == "sglang":
+        sockets = ["SGLang's"]
+    print(
+        f"statuses in flight: transfer {IN_FLIGHT_TRANSFER_MS} ms, faults of {fault_s:g} s, "
+        f"decode {IN_FLIGHT_CONFIG}",
+        flush=True,
+    )
+    results: dict[tuple[str, str], list[RunFigures]] = {}
+    with NetNamespace() as ns:
+        for setting in args.prefill_sysctl:
+            name, _, value = setting.partition("=")
+            ns.sysctl(name, int(value))
+        for socks in sockets:
+            prefill: Prefill
+            if args.prefill == "sglang":
+                prefill = SGLangNetnsPrefill(ns, transfer_ms=IN_FLIGHT_TRANSFER_MS)
+            else:
+                prefill = NetnsPrefill(
+                    ns,
+                    ack_delay_ms=IN_FLIGHT_TRANSFER_MS,
+                    status_liveness_s=0.0 if socks == "before" else None,
+                )
+            print(f" status sockets {socks}:", flush=True)
+            with prefill:
+                _run_all(
+                    ns, prefill, args.reps, faults, [IN_FLIGHT_CONFIG], fault_s, warmup_s, results
+                )
+            _print_medians(args.reps, results)
+            results.clear()
+
+
+def _print_medians(reps: int, results: dict[tuple[str, str], list[RunFigures]]) -> None:
+    if reps > 1:
         print("medians:")
         for (fault, config), runs in results.items():
             print(
@@ -287,7 +390,30 @@ def main(argv: list[str] | None = None) -> int:
                 f"  first success after heal "
                 f"{_fmt(_median([r.first_success_after_heal_s for r in runs]))}"
             )
-    return 0
+
+
+def _run_all(
+    ns: NetNamespace,
+    prefill: Prefill,
+    reps: int,
+    faults: list[str],
+    configs: list[str],
+    fault_s: float,
+    warmup_s: float,
+    results: dict[tuple[str, str], list[RunFigures]],
+) -> None:
+    for _ in range(reps):
+        for fault in faults:
+            for config in configs:  # interleaved: a slow moment hits every configuration
+                figures = run_one(ns, prefill, config, fault, fault_s, warmup_s)
+                results.setdefault((fault, config), []).append(figures)
+                print(
+                    f"  {fault:9} {config:9} detection {_fmt(figures.detection_s)}  "
+                    f"failed {figures.failed:4}  longest wait {figures.longest_wait_s:6.2f} s  "
+                    f"first success after heal {_fmt(figures.first_success_after_heal_s)}  "
+                    f"({figures.requests} requests; {figures.errors})",
+                    flush=True,
+                )
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -43,7 +43,7 @@ from statemachine.demo.baselines import manager_class
 from statemachine.demo.modes import OURS, PRESETS, SGLANG, ModeConfig
 from statemachine.demo.report import build_report
 from statemachine.demo.run import DemoConfig, RunResult, run_demo
-from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 
 _TOKEN = "bench-recovery"

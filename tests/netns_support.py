@@ -4,10 +4,14 @@ without resets, a prefill stopped, a rank path cut alone.
 :class:`NetNamespace` creates a namespace with a veth pair to the host side. Its two addresses
 come from a /30 of ``10.213.0.0/16`` that no interface or route of this machine uses, so every
 packet the tests send stays on that pair; everything is removed on exit (deleting the namespace
-deletes the veth pair), also when the body fails. Faults are nftables rules in the namespace,
-on the namespace's end of the pair (``netdev`` family, ``ingress`` and ``egress`` hooks): a rule
-that drops a packet answers nothing, so the decode sees silence, never a reset. (This kernel
-kind has no ``netem`` qdisc and no ``tc`` drop action; nftables' hooks are built in.)
+deletes the veth pair), also when the body fails. Faults are nftables rules on the *receiving*
+end of the pair (``netdev`` family, ``ingress`` hook): what the host sends is dropped as it
+enters the namespace, what the namespace sends as it reaches the host, so a rule that drops a
+packet answers nothing and the sender sees silence, never a reset. Never at the sender's own
+``egress``: a packet dropped there fails its send locally, and TCP then retries every 0.5 s
+without back-off, which a cut somewhere on the network never does (measured: statuses in flight
+at a both-ways cut healed 0.4 s after it, against 6.4 s when only the acks were dropped). (This
+kernel kind has no ``netem`` qdisc and no ``tc`` drop action; nftables' hooks are built in.)
 
 :class:`NetnsPrefill` runs the reference prefill inside it as processes (``ip netns exec``):
 the bootstrap server and two tp ranks, which a test can stop (SIGSTOP) and continue, or kill
@@ -50,7 +54,7 @@ _serial = itertools.count()
 def netns_unavailable() -> str | None:
     """Why namespace tests cannot run here (a skip reason), or None if they can: root, the
     tools, and one namespace with its veth pair and fault table actually made and removed (a
-    container without CAP_NET_ADMIN, or a kernel without nftables' egress hook, fails there)."""
+    container without CAP_NET_ADMIN, or a kernel without nftables' netdev family, fails there)."""
     if not sys.platform.startswith("linux"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
@@ -117,15 +121,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _stale(name: str) -> bool:
+    """A namespace's or table's name made by a test process that is gone."""
+    if not name.startswith(PREFIX):
+        return False
+    pid_text = name[len(PREFIX) :].split("x")[0]
+    return pid_text.isdigit() and not _pid_alive(int(pid_text))
+
+
 def remove_stale_namespaces() -> None:
-    """Delete namespaces left by a test process that died without cleaning up (SIGKILL)."""
+    """Delete namespaces (and the host's fault tables) left by a test process that died without
+    cleaning up (SIGKILL)."""
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        if not name.startswith(PREFIX):
-            continue
-        pid_text = name[len(PREFIX) :].split("x")[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if _stale(name):
             _run("ip", "netns", "del", name, check=False)
+    for line in _run("nft", "list", "tables", "netdev", check=False).stdout.splitlines():
+        words = line.split()  # "table netdev NAME"
+        if len(words) == 3 and _stale(words[2]):
+            _run("nft", "delete", "table", "netdev", words[2], check=False)
 
 
 class NetNamespace:
@@ -146,6 +160,7 @@ class NetNamespace:
         self.host_ip = ""
         self.ns_ip = ""
         self._created = False
+        self._host_table = False
         self._blackhole = ""
 
     def __enter__(self) -> NetNamespace:
@@ -180,15 +195,25 @@ class NetNamespace:
         self._nft(
             f"table netdev {_TABLE} {{\n"
             f'  chain in {{ type filter hook ingress device "{self.ns_if}" priority 0; }}\n'
-            f'  chain out {{ type filter hook egress device "{self.ns_if}" priority 0; }}\n'
             "}\n"
         )
+        # What the namespace sends is dropped where it reaches the host (the host's end of the
+        # pair, in the host's namespace): a table per namespace, named like it.
+        self._host_nft(
+            f"table netdev {self.name} {{\n"
+            f'  chain in {{ type filter hook ingress device "{self.host_if}" priority 0; }}\n'
+            "}\n"
+        )
+        self._host_table = True
 
     def close(self) -> None:
         """Delete the namespace (and with it both ends of the veth pair)."""
         if self._created:
             _run("ip", "netns", "del", self.name, check=False)
             self._created = False
+        if self._host_table:
+            _run("nft", "delete", "table", "netdev", self.name, check=False)
+            self._host_table = False
         if _run("ip", "link", "show", self.host_if, check=False).returncode == 0:
             _run("ip", "link", "del", self.host_if, check=False)
         if self._blackhole:
@@ -203,8 +228,17 @@ class NetNamespace:
         return ["ip", "netns", "exec", self.name, *argv]
 
     def _nft(self, script: str) -> None:
+        """Run an nft script in the namespace."""
+        self._nft_in(self.command(["nft", "-f", "-"]), script)
+
+    def _host_nft(self, script: str) -> None:
+        """Run an nft script in the host's namespace (its tables named after this namespace)."""
+        self._nft_in(["nft", "-f", "-"], script)
+
+    @staticmethod
+    def _nft_in(argv: list[str], script: str) -> None:
         result = subprocess.run(
-            self.command(["nft", "-f", "-"]),
+            argv,
             input=script,
             capture_output=True,
             text=True,
@@ -216,21 +250,37 @@ class NetNamespace:
 
     # --- faults -------------------------------------------------------------------------------
 
-    def partition(self) -> None:
-        """Drop every packet both ways (ARP included): a cut without resets."""
-        self._nft(f"add rule netdev {_TABLE} in drop\nadd rule netdev {_TABLE} out drop\n")
+    def partition(self, direction: str = "both") -> None:
+        """Drop every IP packet: a cut without resets. ``direction``: ``both``; ``to-ns`` (what
+        the host sends the namespace: a decode's requests and its TCP acks of the prefill's
+        statuses) or ``from-ns`` (what the namespace sends: statuses, replies). ARP still
+        passes, as it does between a host and its router when a cut is further on: a neighbour
+        entry that failed makes the kernel drop a host's retransmissions before they leave,
+        which a routed network's cut never does."""
+        if direction not in ("both", "to-ns", "from-ns"):
+            raise ValueError(f"direction {direction!r}: both, to-ns or from-ns")
+        if direction != "from-ns":
+            self._nft(f"add rule netdev {_TABLE} in meta protocol {{ ip, ip6 }} drop\n")
+        if direction != "to-ns":
+            self._host_nft(f"add rule netdev {self.name} in meta protocol {{ ip, ip6 }} drop\n")
 
     def cut_ports(self, ports: Sequence[int]) -> None:
         """Drop TCP to and from ``ports`` of the namespace only; everything else still flows."""
         listed = ", ".join(str(port) for port in ports)
-        self._nft(
-            f"add rule netdev {_TABLE} in meta l4proto tcp tcp dport {{ {listed} }} drop\n"
-            f"add rule netdev {_TABLE} out meta l4proto tcp tcp sport {{ {listed} }} drop\n"
+        self._nft(f"add rule netdev {_TABLE} in meta l4proto tcp tcp dport {{ {listed} }} drop\n")
+        self._host_nft(
+            f"add rule netdev {self.name} in meta l4proto tcp tcp sport {{ {listed} }} drop\n"
         )
+
+    def sysctl(self, name: str, value: int) -> None:
+        """Set a per-namespace kernel setting (``net.ipv4.tcp_*``) inside the namespace only:
+        what an operator would set on the prefill's host."""
+        self.exec("sysctl", "-q", "-w", f"{name}={value}")
 
     def heal(self) -> None:
         """Remove every fault rule."""
-        self._nft(f"flush chain netdev {_TABLE} in\nflush chain netdev {_TABLE} out\n")
+        self._nft(f"flush chain netdev {_TABLE} in\n")
+        self._host_nft(f"flush chain netdev {self.name} in\n")
 
 
 class NamespaceProcess:
@@ -295,10 +345,20 @@ class NetnsPrefill:
     ranks' ZMQ ports. Use as a context manager: every process is killed on exit.
     """
 
-    def __init__(self, ns: NetNamespace, *, tp: int = 2, ack_delay_ms: int = 0) -> None:
+    def __init__(
+        self,
+        ns: NetNamespace,
+        *,
+        tp: int = 2,
+        ack_delay_ms: int = 0,
+        status_liveness_s: float | None = None,
+    ) -> None:
         self.ns = ns
         self.tp = tp
         self.ack_delay_ms = ack_delay_ms
+        #: the ranks' ``--liveness-timeout-s`` (None: their default; 0: libzmq's defaults, the
+        #: status sockets as they were before ZMQ-26)
+        self.status_liveness_s = status_liveness_s
         self.addr = ""
         self.instance_id = ""
         self.rank_ports: list[int] = []
@@ -336,6 +396,11 @@ class NetnsPrefill:
                     *("--bootstrap", self.addr, "--host", self.ns.ns_ip),
                     *("--tp-rank", str(tp_rank), "--tp-size", str(self.tp)),
                     *("--ack-delay-ms", str(self.ack_delay_ms)),
+                    *(
+                        ()
+                        if self.status_liveness_s is None
+                        else ("--liveness-timeout-s", str(self.status_liveness_s))
+                    ),
                 ],
                 f"rank{tp_rank}",
             )
@@ -380,3 +445,40 @@ class NetnsPrefill:
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self._logs, ignore_errors=True)
+
+
+class SGLangNetnsPrefill:
+    """SGLang's ``CommonKVBootstrapServer`` and one SGLang prefill rank, one process in ``ns``
+    (``tests/sglang_netns_prefill.py``): stopped and continued as a whole, or cut off. With
+    ``transfer_ms`` it answers each transfer that long after its metadata through SGLang's own
+    status sockets (a stand-in for its transfer engine: see that script)."""
+
+    def __init__(self, ns: NetNamespace, *, transfer_ms: int | None = None) -> None:
+        self.ns = ns
+        self._logs = Path(tempfile.mkdtemp(prefix="netns-sglang-"))
+        argv = [sys.executable, str(_SGLANG_SCRIPT), ns.ns_ip]
+        if transfer_ms is not None:
+            argv += ["--transfer-ms", str(transfer_ms)]
+        self._child = NamespaceProcess(ns, argv, self._logs / "sglang.log")
+        words = self._child.read_line(b"listening on").split()
+        self.addr = words[2].decode()
+        self.rank_port = int(words[3])
+
+    def hang(self) -> None:
+        self._child.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._child.signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        self._child.kill()
+        shutil.rmtree(self._logs, ignore_errors=True)
+
+    def __enter__(self) -> SGLangNetnsPrefill:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_SGLANG_SCRIPT = Path(__file__).resolve().parent / "sglang_netns_prefill.py"

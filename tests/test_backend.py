@@ -26,7 +26,7 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import ConfigurationError, MalformedFrames
 from statemachine.pool import RankInfo
-from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from statemachine.wire.metadata import MetadataRequest, pack_int_lists, unpack_int_lists
 from statemachine.wire.reference import (

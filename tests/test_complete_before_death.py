@@ -22,7 +22,7 @@ from test_receiver import PLAN, TOKEN, TP, Prefill, stop_prefill
 
 from statemachine.completion import KVPoll
 from statemachine.errors import RankDead
-from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 
 #: When the surviving rank reports, after the metadata: past the kill's evidence (which the

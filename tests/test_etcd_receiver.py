@@ -30,7 +30,7 @@ from statemachine.demo.baselines import FetchPerMissManager, UnmonitoredTranspor
 from statemachine.discovery.etcd_source import EtcdBootstrapSource
 from statemachine.errors import NotReady, PeerLost, RankRetired
 from statemachine.pool import PoolKey
-from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.validation import RouteReply
 from tests.etcd_support import EtcdServer, free_port, running_etcd, wait_until
 from tests.zmq_support import VerdictRecorder

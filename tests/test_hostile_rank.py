@@ -16,7 +16,7 @@ from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import PrefillRankStartFailed
 from statemachine.pool import Generation, RankInfo
-from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import SimpleBackend

@@ -18,7 +18,7 @@ from typing import Any
 from test_receiver import TOKEN, Prefill, stop_prefill
 
 from statemachine.errors import BootstrapError
-from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "integration.md"

@@ -6,8 +6,8 @@ with no reset (a partition), only the ranks' ports dropped while the bootstrap s
 (a rank-path cut), the whole prefill SIGKILLed and replaced behind the same bootstrap address.
 The parts are built from :class:`~statemachine.decode.liveness_bound.LivenessBound` as a user's
 one setting would build them, and the manager from that setting itself
-(``liveness_timeout_s``). Requirement IDs: ZMQ-25, HEALTH-5, HEALTH-6 (spec/zmq.md), MGR-22
-(spec/manager.md).
+(``liveness_timeout_s``). Requirement IDs: ZMQ-25, ZMQ-27 (statuses in flight at a cut, both
+ways and each way), HEALTH-5, HEALTH-6 (spec/zmq.md), MGR-22 (spec/manager.md).
 
 Detection is checked against the bound and recovery against 0.5 s, each with a margin
 (``LOAD_MARGIN_S``) for a loaded 2-core machine; the figures themselves are the benchmark's
@@ -356,3 +356,103 @@ def test_zmq25_a_replacement_behind_the_same_bootstrap_address_is_seen_as_a_rest
         assert wait_for(lambda: bool(restarts), 5.0)
     assert restarts[0] == (old_instance, prefill.instance_id) and old_instance != restarts[0][1]
     assert first_send_after(transport, prefill.rank_endpoints, replaced) <= RECOVERY_S + 1.0
+
+
+#: The in-flight prefill's transfer time: each status leaves this long after its metadata, so
+#: the statuses of the requests waiting at a cut are sent into it (ZMQ-27; longer than the
+#: nft call that makes the cut takes on a loaded machine).
+TRANSFER_MS = 400
+#: Longer than the prefill's default bound (3 s: its status connection is dropped within
+#: 2.25 s), and past TCP's fourth retransmission of a status sent at the cut (0.2 + 0.4 + 0.8
+#: + 1.6 s): without the bound, the fifth comes about 2.7 s after the heal.
+IN_FLIGHT_CUT_S = 3.5
+
+
+@pytest.fixture(scope="module")
+def transferring_prefill(ns: NetNamespace) -> Iterator[NetnsPrefill]:
+    """A prefill whose statuses leave ``TRANSFER_MS`` after the metadata, its status sockets at
+    the default bound."""
+    with NetnsPrefill(ns, ack_delay_ms=TRANSFER_MS) as instance:
+        yield instance
+
+
+@pytest.fixture(scope="module")
+def unbounded_prefill(ns: NetNamespace) -> Iterator[NetnsPrefill]:
+    """The same with its status sockets as they were before ZMQ-27 (libzmq's defaults)."""
+    with NetnsPrefill(ns, ack_delay_ms=TRANSFER_MS, status_liveness_s=0) as instance:
+        yield instance
+
+
+def first_success_after(
+    receiver_for: Callable[[int], BootstrapReceiver], rooms: Iterator[int], since: float
+) -> float:
+    """A request every 20 ms from ``since`` (as a decode under load sends them) until one
+    completes with Success; the seconds from ``since`` to that success."""
+    pending: list[BootstrapReceiver] = []
+    deadline = since + 15.0
+    next_start = time.monotonic()
+    while time.monotonic() < deadline:
+        if time.monotonic() >= next_start:
+            next_start += 0.02
+            receiver = receiver_for(next(rooms))
+            if receiver.init() == KVPoll.WaitingForInput:
+                receiver.send_metadata((1, 2, 3), aux_index=0)
+                pending.append(receiver)
+        for receiver in pending:
+            if receiver.poll() == KVPoll.Success:
+                return time.monotonic() - since
+        pending = [r for r in pending if r.poll() != KVPoll.Failed]
+        time.sleep(0.005)
+    raise AssertionError("no request succeeded within 15 s of the heal")
+
+
+def statuses_in_flight_at_a_cut(ns: NetNamespace, prefill: NetnsPrefill, direction: str) -> float:
+    """Requests waiting for their transfer when the cut begins, so that their statuses are sent
+    into it and retransmitted with TCP's back-off; the cut held ``IN_FLIGHT_CUT_S``; the
+    seconds from the heal to the first request served after it."""
+    rooms = itertools.count(1)
+    with DecodeManager(ack_ip=ns.host_ip, liveness_timeout_s=BOUND.liveness_timeout_s) as manager:
+        requests = reference_requests(manager, prefill)
+        first_success_after(requests, rooms, time.monotonic())  # the status connection is up
+        waiting = []
+        for _ in range(4):
+            receiver = requests(next(rooms))
+            assert receiver.init() == KVPoll.WaitingForInput
+            assert receiver.send_metadata((1, 2, 3), aux_index=0) == KVPoll.Transferring
+            waiting.append(receiver)
+        cut = time.monotonic()
+        ns.partition(direction)
+        try:
+            # Every one failed (none Success): their statuses were sent into the cut.
+            assert wait_for(lambda: all(r.poll() == KVPoll.Failed for r in waiting), 10.0), [
+                (r.poll(), r.failure) for r in waiting
+            ]
+            time.sleep(max(0.0, cut + IN_FLIGHT_CUT_S - time.monotonic()))
+        finally:
+            ns.heal()
+        return first_success_after(requests, rooms, time.monotonic())
+
+
+@pytest.mark.parametrize("direction", ["both", "to-ns", "from-ns"])
+def test_zmq27_statuses_in_flight_at_a_cut_do_not_hold_back_the_statuses_after_it(
+    ns: NetNamespace, transferring_prefill: NetnsPrefill, direction: str
+) -> None:
+    """Requests waiting for their transfer when every packet is dropped, both ways or one way
+    (``to-ns``: the decode's packets, its TCP acks of the statuses among them; ``from-ns``: the
+    prefill's): their statuses are sent into the cut and retransmitted with TCP's back-off.
+    The prefill's status connection is dropped and redialled within its bound, so after the
+    heal the first request is served within the recovery goal plus its transfer time, not when
+    the old connection's next retransmission gets through."""
+    recovery = statuses_in_flight_at_a_cut(ns, transferring_prefill, direction)
+    assert recovery <= RECOVERY_S + TRANSFER_MS / 1000 + LOAD_MARGIN_S, recovery
+
+
+def test_zmq27_control_without_the_bound_the_statuses_after_a_cut_wait_for_a_retransmission(
+    ns: NetNamespace, unbounded_prefill: NetnsPrefill
+) -> None:
+    """The control of the test above: the same cut (both ways) against status sockets with
+    libzmq's defaults holds the first success back until the old connection's next
+    retransmission gets through, seconds after the heal (the fifth, about 6.2 s after the
+    status was first sent: 2.7 s or more after a 3.5 s cut)."""
+    recovery = statuses_in_flight_at_a_cut(ns, unbounded_prefill, "both")
+    assert recovery > RECOVERY_S + TRANSFER_MS / 1000 + LOAD_MARGIN_S, recovery

@@ -7,16 +7,11 @@ the test creates, stopped or cut off in front of a manager (root; skipped elsewh
 
 from __future__ import annotations
 
-import shutil
-import signal
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-from netns_support import NamespaceProcess, NetNamespace, netns_unavailable
+from netns_support import NetNamespace, SGLangNetnsPrefill, netns_unavailable
 from sglang_support import requires_sglang, sglang_bootstrap_server, sglang_prefill_rank
 from test_liveness_netns import BOUND as NETNS_BOUND
 from test_liveness_netns import silence_through_manager
@@ -69,41 +64,13 @@ def test_zmq25_sglang_prefill_answers_the_heartbeats_and_its_server_the_probes()
 # --- SGLang's bootstrap server and prefill rank in a network namespace (MGR-22, ZMQ-25) ---------
 
 
-class SGLangPrefillInNamespace:
-    """SGLang's ``CommonKVBootstrapServer`` and one SGLang prefill rank, one process in ``ns``
-    (``tests/sglang_netns_prefill.py``): stopped and continued as a whole, or cut off."""
-
-    def __init__(self, ns: NetNamespace) -> None:
-        self.ns = ns
-        self._logs = Path(tempfile.mkdtemp(prefix="netns-sglang-"))
-        self._child = NamespaceProcess(
-            ns, [sys.executable, str(_SCRIPT), ns.ns_ip], self._logs / "sglang.log"
-        )
-        words = self._child.read_line(b"listening on").split()
-        self.addr = words[2].decode()
-        self.rank_port = int(words[3])
-
-    def hang(self) -> None:
-        self._child.signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self._child.signal(signal.SIGCONT)
-
-    def close(self) -> None:
-        self._child.kill()
-        shutil.rmtree(self._logs, ignore_errors=True)
-
-
-_SCRIPT = Path(__file__).resolve().parent / "sglang_netns_prefill.py"
-
-
 @pytest.fixture(scope="module")
-def sglang_in_ns() -> Iterator[tuple[NetNamespace, SGLangPrefillInNamespace]]:
+def sglang_in_ns() -> Iterator[tuple[NetNamespace, SGLangNetnsPrefill]]:
     reason = netns_unavailable()
     if reason is not None:
         pytest.skip(f"network namespaces: {reason}")
     with NetNamespace() as ns:
-        prefill = SGLangPrefillInNamespace(ns)
+        prefill = SGLangNetnsPrefill(ns)
         try:
             yield ns, prefill
         finally:
@@ -112,7 +79,7 @@ def sglang_in_ns() -> Iterator[tuple[NetNamespace, SGLangPrefillInNamespace]]:
 
 @pytest.mark.parametrize("fault", ["hang", "partition", "rank-cut"])
 def test_mgr22_sglang_prefill_silent_fails_requests_typed_and_heals_at_once(
-    sglang_in_ns: tuple[NetNamespace, SGLangPrefillInNamespace], fault: str
+    sglang_in_ns: tuple[NetNamespace, SGLangNetnsPrefill], fault: str
 ) -> None:
     """SGLang 0.5.23's bootstrap server and rank, stopped (SIGSTOP, SIGCONT), cut off without
     resets, or cut on the rank's port alone, in front of a manager built from

@@ -56,7 +56,7 @@ from statemachine.errors import (
     WaitingTimeout,
 )
 from statemachine.pool import BootstrapPool, PoolKey, RankInfo
-from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
 from statemachine.validation import Topology
@@ -617,7 +617,7 @@ def test_mgr_4_external_completion_for_engines_that_report_it() -> None:
     server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
     prefill = Prefill(server)
     try:
-        from statemachine.prefill.rank import PrefillRankProcess
+        from statemachine.prefill.rank_process import PrefillRankProcess
 
         for tp_rank in range(TP):
             rank = PrefillRankProcess(server.address, TOKEN, tp_rank=tp_rank, tp_size=TP)

@@ -385,7 +385,7 @@ def test_plan_5_decode_rank_1_of_a_smaller_tp_pulls_its_own_prefill_ranks(
     completing the room (MLA: rank 3 is a dummy, one response). Catches a span that starts at
     the decode rank instead of rank x span, and a key named by the decode rank: for rank 0
     both coincide with the right answer."""
-    from statemachine.prefill.rank import PrefillRankProcess
+    from statemachine.prefill.rank_process import PrefillRankProcess
 
     server = BootstrapServer("127.0.0.1", 0, token=TOKEN).start()
     ranks = [PrefillRankProcess(server.address, TOKEN, tp_rank=tp, tp_size=4) for tp in range(4)]

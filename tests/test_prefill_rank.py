@@ -9,15 +9,24 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import zmq
 from zmq_support import LOOPBACK, AckRecorder, first_send_failure
 
+from statemachine.decode import liveness_bound
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import PrefillRankStartFailed
 from statemachine.pool import Generation, RankInfo
-from statemachine.prefill.rank import PrefillRankProcess, parse_args
+from statemachine.prefill.rank import parse_args
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
+from statemachine.prefill.status_sender import (
+    DEFAULT_LIVENESS_TIMEOUT_S,
+    RECONNECT_ATTEMPT_MS,
+    AckSender,
+    StatusSocketOptions,
+)
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import SimpleBackend
 
@@ -186,9 +195,64 @@ def test_zmq13_wrong_token_fails_start_with_a_typed_error(server: BootstrapServe
         ["--pp-size", "0"],
         ["--ack-delay-ms", "-1"],
         ["--tp-rank", "x"],
+        ["--liveness-timeout-s", "0.2"],
+        ["--liveness-timeout-s", "-1"],
     ],
 )
 def test_zmq13_bad_arguments_are_rejected(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         parse_args(["--bootstrap", "127.0.0.1:1", "--token", "t", *argv])
     assert caught.value.code == 2
+
+
+def test_zmq27_the_status_sockets_bound_is_the_decodes_default_and_derived_as_its_own() -> None:
+    """The reference prefill may not import the decode side, so it keeps the two constants of
+    the one bound itself: they must stay the decode's."""
+    assert DEFAULT_LIVENESS_TIMEOUT_S == liveness_bound.DEFAULT_LIVENESS_TIMEOUT_S
+    assert RECONNECT_ATTEMPT_MS == liveness_bound.RECONNECT_ATTEMPT_MS
+    ours = StatusSocketOptions.from_bound(DEFAULT_LIVENESS_TIMEOUT_S)
+    decodes = liveness_bound.LivenessBound.from_timeout(DEFAULT_LIVENESS_TIMEOUT_S)
+    assert (ours.heartbeat_ivl_ms, ours.heartbeat_timeout_ms, ours.heartbeat_ttl_ms) == (
+        decodes.heartbeat_ivl_ms,
+        decodes.heartbeat_timeout_ms,
+        decodes.heartbeat_ttl_ms,
+    )
+    assert parse_args(["--bootstrap", "127.0.0.1:1", "--token", "t"]).liveness_timeout_s == 3.0
+
+
+@pytest.mark.parametrize("bound", [0, 1.0])
+def test_zmq27_a_status_socket_carries_the_bounds_options_or_libzmqs_defaults(
+    acks: AckListener, bound: float
+) -> None:
+    """What libzmq reads back from the socket an ack leaves through: the bound's heartbeats,
+    ``TCP_MAXRT`` and reconnect timing, or (``--liveness-timeout-s 0``) libzmq's defaults. The
+    behaviour across a real cut is tests/test_liveness_netns.py's ``test_zmq27_*``."""
+    options = StatusSocketOptions.from_bound(bound) if bound else None
+    counts = {"acks_sent": 0, "ack_failures": 0}
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sender = AckSender(context, counts, 1000, options)
+    try:
+        sender.send(acks.endpoint, [b"ack", b"1", b"0", b"0"])
+        (sock,) = [peer.socket for peer in sender._peers.values()]
+        read = {
+            name: sock.getsockopt(getattr(zmq, name))
+            for name in ("HEARTBEAT_IVL", "HEARTBEAT_TIMEOUT", "TCP_MAXRT", "CONNECT_TIMEOUT")
+        }
+        if options is None:
+            assert read == {
+                "HEARTBEAT_IVL": 0,
+                "HEARTBEAT_TIMEOUT": -1,
+                "TCP_MAXRT": 0,
+                "CONNECT_TIMEOUT": 0,
+            }
+        else:
+            assert read == {
+                "HEARTBEAT_IVL": 250,
+                "HEARTBEAT_TIMEOUT": 500,
+                "TCP_MAXRT": 1000,
+                "CONNECT_TIMEOUT": RECONNECT_ATTEMPT_MS,
+            }
+            assert sock.getsockopt(zmq.RECONNECT_IVL_MAX) == RECONNECT_ATTEMPT_MS
+    finally:
+        sender.close()
+        context.term()

@@ -35,7 +35,7 @@ from statemachine.errors import (
     WaitingTimeout,
 )
 from statemachine.pool import BootstrapPool, PoolKey, RankInfo
-from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from statemachine.wire.reference import SimpleBackend
 

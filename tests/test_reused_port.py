@@ -37,11 +37,8 @@ from statemachine.errors import ConfigurationError, PrefillRankStartFailed, Wait
 from statemachine.model.validate import main as validate_main
 from statemachine.model.validate import read_trace, validate
 from statemachine.pool import RankInfo
-from statemachine.prefill.rank import (
-    PrefillRankProcess,
-    _Rank,
-    parse_args,
-)
+from statemachine.prefill.rank import _Rank, parse_args
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import (

@@ -24,7 +24,7 @@ from test_receiver import TOKEN, Prefill, finish, stop_prefill
 from statemachine.completion import KVPoll
 from statemachine.decode.plan import DecodeLayout
 from statemachine.errors import TopologyMismatch
-from statemachine.prefill.rank import PrefillRankProcess
+from statemachine.prefill.rank_process import PrefillRankProcess
 from statemachine.prefill.server import BootstrapServer
 from tests.etcd_support import EtcdServer, free_port
 

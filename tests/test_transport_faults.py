@@ -302,7 +302,7 @@ def test_zmq20_fds_threads_and_sockets_stay_flat_over_real_restarts() -> None:
     first (issue 8 measured +29 sockets and fds over 30 restarts before)."""
     from statemachine.decode.ranks.transport import generation_endpoints
     from statemachine.pool import Generation, RankInfo
-    from statemachine.prefill.rank import PrefillRankProcess
+    from statemachine.prefill.rank_process import PrefillRankProcess
     from statemachine.prefill.server import BootstrapServer
     from statemachine.wire.metadata import MetadataRequest
     from statemachine.wire.reference import SimpleBackend
@@ -413,7 +413,7 @@ def test_zmq19_a_dead_decode_does_not_delay_acks_to_a_live_one() -> None:
     the first fails on the monitor's verdict and the others at once."""
     from statemachine.decode.ranks.acks import AckListener
     from statemachine.pool import Generation, RankInfo
-    from statemachine.prefill.rank import PrefillRankProcess
+    from statemachine.prefill.rank_process import PrefillRankProcess
     from statemachine.prefill.server import BootstrapServer
     from statemachine.wire.metadata import MetadataRequest
     from statemachine.wire.reference import SimpleBackend

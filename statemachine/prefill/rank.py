@@ -2,13 +2,14 @@
 
 ``python -m statemachine.prefill.rank --bootstrap 127.0.0.1:PORT --token T --tp-rank 0
 --tp-size 2 [--pp-rank 0 --pp-size 1 --dp-rank 0 --dp-size 1 --cp-rank 0 --cp-size 1]
-[--ack-delay-ms 0] [--port N]``
+[--ack-delay-ms 0] [--liveness-timeout-s 3] [--port N]``
 
 Like an SGLang prefill rank it binds one ``PULL`` socket on an ephemeral port of 127.0.0.1 (its
 ``rank_port``: a restart gets a new one; ``--port`` binds a given one instead, as a new process
 that happens to get a dead rank's port number does), registers it with the bootstrap server by
-``PUT /route`` (:func:`statemachine.prefill.registration.register_rank`, SGLang's retry policy),
-keeps the instance id of the server's reply as its own, then prints ``READY <port>`` and serves the
+``PUT /route`` (:func:`statemachine.prefill.registration.register_rank`, SGLang's retry
+policy), keeps the instance id of the server's reply as its own, then prints ``READY <port>``
+and serves the
 :class:`~statemachine.wire.reference.SimpleBackend` messages (ZMQ-13):
 
 * *register*: remember the decode session (by session id; bounded, oldest forgotten first);
@@ -40,37 +41,37 @@ never did. A message without the frame (a decode that names no instance), or any
 the rank knows no instance id of its own (the server sent none), is served as before.
 
 Delayed acks wait in a heap, so a slow prefill still receives and counts messages on time.
-Acks leave through :class:`AckSender`: one queue and one non-blocking ``PUSH`` socket per
-decode peer, flushed when the poller says the socket is writable, so a dead decode never
-delays the acks of a live one (ACK-1; before, each ack to a dead decode blocked the rank for
-``SNDTIMEO`` and ten of them held a live decode's ack back 10 s). An ack not sent within
-``--ack-send-timeout-ms`` (or pushed out of a full queue) is dropped and counted in
-``ack_failures``.
+Acks leave through :class:`~statemachine.prefill.status_sender.AckSender`: one queue and one
+non-blocking ``PUSH`` socket per decode peer, flushed when the poller says the socket is
+writable, so a dead decode never delays the acks of a live one (ACK-1; before, each ack to a
+dead decode blocked the rank for ``SNDTIMEO`` and ten of them held a live decode's ack back
+10 s). An ack not sent within ``--ack-send-timeout-ms`` (or pushed out of a full queue) is
+dropped and counted in ``ack_failures``. A status connection silent past
+``--liveness-timeout-s`` is dropped and redialled (ZMTP heartbeats, a bounded TCP
+retransmission: ZMQ-27), so statuses sent while the path to a decode was cut never hold back
+the statuses after it returns.
 SIGTERM/SIGINT end it cleanly: sockets closed with LINGER=0, one ``STATS {json}`` line with
 the message counters on stdout, exit 0. ``--trace PATH`` writes one ``Ack`` event per ack
 (room, this rank's instance, the message's target instance) for trace validation
 (:mod:`statemachine.model.validate` joins them with the decode's ``Complete`` steps).
 
-:class:`PrefillRankProcess` runs it as a subprocess and can SIGKILL (a crash), terminate and
-restart it.
+:class:`~statemachine.prefill.rank_process.PrefillRankProcess` runs it as a subprocess and
+can SIGKILL (a crash), terminate and restart it.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import heapq
 import json
 import random
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 import zmq
 
@@ -81,13 +82,16 @@ from statemachine.errors import (
     BootstrapError,
     MalformedFrames,
     NotReady,
-    PrefillRankStartFailed,
     TransportFailure,
 )
-from statemachine.prefill.readiness import read_ready
 from statemachine.prefill.registration import register_rank
+from statemachine.prefill.status_sender import (
+    DEFAULT_LIVENESS_TIMEOUT_S,
+    AckSender,
+    StatusSocketOptions,
+)
 from statemachine.validation import rank_ip_problem
-from statemachine.wire.endpoint import Endpoint, endpoint_url
+from statemachine.wire.endpoint import Endpoint
 from statemachine.wire.http import route_payload
 from statemachine.wire.reference import (
     ABORT_KIND,
@@ -105,12 +109,6 @@ from statemachine.wire.reference import (
 )
 
 MAX_SESSIONS = 1024
-#: Decode peers with an ack socket at a time (the least recently used is closed past it).
-MAX_PEERS = 1024
-#: Acks waiting for one decode peer; the oldest is dropped past it.
-MAX_QUEUED_ACKS = 1024
-#: stderr lines of a failed start attached to :class:`PrefillRankStartFailed`.
-STDERR_TAIL_LINES = 20
 COUNTERS = (
     "register",
     "metadata",
@@ -127,129 +125,6 @@ COUNTERS = (
 )
 #: Seconds between two stderr lines about refused messages (each says how many it stands for).
 LOG_INTERVAL = 10.0
-
-
-# --- acks out ---------------------------------------------------------------------------------
-
-
-class _Peer:
-    __slots__ = ("queue", "socket")
-
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
-        self.socket = sock
-        #: (drop-by time on time.monotonic(), frames), oldest first
-        self.queue: collections.deque[tuple[float, list[bytes]]] = collections.deque()
-
-
-class AckSender:
-    """Per-decode-peer queues and non-blocking PUSH sockets (ACK-1).
-
-    ``send`` queues an ack and tries a non-blocking send at once; what cannot go out now
-    waits until :meth:`flush` is called for a writable socket (the serving loop polls
-    :meth:`waiting` for ``POLLOUT``) or is dropped by :meth:`expire` after ``timeout_ms``.
-    One thread only.
-    """
-
-    def __init__(
-        self, context: zmq.Context[zmq.Socket[bytes]], counts: dict[str, int], timeout_ms: int
-    ) -> None:
-        self._context = context
-        self._counts = counts
-        self._timeout = timeout_ms / 1000.0
-        self._peers: collections.OrderedDict[Endpoint, _Peer] = collections.OrderedDict()
-
-    def send(self, endpoint: Endpoint, frames: list[bytes]) -> None:
-        peer = self._peer(endpoint)
-        if peer is None:
-            self._counts["ack_failures"] += 1
-            return
-        if len(peer.queue) >= MAX_QUEUED_ACKS:
-            peer.queue.popleft()
-            self._counts["ack_failures"] += 1
-        peer.queue.append((time.monotonic() + self._timeout, frames))
-        self._flush(endpoint, peer)
-
-    def _peer(self, endpoint: Endpoint) -> _Peer | None:
-        peer = self._peers.get(endpoint)
-        if peer is not None:
-            self._peers.move_to_end(endpoint)
-            return peer
-        sock = self._context.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Only completed connections take messages: nothing is queued inside libzmq for a
-        # decode that is not there, so our queue (and its timeout) is the only one.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        if ":" in endpoint[0]:
-            sock.setsockopt(zmq.IPV6, 1)
-        try:
-            sock.connect(endpoint_url(endpoint))
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            return None
-        peer = self._peers[endpoint] = _Peer(sock)
-        while len(self._peers) > MAX_PEERS:
-            _, oldest = self._peers.popitem(last=False)
-            self._close(oldest)
-        return peer
-
-    def _flush(self, endpoint: Endpoint, peer: _Peer) -> None:
-        queue = peer.queue
-        while queue:
-            try:
-                peer.socket.send_multipart(queue[0][1], zmq.NOBLOCK)
-            except zmq.Again:
-                return  # not connected (yet): wait for POLLOUT or the timeout
-            except zmq.ZMQError:
-                self._counts["ack_failures"] += len(queue)
-                queue.clear()
-                del self._peers[endpoint]
-                peer.socket.close(linger=0)
-                return
-            queue.popleft()
-            self._counts["acks_sent"] += 1
-
-    def waiting(self) -> list[zmq.Socket[bytes]]:
-        """Sockets with queued acks: poll them for POLLOUT."""
-        return [peer.socket for peer in self._peers.values() if peer.queue]
-
-    def flush(self, writable: set[zmq.Socket[bytes]]) -> None:
-        for endpoint, peer in list(self._peers.items()):
-            if peer.queue and peer.socket in writable:
-                self._flush(endpoint, peer)
-
-    def expire(self) -> float | None:
-        """Drop acks past their time (closing a peer left with none); seconds to the next."""
-        now = time.monotonic()
-        soonest: float | None = None
-        for endpoint, peer in list(self._peers.items()):
-            queue = peer.queue
-            if not queue:
-                continue
-            while queue and queue[0][0] <= now:
-                queue.popleft()
-                self._counts["ack_failures"] += 1
-            if not queue:
-                # The peer took nothing for a whole timeout: forget its socket (and the
-                # reconnect attempts libzmq would keep making to it).
-                del self._peers[endpoint]
-                self._close(peer)
-                continue
-            left = queue[0][0] - now
-            soonest = left if soonest is None else min(soonest, left)
-        return soonest
-
-    def _close(self, peer: _Peer) -> None:
-        self._counts["ack_failures"] += len(peer.queue)
-        peer.queue.clear()
-        peer.socket.close(linger=0)
-
-    def close(self) -> None:
-        for peer in self._peers.values():
-            self._close(peer)
-        self._peers.clear()
-
-
-# --- the process ------------------------------------------------------------------------------
 
 
 def build_payload(args: argparse.Namespace, port: int) -> dict[str, Any]:
@@ -303,7 +178,12 @@ class _Rank:
         self._unlogged: dict[str, int] = {}
         self.seq = 0
         self.counts = dict.fromkeys(COUNTERS, 0)
-        self.acks = AckSender(context, self.counts, args.ack_send_timeout_ms)
+        options = (
+            None
+            if args.liveness_timeout_s == 0
+            else StatusSocketOptions.from_bound(args.liveness_timeout_s)
+        )
+        self.acks = AckSender(context, self.counts, args.ack_send_timeout_ms, options)
 
     def on_message(self, frames: list[bytes]) -> None:
         kind = message_kind(frames)
@@ -633,6 +513,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--ack-send-timeout-ms", type=int, default=1000, help="give up sending an ack after this"
     )
     parser.add_argument(
+        "--liveness-timeout-s",
+        type=float,
+        default=DEFAULT_LIVENESS_TIMEOUT_S,
+        help="the bound on silence of the status connections to decodes: a connection that "
+        "answers nothing this long is dropped and redialled (the decode's liveness_timeout_s; "
+        "0: libzmq's defaults, no heartbeats)",
+    )
+    parser.add_argument(
         "--register-attempts", type=int, default=5, help="registration tries before giving up"
     )
     parser.add_argument(
@@ -667,6 +555,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--token is required with --discovery http")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} must be in [0, 65535] (0: an ephemeral port)")
+    if not (args.liveness_timeout_s == 0 or args.liveness_timeout_s >= 0.5):
+        parser.error(
+            f"--liveness-timeout-s {args.liveness_timeout_s} must be 0 (libzmq's defaults) or "
+            "at least 0.5 s, the decode's smallest bound"
+        )
     if args.ack_delay_ms < 0 or args.ack_send_timeout_ms < 1:
         parser.error("--ack-delay-ms must be >= 0 and --ack-send-timeout-ms >= 1")
     return args
@@ -679,181 +572,6 @@ def main(argv: list[str] | None = None) -> int:
     # Trace validation joins these Ack events with the decode's Complete steps (NoStaleSuccess).
     with trace.tracing(args.trace):
         return serve(args)
-
-
-# --- running it as a subprocess ---------------------------------------------------------------
-
-
-class PrefillRankProcess:
-    """A prefill rank subprocess that tests and the demo can crash and restart.
-
-    ``start()`` returns once the child printed ``READY <port>`` (registered with the bootstrap
-    server), or raises :class:`PrefillRankStartFailed` within ``ready_timeout`` seconds.
-    """
-
-    def __init__(
-        self,
-        bootstrap: str,
-        token: str,
-        *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        pp_rank: int = 0,
-        pp_size: int = 1,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        cp_rank: int = 0,
-        cp_size: int = 1,
-        ack_delay_ms: int = 0,
-        ready_timeout: float = 20.0,
-        extra_args: Sequence[str] = (),
-    ) -> None:
-        self.bootstrap = bootstrap
-        self.tp_rank = tp_rank
-        self.pp_rank = pp_rank
-        self.ready_timeout = ready_timeout
-        self._token = token
-        self._args = [
-            "--bootstrap",
-            bootstrap,
-            *("--tp-rank", str(tp_rank), "--tp-size", str(tp_size)),
-            *("--pp-rank", str(pp_rank), "--pp-size", str(pp_size)),
-            *("--dp-rank", str(dp_rank), "--dp-size", str(dp_size)),
-            *("--cp-rank", str(cp_rank), "--cp-size", str(cp_size)),
-            *("--ack-delay-ms", str(ack_delay_ms)),
-            *extra_args,
-        ]
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._port: int | None = None
-        self.starts = 0
-
-    @property
-    def port(self) -> int:
-        if self._port is None:
-            raise RuntimeError("prefill rank not started")
-        return self._port
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def start(self, *, avoid_port: int = 0, port: int = 0) -> int:
-        """Start the child (on ``port`` if given, else an ephemeral one other than
-        ``avoid_port``) and return its port once it is READY."""
-        if self.alive():
-            raise RuntimeError("prefill rank already running")
-        # The token travels in argv: acceptable for a loopback test process, not for production.
-        argv = [sys.executable, "-m", "statemachine.prefill.rank", "--token", self._token]
-        argv += self._args
-        if avoid_port:
-            argv += ["--avoid-port", str(avoid_port)]
-        if port:
-            argv += ["--port", str(port)]
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
-        )
-        assert proc.stderr is not None
-        tail = _StderrTail(proc.stderr)
-        self._proc = proc
-        try:
-            self._port = _wait_ready(proc, self.ready_timeout)
-        except PrefillRankStartFailed as exc:
-            _reap(proc, signal.SIGKILL, 5.0)
-            self._proc = None
-            raise PrefillRankStartFailed(str(exc), tail.text(5.0)) from None
-        except BaseException:
-            _reap(proc, signal.SIGKILL, 5.0)
-            self._proc = None
-            raise
-        self.starts += 1
-        return self._port
-
-    def kill(self) -> None:
-        """SIGKILL: a crash. Sockets vanish without a goodbye; the port becomes free."""
-        if self._proc is not None:
-            _reap(self._proc, signal.SIGKILL, 5.0)
-
-    def terminate(self, timeout: float = 5.0) -> dict[str, int] | None:
-        """SIGTERM and wait; return the child's ``STATS`` counters (None if it printed none)."""
-        if self._proc is None or self._proc.poll() is not None:
-            return None
-        out = _reap(self._proc, signal.SIGTERM, timeout)
-        for line in out.decode(errors="replace").splitlines():
-            if line.startswith("STATS "):
-                stats: dict[str, int] = json.loads(line[len("STATS ") :])
-                return stats
-        return None
-
-    def restart(self) -> int:
-        """Crash (SIGKILL) if running, then start again on a different port; return it."""
-        old = self._port or 0
-        self.kill()
-        return self.start(avoid_port=old)
-
-    def __enter__(self) -> PrefillRankProcess:
-        if not self.alive():
-            self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()
-
-
-class _StderrTail:
-    """Drains a child's stderr on a daemon thread: echoes it to ours (so it stays visible) and
-    keeps the last STDERR_TAIL_LINES lines (so a failed start can say why). Ends at EOF."""
-
-    def __init__(self, pipe: IO[bytes]) -> None:
-        self._lines: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self._thread = threading.Thread(target=self._drain, args=(pipe,), daemon=True)
-        self._thread.start()
-
-    def _drain(self, pipe: IO[bytes]) -> None:
-        with pipe:
-            for raw in pipe:
-                line = raw.decode(errors="replace").rstrip("\n")
-                self._lines.append(line[:500])
-                print(line, file=sys.stderr, flush=True)
-
-    def text(self, timeout: float) -> str:
-        """The kept lines, once the child's stderr closed (or after ``timeout`` seconds)."""
-        self._thread.join(timeout)
-        return "\n".join(self._lines)
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], timeout: float) -> int:
-    assert proc.stdout is not None
-    try:
-        words = read_ready(proc.stdout.fileno(), time.monotonic() + timeout)
-    except TimeoutError:
-        raise PrefillRankStartFailed(f"no READY within {timeout} s") from None
-    if words is None:
-        code = proc.wait(timeout=5.0)
-        raise PrefillRankStartFailed(f"prefill rank exited with {code} before READY")
-    return int(words[0])
-
-
-def _reap(proc: subprocess.Popen[bytes], sig: signal.Signals, timeout: float) -> bytes:
-    """Send ``sig`` (SIGKILL after ``timeout`` if still alive), wait, return remaining stdout.
-
-    stderr is drained by the process's :class:`_StderrTail` thread, not here.
-    """
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    assert proc.stdout is not None
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout)
-    if proc.stdout.closed:  # reaped before
-        return b""
-    with proc.stdout:
-        out = proc.stdout.read()
-    return out or b""
 
 
 if __name__ == "__main__":

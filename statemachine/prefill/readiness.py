@@ -1,8 +1,8 @@
 """Waiting for a child process's handshake line (``READY <port>``, ``WARM``) with a deadline.
 
 The reference prefill processes announce themselves on stdout; their parents (the rank's
-:class:`~statemachine.prefill.rank.PrefillRankProcess`, the demo's cluster) wait for a line with
-a given prefix, skipping any other output, and must never wait past their deadline.
+:class:`~statemachine.prefill.rank_process.PrefillRankProcess`, the demo's cluster) wait for a
+line with a given prefix, skipping any other output, and must never wait past their deadline.
 :func:`read_ready` is the one reader of ``READY ...`` lines, used by the product, the tests'
 helper processes and the benchmarks' peers alike.
 """

@@ -543,7 +543,8 @@ class _ZmtpPull:
             pos = len(_GREETING)
             peer.stage = 1
         end = len(buf)
-        while end - pos >= 2:
+        # A PONG that cannot be sent forgets the peer (its connection is gone): read no more.
+        while end - pos >= 2 and self._peers.get(peer_id) is peer:
             flags = buf[pos]
             if flags & ~(_FLAG_MORE | _FLAG_LONG | _FLAG_COMMAND):
                 raise _Cut
