@@ -13,16 +13,16 @@ when evidence arrives instead: a few microseconds per thousand requests in fligh
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from statemachine.decode.tally import Tally
 from statemachine.errors import BootstrapError, InvalidRoom, ManagerClosed, PeerLost
 from statemachine.pool import Generation, PoolKey, RankInfo
 
-__all__ = ["InFlight", "Rooms", "count_value", "entries_of", "items_of"]
+__all__ = ["InFlight", "Rooms", "entries_of", "items_of"]
 
 _log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ class Rooms:
         self._lock = threading.Lock()  # guards the counters below (never on the hit path)
         #: the receivers in flight by room (a receiver stores itself here at creation)
         self.by_room: dict[int, InFlight] = {}
-        self._completed = itertools.count()
-        self._failures: dict[str, itertools.count[int]] = {}
+        self._completed = Tally()
+        self._failures: dict[str, Tally] = {}
         self.detections = 0
         self.detection_total_s = 0.0
         self.detection_max_s = 0.0
@@ -104,14 +104,14 @@ class Rooms:
         if self.by_room.get(receiver.room) is receiver:
             del self.by_room[receiver.room]
         if error is None:
-            next(self._completed)  # lock-free: one C call
+            self._completed.add()  # lock-free: one C call
             return
         kind = type(error).__name__
         counter = self._failures.get(kind)
         if counter is None:
             with self._lock:
-                counter = self._failures.setdefault(kind, itertools.count())
-        next(counter)
+                counter = self._failures.setdefault(kind, Tally())
+        counter.add()
         if isinstance(error, PeerLost) and error.evidence_at is not None:
             with self._lock:
                 latency = max(0.0, self._clock() - error.evidence_at)
@@ -155,8 +155,8 @@ class Rooms:
     def counts(self) -> tuple[int, dict[str, int], int]:
         """(completed, failures by error type, in flight)."""
         with self._lock:
-            failures = {k: count_value(c) for k, c in self._failures.items()}
-        return count_value(self._completed), failures, len(self.by_room)
+            failures = {k: c.value() for k, c in self._failures.items()}
+        return self._completed.value(), failures, len(self.by_room)
 
     def close(self, error: BootstrapError) -> None:
         """Admit no more; fail every receiver still in flight with ``error``."""
@@ -185,9 +185,3 @@ def items_of(receiver: InFlight) -> tuple[tuple[PoolKey, Generation], ...]:
         except RuntimeError:  # pragma: no cover - resized while copied; look again
             continue
     return ()  # pragma: no cover
-
-
-def count_value(counter: itertools.count[int]) -> int:
-    """The next value of an ``itertools.count`` without advancing it (its repr is
-    ``count(N)``); counters bumped lock-free on the request path are read this way."""
-    return int(repr(counter)[6:-1])

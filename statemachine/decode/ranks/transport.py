@@ -66,6 +66,7 @@ from statemachine.decode.ranks.endpoints import (
 from statemachine.decode.ranks.exit_probe import connect_refused
 from statemachine.decode.ranks.liveness import ATTEMPT_FAILED, EVENTS, Liveness
 from statemachine.decode.ranks.monitor import SocketMonitor
+from statemachine.decode.tally import Tally
 from statemachine.errors import InvalidArgument, SendFailed
 from statemachine.pool import Generation
 from statemachine.wire.endpoint import Endpoint, endpoint_url
@@ -267,9 +268,9 @@ class ZmqTransport:
         self._dead_verdicts = 0
         self._reconnects = 0
         self._listener_errors = 0
-        # Counted without the lock: next() on itertools.count is one atomic C call.
-        self._failures = itertools.count()
-        self._circuit_failures = itertools.count()
+        # Counted without the lock (a Tally's add is one atomic C call).
+        self._failures = Tally()
+        self._circuit_failures = Tally()
         self._ticks = itertools.count(1)
         self._monitor: SocketMonitor[_Entry] | None = (
             SocketMonitor(self._on_verdict, name="zmq-endpoint-monitor") if self.monitored else None
@@ -362,15 +363,15 @@ class ZmqTransport:
                 entry = self._open(endpoint)
             down = entry.down
             if down is not None:  # the circuit is open (ZMQ-19)
-                next(self._circuit_failures)
-                next(self._failures)
+                self._circuit_failures.add()
+                self._failures.add()
                 raise SendFailed(down, endpoint=entry.url)
             try:
                 with entry.lock:
                     if entry.closed or entry.doomed:
                         if entry.failed:
                             # Its socket failed while we waited for the lock (ZMQ-7).
-                            next(self._failures)
+                            self._failures.add()
                             raise SendFailed(
                                 f"send to {entry.url} failed: the peer was found dead; {NEXT_STEP}",
                                 endpoint=entry.url,
@@ -393,7 +394,7 @@ class ZmqTransport:
             finally:
                 if entry.doomed and not entry.closed:
                     self._close_if_free(entry)
-        next(self._failures)
+        self._failures.add()
         raise SendFailed(
             "socket evicted repeatedly during send; retry", endpoint=endpoint_url(endpoint)
         )
@@ -432,7 +433,7 @@ class ZmqTransport:
         except zmq.ZMQError as exc:
             entry.failed = True
             self._close_socket(entry)
-            next(self._failures)
+            self._failures.add()
             raise SendFailed(
                 f"no live peer at {entry.url} within SNDTIMEO={self.send_timeout_ms} ms "
                 f"({exc}); {NEXT_STEP}",
@@ -448,11 +449,11 @@ class ZmqTransport:
         while True:
             down = entry.down
             if down is not None:  # the monitor judged it dead while we waited
-                next(self._circuit_failures)
-                next(self._failures)
+                self._circuit_failures.add()
+                self._failures.add()
                 raise SendFailed(down, endpoint=entry.url)
             if entry.doomed:
-                next(self._failures)
+                self._failures.add()
                 raise SendFailed(
                     f"the socket to {entry.url} was closed while this send waited (no live "
                     f"request uses its ranks any more); {NEXT_STEP}",
@@ -478,14 +479,14 @@ class ZmqTransport:
         entry.down = message  # provisional: lifted if the monitor says a connection is up
         assert self._monitor is not None
         self._monitor.send_failed(entry, reason)
-        next(self._failures)
+        self._failures.add()
         raise SendFailed(message, endpoint=entry.url)
 
     def _send_error(self, entry: _Entry, exc: zmq.ZMQError) -> NoReturn:
         """Any other ZMQError: the socket is unusable; close it (ZMQ-18)."""
         entry.failed = True
         self._close_socket(entry)
-        next(self._failures)
+        self._failures.add()
         raise SendFailed(
             f"send to {entry.url} failed ({exc}), so its socket was closed; {NEXT_STEP}",
             endpoint=entry.url,
@@ -543,11 +544,11 @@ class ZmqTransport:
             # Live counters are read without their locks: each is a single int load.
             return TransportStats(
                 sends=self._retired_sends + sum(e.sends for e in live),
-                failures=_count_value(self._failures),
+                failures=self._failures.value(),
                 sockets_open=self._open_sockets,
                 sockets_created=self._created,
                 evictions=self._evictions,
-                circuit_failures=_count_value(self._circuit_failures),
+                circuit_failures=self._circuit_failures.value(),
                 dead_verdicts=self._dead_verdicts,
                 reconnects=self._reconnects,
                 endpoints_down=sum(1 for e in live if e.down is not None) + held,
@@ -564,19 +565,19 @@ class ZmqTransport:
         check_endpoint_shape(endpoint)
         tomb = self._down.get(endpoint)
         if tomb is not None and time.monotonic() < tomb.until:
-            next(self._circuit_failures)
-            next(self._failures)
+            self._circuit_failures.add()
+            self._failures.add()
             raise SendFailed(tomb.message, endpoint=endpoint_url(endpoint))
         try:
             address = endpoint_address(endpoint)  # IP literals only: no resolver, ever
         except ValueError as exc:
-            next(self._failures)
+            self._failures.add()
             raise SendFailed(str(exc), endpoint=endpoint_url(endpoint)) from None
         victims: list[_Entry] = []
         try:
             with self._lock:
                 if self._closed:
-                    next(self._failures)
+                    self._failures.add()
                     raise SendFailed("transport is closed", endpoint=address.url)
                 entry = self._entries.get(endpoint)
                 if entry is not None:  # another thread created it first
@@ -626,7 +627,7 @@ class ZmqTransport:
                 _close_monitored(socket, self._monitor is not None)
             if monitor_socket is not None:
                 monitor_socket.close(linger=0)
-            next(self._failures)
+            self._failures.add()
             raise SendFailed(
                 f"cannot connect to {url} ({exc}): the rank's address is unusable; {NEXT_STEP}",
                 endpoint=url,
@@ -862,7 +863,3 @@ def _close_monitored(socket: zmq.Socket[bytes], monitored: bool) -> None:
             socket.disable_monitor()
     socket.close(linger=0)
 
-
-def _count_value(counter: itertools.count[int]) -> int:
-    """The next value an ``itertools.count`` will yield, without advancing it (``count(N)``)."""
-    return int(repr(counter)[6:-1])
