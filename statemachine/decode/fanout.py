@@ -34,7 +34,7 @@ from statemachine.decode.ranks.transport import (
     ZmqTransport,
     endpoint_url,
 )
-from statemachine.decode.rooms import InFlight, Rooms, entries_of, items_of
+from statemachine.decode.rooms import Rooms, entries_of, items_of
 from statemachine.decode.routes import Routes
 from statemachine.decode.source import BootstrapSource
 from statemachine.errors import (
@@ -93,10 +93,10 @@ class FanOut:
         generations: Iterable[Generation],
         error: BootstrapError,
         *,
-        exclude: InFlight | None = None,
+        spare_room: int | None = None,
     ) -> int:
-        """Fail every receiver in flight that uses one of ``generations``; invalidate them by
-        identity. Returns how many receivers were failed."""
+        """Fail every receiver in flight that uses one of ``generations`` (but the one of
+        ``spare_room``); invalidate them by identity. Returns how many receivers were failed."""
         doomed = set(generations)
         if not doomed:
             return 0
@@ -107,7 +107,7 @@ class FanOut:
         failed = 0
         for receiver in self._rooms.snapshot():
             if (
-                receiver is not exclude
+                receiver.room != spare_room
                 and any(g in doomed for g in entries_of(receiver))
                 and receiver.mark_lost(error)
             ):
@@ -215,7 +215,7 @@ class FanOut:
         new_id: str,
         *,
         cause: str,
-        exclude: InFlight | None = None,
+        spare_room: int | None = None,
     ) -> int:
         self._routes.forget(addr)
         self.dead_keys.forget_address(addr)  # a new instance: every registration is new
@@ -231,21 +231,21 @@ class FanOut:
             old_id=old_id,
             new_id=new_id,
         )
-        return self.fail_generations(stale, error, exclude=exclude)
+        return self.fail_generations(stale, error, spare_room=spare_room)
 
     def instance_replaced(
-        self, addr: str, old_ids: Iterable[str | None], new_id: str, finder: InFlight
+        self, addr: str, old_ids: Iterable[str | None], new_id: str, *, finder: int
     ) -> None:
-        """``finder``'s fetch from ``addr`` answered as ``new_id`` while it held entries of
-        ``old_ids``: retire those, and fail the other requests that use them (``finder``
-        refetches its stale keys itself)."""
+        """The fetch of room ``finder`` from ``addr`` answered as ``new_id`` while it held
+        entries of ``old_ids``: retire those, and fail the other requests that use them (the
+        finder refetches its stale keys itself)."""
         # Retire exactly the replaced ids (POOL-6): ``finder`` adopted those entries before
         # its fetch began, so they answered before ``new_id`` did. Never "every id but
         # new_id": a newer instance may have published since this fetch was answered.
         for old in old_ids:
             if old is not None:
                 self._pool.retire_instance(addr, old)
-                self.restarted(addr, old, new_id, cause="fetch", exclude=finder)
+                self.restarted(addr, old, new_id, cause="fetch", spare_room=finder)
 
     def named_dead_again(
         self, fresh: Mapping[PoolKey, Generation], error: RanksUnreachable

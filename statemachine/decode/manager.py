@@ -305,11 +305,9 @@ class DecodeManager:
             flights=self.flights,
             fanout=self._fanout,
             routes=self._routes,
-            dead_keys=self.dead_keys,
+            silent=self.silent,
             health=self.health,
             clock=config.clock,
-            flight_timeout_s=config.flight_timeout_s,
-            silent=self.silent,
         )
         self._parts = Parts(
             config=config,
@@ -322,6 +320,8 @@ class DecodeManager:
             dp_ranks=self._dp_ranks,
             fanout=self._fanout,
             fetcher=fetcher,
+            silent=self.silent,
+            dead_keys=self.dead_keys,
             completions=self._completions,
             prefill_complete=config.prefill_complete,
             checks_stale_marks=bool(self.source.marks_generations),

@@ -5,8 +5,8 @@ SGLang's call shape (``init``, ``send_metadata``, ``poll``, ``failure_exception`
 ``clear``, ``invalidate_cached_bootstrap_infos``). It is handed the parts of its decode process
 as one :class:`~statemachine.decode.parts.Parts` value: the pool and the route cache for the
 hit path (all of it in :meth:`BootstrapReceiver.init`), the
-:class:`~statemachine.decode.fetcher.Fetcher` for the miss path (all of it in
-``decode/fetcher.py``), the transport and backend for the metadata,
+:class:`~statemachine.decode.fetcher.Fetcher` for the miss path (its steps answer with values;
+the receiver steps its own lifecycle between them), the transport and backend for the metadata,
 :class:`~statemachine.decode.completions.Completions` for BOOTSTRAP and ABORT, the fan-out for
 the evidence a failed send is, the room table it registers in and leaves. It never calls the
 manager: ``spec/lifecycle.md`` lists the effect of every event, ``spec/manager.md`` the parts'.
@@ -30,8 +30,10 @@ from typing import Any
 from statemachine import call_deadline, trace
 from statemachine import lifecycle as life
 from statemachine.completion import KVPoll
+from statemachine.decode.fetcher import Claim
 from statemachine.decode.parts import Parts
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
+from statemachine.decode.routes import Route
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -183,7 +185,7 @@ class BootstrapReceiver:
         if rooms.closed or rooms.by_room.setdefault(room, self) is not self:
             rooms.refuse(self)
 
-    # --- lifecycle steps (the fetcher takes them too) ------------------------------------
+    # --- lifecycle steps (only this receiver takes them) -----------------------------------
 
     def fire(self, event: str) -> None:
         """One lifecycle step through the Machine's table (LIFE-1); InvalidTransition if the
@@ -216,11 +218,6 @@ class BootstrapReceiver:
         self._invalidate(event)
         self._end(error)
         return KVPoll.Failed
-
-    @property
-    def lost(self) -> BootstrapError | None:
-        """The fan-out's reason this request is lost, not yet acted on (or ``None``)."""
-        return self._lost
 
     def window(self) -> call_deadline.Until:
         """This init() call's deadline window: opened at its first question to the source,
@@ -273,7 +270,7 @@ class BootstrapReceiver:
         if prefill_dp_rank is not None:
             self._dp_rank = prefill_dp_rank
         parts = self._parts
-        keys: tuple[PoolKey, ...] | None = None
+        missing: list[PoolKey] | None = None
         if self.plan is None and self._lost is None:
             known = parts.routes.known.get(self.addr)
             if known is not None:
@@ -281,23 +278,24 @@ class BootstrapReceiver:
                 if keys is not None:
                     self.plan = known.plan
                     self._needed = known.needed
-        if keys is None:
-            resolved = self._resolve_keys()
-            if not isinstance(resolved, tuple):
-                return resolved  # Bootstrapping (pending) or Failed
-            keys = resolved
-        pool = parts.pool
-        entries = self.entries
-        missing: list[PoolKey] = []
-        for key in keys:
-            generation = pool.lookup(key)
-            if generation is None:
-                missing.append(key)
-            else:
-                entries[key] = generation
+                    missing = self._lookup(keys)
+        if missing is None or missing:
+            # Not a hit: before anything is asked, what is known to fail is refused.
+            if missing is None and self._lost is not None:
+                return self.fail(life.PEER_LOST, self._lost)
+            silent = parts.silent.refusal(self.addr)
+            if silent is not None:  # its server was judged dead, unanswered since (MGR-22)
+                return self.fail(life.FETCH_FAIL, silent)
+            if missing is None:
+                resolved = self._resolve_keys()
+                if not isinstance(resolved, tuple):
+                    return resolved  # Bootstrapping (pending) or Failed
+                missing = self._lookup(resolved)
         if missing:
-            assert self.plan is not None  # resolved above
-            result = parts.fetcher.miss(self, self.plan, missing)
+            dead = parts.dead_keys.refusal(self.addr, missing)
+            if dead is not None:  # a rank the source still names is known dead: no refetch
+                return self.fail(life.FETCH_FAIL, dead)
+            result = self._miss(missing)
             if result != KVPoll.WaitingForInput:
                 return result
         else:
@@ -306,48 +304,91 @@ class BootstrapReceiver:
             return self._handshake()
         return KVPoll.WaitingForInput
 
+    def _lookup(self, keys: tuple[PoolKey, ...]) -> list[PoolKey]:
+        """One pool lookup per key: the generations found are this request's; the keys that
+        missed are returned (in the plan's order)."""
+        lookup = self._parts.pool.lookup
+        entries = self.entries
+        missing: list[PoolKey] = []
+        for key in keys:
+            generation = lookup(key)
+            if generation is None:
+                missing.append(key)
+            else:
+                entries[key] = generation
+        return missing
+
     def _resolve_keys(self) -> tuple[PoolKey, ...] | KVPoll:
         """The keys of this request when the address's plan is not resolved yet, the plan was
-        given, the dp rank is pending, or the fan-out failed the request already; a KVPoll
-        when there are none (yet)."""
-        if self._lost is not None:
-            return self.fail(life.PEER_LOST, self._lost)
-        silent = self._parts.fetcher.silent.refusal(self.addr)
-        if silent is not None:  # its server was judged dead and has not answered since (MGR-22)
-            return self.fail(life.FETCH_FAIL, silent)
-        routes = self._parts.routes
-        plan = self.plan
-        dp_rank = self._dp_rank
+        given, or the dp rank is pending: the route (``Routes.route``), or a KVPoll when there
+        are no keys (yet)."""
         try:
-            if plan is None:
-                if routes.preparing(self.addr):
-                    # Resolved in the background (prepare): not fetched here; poll() says
-                    # Bootstrapping until a later init() goes on (as for a pending dp rank).
-                    self._asked_dp = True
-                    return KVPoll.Bootstrapping
-                known = routes.known.get(self.addr)
-                if known is None:  # the topology is asked: inside this call's window
-                    with self.window():
-                        known = routes.address_plan(self.addr)  # SGLang checks in init() too
-                plan = self.plan = known.plan
-            elif routes.policy_checked:
-                # SGLang checks in init(), before the routes
-                if routes.has_topology(self.addr):
-                    routes.check_prefill(self.addr)
-                else:
-                    with self.window():
-                        routes.check_prefill(self.addr)
-            else:  # no layout: SGLang's default policy, once the topology is known
-                routes.check_known(self.addr)
-            if dp_rank is None:
-                dp_rank = self._resolve_dp_rank()
-                if dp_rank is None:
-                    self._call_at = 0.0  # the next init() is a new call
-                    return KVPoll.Bootstrapping
+            route = self._parts.routes.route(
+                self.addr, self.plan, room=self.room, dp_rank=self._dp_rank, window=self.window
+            )
+            if not isinstance(route, Route):
+                # Resolved in the background (prepare): poll() says Bootstrapping until a
+                # later init() goes on (as for a pending dp rank).
+                self._asked_dp = True
+                return KVPoll.Bootstrapping
+            plan = self.plan = route.plan
+            if route.dp_rank is None:
+                self._wait_for_dp_rank()
+                self._call_at = 0.0  # the next init() is a new call
+                return KVPoll.Bootstrapping
         except BootstrapError as error:
             return self.fail(life.FETCH_FAIL, error)
         self._needed = plan.required_prefill_response_num
-        return plan.keys_for(self.addr, dp_rank)
+        return plan.keys_for(self.addr, route.dp_rank)
+
+    def _miss(self, missing: list[PoolKey]) -> KVPoll:
+        """The miss path (``decode/fetcher.py``): each step answers, this receiver steps."""
+        parts = self._parts
+        fetcher = parts.fetcher
+        config = parts.config
+        deadline = config.clock() + config.flight_timeout_s
+        while True:
+            claim = fetcher.claim(missing, self.entries, deadline)
+            if isinstance(claim, BootstrapError):
+                return self.fail(life.FETCH_FAIL, claim)
+            if claim.followed and self._lost is not None:
+                return self.fail(life.PEER_LOST, self._lost)
+            missing = claim.missing
+            if not missing:
+                self.fire(life.HIT)
+                return KVPoll.WaitingForInput
+            if not claim.followed:
+                break
+        try:
+            return self._lead(claim)
+        finally:
+            fetcher.abandon(self.addr, claim, self._failure)
+
+    def _lead(self, claim: Claim) -> KVPoll:
+        """Fetch, register and publish what ``claim`` leads (its followers get the result)."""
+        fetcher = self._parts.fetcher
+        addr = self.addr
+        plan = self.plan
+        assert plan is not None  # resolved before any lookup
+        self.fire(life.MISS)
+        with self.window():  # every rank's query ends by this call's deadline (MGR-21)
+            fetched = fetcher.fetch(addr, plan, claim, room=self.room, adopted=self.entries)
+        if isinstance(fetched, BootstrapError):
+            return self.fail(life.FETCH_FAIL, fetched)
+        self.entries.update(fetched)
+        self.fire(life.FETCH_OK)
+        refused = fetcher.register(addr, claim, fetched)
+        if refused is not None:
+            return self.fail(life.REGISTER_FAIL, refused)
+        self.fire(life.REGISTER_OK)
+        published = fetcher.publish(addr, claim, fetched)
+        self.entries.update(published.entries)
+        self.fire(life.PUBLISH)
+        if published.stale is not None:
+            return self.fail(life.PEER_LOST, published.stale)
+        if self._lost is not None:  # failed by the fan-out while we fetched
+            return self.fail(life.PEER_LOST, self._lost)
+        return KVPoll.WaitingForInput
 
     def send_metadata(
         self,
@@ -631,26 +672,15 @@ class BootstrapReceiver:
 
     # --- the dp rank ---------------------------------------------------------------------
 
-    def _resolve_dp_rank(self) -> int | None:
-        """SGLang's order after a router-given rank; None while the room is pending."""
-        parts = self._parts
-        routes = parts.routes
-        if routes.has_topology(self.addr):
-            topology = routes.topology(self.addr)
-        else:
-            with self.window():
-                topology = routes.topology(self.addr)
-        if topology.dp_size == 1:
-            return 0
-        if topology.follow_bootstrap_room is not False:  # never set means True (SGLang)
-            return self.room % topology.dp_size
+    def _wait_for_dp_rank(self) -> None:
+        """Only the manager's batched query can tell the dp rank: wait for it, or raise
+        BootstrapTimeout once the wait is over."""
         if not self.awaiting_dp_rank:
             self.awaiting_dp_rank = self._asked_dp = True
-            self._sent_at = parts.config.clock()
-            parts.dp_ranks.wait_for(self)
+            self._sent_at = self._parts.config.clock()
+            self._parts.dp_ranks.wait_for(self)
         elif self._bootstrap_expired():
             raise self._bootstrap_timeout()
-        return None
 
     def dp_rank_answered(self, dp_rank: int) -> None:
         """The batched query answered (called from the stepping thread)."""

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import zmq
 
-from statemachine.completion import KVPoll
 from statemachine.decode.fanout import FanOut
-from statemachine.decode.fetcher import Fetcher, Missing
+from statemachine.decode.fetcher import Claim, Fetcher
 from statemachine.decode.manager import DecodeManager
-from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.decode.rooms import InFlight
 from statemachine.demo.modes import ModeConfig, ZmqMode
-from statemachine.pool import PoolKey
+from statemachine.errors import BootstrapError
+from statemachine.pool import Generation, PoolKey
 
 __all__ = [
     "EveryMissFetches",
@@ -81,7 +79,7 @@ class NoFanOut(FanOut):
         new_id: str,
         *,
         cause: str,
-        exclude: InFlight | None = None,
+        spare_room: int | None = None,
     ) -> int:
         self._routes.forget(addr)
         self.dead_keys.forget_address(addr)
@@ -91,8 +89,13 @@ class NoFanOut(FanOut):
 class EveryMissFetches(Fetcher):
     """No single-flight: each request that misses leads its own fetch."""
 
-    def single_flight(self, receiver: Missing, plan: RankPlan, missing: list[PoolKey]) -> KVPoll:
-        return self.lead(receiver, plan, missing, {})
+    def claim(
+        self,
+        missing: list[PoolKey],
+        entries: dict[PoolKey, Generation],
+        deadline: float,
+    ) -> Claim | BootstrapError:
+        return Claim(missing, {}, followed=False)
 
 
 class FetchPerMissManager(DecodeManager):

@@ -128,7 +128,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         FANOUT,
         (
             (
-                '                self.restarted(addr, old, new_id, cause="fetch", exclude=finder)\n',
+                '                self.restarted(addr, old, new_id, cause="fetch", spare_room=finder)\n',
                 "",
             ),
         ),
@@ -138,7 +138,12 @@ MUTANTS: tuple[CodeMutant, ...] = (
     CodeMutant(
         "fanout_fails_the_finder",
         FANOUT,
-        (("                receiver is not exclude\n                and ", "                "),),
+        (
+            (
+                "                receiver.room != spare_room\n                and ",
+                "                ",
+            ),
+        ),
         (T_FETCH,),
         "the request whose fetch found the restart is failed by its own evidence",
     ),
@@ -218,7 +223,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     CodeMutant(
         "stale_key_not_refetched",
         FETCHER,
-        (("                fresh.update(self._fetch_keys(receiver.addr, plan, stale))\n", ""),),
+        (("                fresh.update(self._fetch_keys(addr, plan, stale))\n", ""),),
         (T_FETCH,),
         "after retiring a replaced instance the request keeps its entry of the old one",
     ),

@@ -862,4 +862,3 @@ def _close_monitored(socket: zmq.Socket[bytes], monitored: bool) -> None:
         with contextlib.suppress(zmq.ZMQError):
             socket.disable_monitor()
     socket.close(linger=0)
-
