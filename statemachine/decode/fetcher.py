@@ -13,7 +13,7 @@ MGR-1). Then:
    source, inside the request's deadline window (MGR-21); an answer from a new instance retires
    the entries of the old one (POOL-6) and re-plans the address (MGR-20); ranks the transport
    already judged dead fail the request as retryable (the one retry rule, MGR-19): the
-   generations fetched, or the typed error;
+   generations fetched (every key answered by one instance, MGR-23), or the typed error;
 3. :meth:`Fetcher.register` (``RegisterOk``) - with every rank, over the transport: ``None``, or
    the typed error;
 4. :meth:`Fetcher.publish` (``Publish``) - through the source (its watermark may refuse a stale
@@ -45,6 +45,7 @@ from statemachine.errors import (
     BootstrapError,
     BootstrapHTTPError,
     PeerLost,
+    PrefillRestarted,
     RanksUnreachable,
     SendFailed,
     TransportFailure,
@@ -255,9 +256,8 @@ class Fetcher:
         """
         adopted = dict(adopted)
         fresh = self._fetch_keys(addr, plan, keys)
-        instance_ids = {g.instance_id for g in fresh.values() if g.instance_id is not None}
-        if len(instance_ids) == 1:
-            (instance_id,) = instance_ids
+        instance_id = _one_instance(addr, fresh)
+        if instance_id is not None:
             stale = [
                 key
                 for key, g in adopted.items()
@@ -267,6 +267,7 @@ class Fetcher:
                 old_ids = {g.instance_id for k, g in adopted.items() if k in stale}
                 self._fanout.instance_replaced(addr, old_ids, instance_id, finder=room)
                 fresh.update(self._fetch_keys(addr, plan, stale))
+                _one_instance(addr, fresh)
         return fresh
 
     def _fetch_keys(
@@ -327,6 +328,28 @@ def unreachable(addr: str, endpoint: str, why: str) -> RanksUnreachable:
         addr=addr,
         endpoint=endpoint,
     )
+
+
+def _one_instance(addr: str, fresh: Mapping[PoolKey, Generation]) -> str | None:
+    """The one instance id that answered every key of ``fresh`` (``None`` if the source sends
+    none). Keys answered by two instances (the prefill restarted between two of them) are
+    never accepted together: the request fails with :class:`PrefillRestarted`, retryable,
+    and publishes nothing (``spec/manager.md`` MGR-23)."""
+    answered: list[str] = []  # in the order the keys were answered: the first is the older
+    for generation in fresh.values():
+        if generation.instance_id is not None and generation.instance_id not in answered:
+            answered.append(generation.instance_id)
+    if len(answered) > 1:
+        old_id, new_id = answered[0], answered[-1]
+        raise PrefillRestarted(
+            f"prefill {addr} restarted while this request fetched its ranks (keys answered by "
+            f"instance {old_id} and by {new_id}); nothing was published: retry the request, "
+            "it will fetch the new instance's ranks",
+            addr=addr,
+            old_id=old_id,
+            new_id=new_id,
+        )
+    return answered[0] if answered else None
 
 
 def _refuse_known_dead(addr: str, transport: ZmqTransport, fresh: Iterable[Generation]) -> None:

@@ -228,6 +228,14 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "after retiring a replaced instance the request keeps its entry of the old one",
     ),
     CodeMutant(
+        "fetch_accepts_two_instances",
+        FETCHER,
+        (("    if len(answered) > 1:\n", "    if False:\n"),),
+        (T_MANAGER + "test_mgr_23_a_fetch_whose_keys_two_instances_answered_is_never_accepted",),
+        "a fetch whose keys two instances answered is accepted: the request goes on with a "
+        "generation of the old instance beside one of the new (MGR-23)",
+    ),
+    CodeMutant(
         "mark_not_checked_at_start",
         RECEIVER,
         (("        if parts.checks_stale_marks:\n", "        if False:\n"),),
