@@ -20,9 +20,10 @@ from zmq.utils.monitor import recv_monitor_message
 from zmq_support import AckRecorder
 
 from statemachine.completion import PrefillEvent, PrefillStatus
-from statemachine.decode.ranks.acks import EVICT_GRACE, MAX_FRAME_BYTES, AckListener
+from statemachine.decode.ranks.acks import AckListener
 from statemachine.errors import InvalidArgument
 from statemachine.wire.reference import ack_frames
+from statemachine.wire.zmtp import EVICT_GRACE, MAX_FRAME_BYTES
 
 
 @pytest.mark.slow
@@ -270,7 +271,7 @@ def test_ack2_idle_connections_cannot_lock_senders_out() -> None:
 def test_ack2_silent_connection_is_cut_after_the_handshake_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("statemachine.decode.ranks.acks.HANDSHAKE_TIMEOUT", 0.3)
+    monkeypatch.setattr("statemachine.wire.zmtp.HANDSHAKE_TIMEOUT", 0.3)
     with (
         AckListener() as acks,
         socket.create_connection(("127.0.0.1", acks.port), timeout=5) as raw,
@@ -446,7 +447,7 @@ def test_ack5_a_rank_that_just_connected_is_not_cut_for_a_chattering_flood(
     connected less than EVICT_GRACE ago while older chattering senders are there: otherwise
     a flood sending acks for unknown rooms would cut every new rank before its first ack.
     (The grace is widened here so that a loaded machine cannot age the rank past it.)"""
-    monkeypatch.setattr("statemachine.decode.ranks.acks.EVICT_GRACE", 3.0)
+    monkeypatch.setattr("statemachine.wire.zmtp.EVICT_GRACE", 3.0)
     with AckListener(max_peers=8) as acks:
         done = AckRecorder()
         acks.expect(4, 1, done)

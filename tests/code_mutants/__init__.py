@@ -71,6 +71,7 @@ PLAN = "statemachine/decode/plan.py"
 TRANSPORT = "statemachine/decode/ranks/transport.py"
 LIVENESS = "statemachine/decode/ranks/liveness.py"
 ACKS = "statemachine/decode/ranks/acks.py"
+ZMTP = "statemachine/wire/zmtp.py"
 CHANGES = "statemachine/discovery/changes.py"
 ETCD = "statemachine/discovery/etcd_source.py"
 SERVER = "statemachine/prefill/server.py"
@@ -448,7 +449,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "frame_cap_off",
-        ACKS,
+        ZMTP,
         (
             (
                 "            if len(frames) > MAX_FRAMES:\n",
