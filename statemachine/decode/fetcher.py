@@ -32,11 +32,11 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from statemachine.backend import KVBackend
 from statemachine.decode.fanout import FanOut
 from statemachine.decode.flight import Flight, Flights
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.plan import RankPlan
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
 from statemachine.decode.routes import Routes
 from statemachine.decode.silent import SilentAddresses
@@ -91,7 +91,7 @@ class Fetcher:
         pool: BootstrapPool,
         source: BootstrapSource,
         transport: ZmqTransport,
-        backend: KVBackend,
+        outbox: Outbox,
         flights: Flights,
         fanout: FanOut,
         routes: Routes,
@@ -102,7 +102,7 @@ class Fetcher:
         self._pool = pool
         self._source = source
         self._transport = transport
-        self._backend = backend
+        self._outbox = outbox
         self.flights = flights
         self._fanout = fanout
         self._routes = routes
@@ -197,7 +197,7 @@ class Fetcher:
         led flights fail with it)."""
         try:
             for generation in fetched.values():
-                self._transport.register(generation, self._backend)
+                self._outbox.register(generation)
         except SendFailed as error:
             self._fanout.send_failed(error)  # the evidence, for the other requests there
             # Nothing of this request reached a prefill: retryable, as above (MGR-19).

@@ -51,6 +51,7 @@ from statemachine.decode.health import HealthMonitor
 from statemachine.decode.parts import Parts, check_parts
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.acks import AckListener
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
 from statemachine.decode.rooms import Rooms
@@ -222,7 +223,6 @@ class DecodeManager:
         self._completions = Completions(
             rooms=self._rooms,
             holds=kv_holds,
-            transport=self.transport,
             prefill_complete=config.prefill_complete,
             clock=config.clock,
         )
@@ -230,7 +230,6 @@ class DecodeManager:
         if config.completion == "acks":
             self.acks = AckListener(
                 config.ack_ip,
-                decoder=self._completions.decode,
                 on_event=self._completions.on_event,
             )
             self._owned.append(self.acks.close)
@@ -250,7 +249,11 @@ class DecodeManager:
             clock=config.clock,
         )
         self.backend: KVBackend = backend
-        self._completions.backend = backend
+        if self.acks is not None:
+            # The backend needed the listener's port; the listener reads the backend's wire
+            # from now on (nothing was sent to that port before).
+            self.acks.decode_with(backend.decode_message)
+        outbox = Outbox(self.transport, backend)
         self._routes = Routes(
             self.source,
             config.layout,
@@ -301,7 +304,7 @@ class DecodeManager:
             pool=self.pool,
             source=self.source,
             transport=self.transport,
-            backend=backend,
+            outbox=outbox,
             flights=self.flights,
             fanout=self._fanout,
             routes=self._routes,
@@ -313,8 +316,7 @@ class DecodeManager:
             config=config,
             pool=self.pool,
             source=self.source,
-            transport=self.transport,
-            backend=backend,
+            outbox=outbox,
             rooms=self._rooms,
             routes=self._routes,
             dp_ranks=self._dp_ranks,

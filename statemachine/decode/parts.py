@@ -12,13 +12,13 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from statemachine.backend import KVBackend
 from statemachine.decode.completions import Completions
 from statemachine.decode.config import DecodeConfig
 from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.dp_ranks import DpRankQueries
 from statemachine.decode.fanout import FanOut
 from statemachine.decode.fetcher import Fetcher
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.rooms import Rooms
 from statemachine.decode.routes import Routes
@@ -37,8 +37,8 @@ class Parts:
     config: DecodeConfig
     pool: BootstrapPool
     source: BootstrapSource
-    transport: ZmqTransport
-    backend: KVBackend
+    #: every message to the prefill ranks (metadata, BOOTSTRAP, ABORT), built and sent
+    outbox: Outbox
     rooms: Rooms
     routes: Routes
     dp_ranks: DpRankQueries

@@ -234,9 +234,19 @@ class BootstrapReceiver:
             self._parts.dp_ranks.forget(self)
 
     def _tell_abort(self, *, armed: bool) -> None:
-        """The room's ranks are told once (MGR-15): the first time the room has ranks."""
-        if not self._notified:
-            self._notified = self._parts.completions.send_abort(self, armed=armed)
+        """The room's ranks are told once (MGR-15): the first time the room has ranks (none
+        before ``init``). ``armed``: the metadata went out, so the prefill may be writing our
+        pages: the ABORT carries a new abort sequence number and the room's KV is held until
+        every rank acknowledged it or is proven gone; otherwise SGLang's legacy ABORT, nothing
+        held."""
+        if self._notified:
+            return
+        ranks = self.ranks()
+        if ranks:
+            parts = self._parts
+            abort_seq = parts.completions.hold(self.room, ranks) if armed else None
+            parts.outbox.abort(self.room, ranks, abort_seq=abort_seq)
+            self._notified = True
 
     def _invalidate(self, cause: str) -> int:
         removed = self._parts.pool.invalidate(self.entries)
@@ -451,9 +461,10 @@ class BootstrapReceiver:
         if self._needed == 0:
             self._acked = True  # every rank is a dummy for us: nothing will be transferred
         self._metadata_sent = True  # from the first send on, the prefill may write our pages
+        metadata = parts.outbox.metadata
         try:
             for generation in self.entries.values():
-                parts.transport.send_metadata(generation, parts.backend, request)
+                metadata(generation, request)
         except SendFailed as error:
             parts.fanout.send_failed(error)
             return self.fail(life.SEND_FAIL, error)
@@ -571,7 +582,7 @@ class BootstrapReceiver:
         self._sent_at = parts.config.clock()  # the prefill wait clock (SGLang's waiting timeout)
         self.fire(life.HANDSHAKE)
         try:
-            parts.completions.send_bootstrap(self)
+            parts.outbox.bootstrap(self.room, self.ranks())
         except SendFailed as error:
             parts.fanout.send_failed(error)
             return self.fail(life.SEND_FAIL, error)

@@ -193,6 +193,14 @@ class AckListener:
         self._thread.daemon = True
         self._thread.start()
 
+    def decode_with(self, decoder: Decoder) -> None:
+        """Read every message from now on with ``decoder``: for a backend made after this
+        listener, because it needs the listener's port (one attribute store, read by the
+        listener thread per message)."""
+        if not callable(decoder):
+            raise TypeError("decoder must be callable")
+        self._decode = decoder
+
     @property
     def endpoint(self) -> tuple[str, int]:
         return (self.ip, self.port)

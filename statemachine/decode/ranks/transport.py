@@ -57,7 +57,6 @@ from typing import ClassVar, NamedTuple, NoReturn
 
 import zmq
 
-from statemachine.backend import KVBackend
 from statemachine.decode.ranks.endpoints import (
     check_endpoint_shape,
     endpoint_address,
@@ -68,9 +67,7 @@ from statemachine.decode.ranks.liveness import ATTEMPT_FAILED, EVENTS, Liveness
 from statemachine.decode.ranks.monitor import SocketMonitor
 from statemachine.decode.tally import Tally
 from statemachine.errors import InvalidArgument, SendFailed
-from statemachine.pool import Generation
 from statemachine.wire.endpoint import Endpoint, endpoint_url
-from statemachine.wire.metadata import MetadataRequest
 
 __all__ = [
     "EXIT_PROVEN",
@@ -398,30 +395,6 @@ class ZmqTransport:
         raise SendFailed(
             "socket evicted repeatedly during send; retry", endpoint=endpoint_url(endpoint)
         )
-
-    def register(self, generation: Generation, backend: KVBackend) -> None:
-        """Send the backend's KV args to every rank of ``generation``, dummy ranks included.
-
-        Dummy ranks get the message too (the backend's frames carry the flag), so a prefill
-        rank knows how many decode peers to expect, as SGLang does (ZMQ-14). Stops at the first
-        failure (its :class:`SendFailed` propagates): the caller invalidates the generation.
-        The frames name the generation's instance (ZMQ-21), so a process that binds a dead
-        rank's port later drops what was queued for the old one.
-        """
-        instance_id = generation.instance_id
-        for rank in generation.ranks:
-            self.send((rank.ip, rank.port), backend.register_frames(rank, instance_id=instance_id))
-
-    def send_metadata(
-        self, generation: Generation, backend: KVBackend, request: MetadataRequest
-    ) -> None:
-        """Send one metadata message to every rank of ``generation``, dummy ranks included,
-        addressed to the generation's instance (ZMQ-21)."""
-        instance_id = generation.instance_id
-        build = backend.metadata_frames
-        for rank in generation.ranks:
-            # rank[:2] is (ip, port) as a plain tuple, built in C.
-            self.send(rank[:2], build(rank, request, instance_id=instance_id))
 
     def _send_blocking(self, entry: _Entry, frames: Sequence[bytes]) -> None:
         """Unmonitored (the baselines): a blocking send; any failure closes and evicts (ZMQ-6).
