@@ -28,12 +28,7 @@ from statemachine import trace
 from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.holds import RESET_SEEN, AbortHolds, instance_label
 from statemachine.decode.ranks.exit_probe import connect_refused
-from statemachine.decode.ranks.transport import (
-    EXIT_PROVEN,
-    Endpoint,
-    ZmqTransport,
-    endpoint_url,
-)
+from statemachine.decode.ranks.transport import Endpoint, Verdict, ZmqTransport, endpoint_url
 from statemachine.decode.rooms import Rooms, entries_of, items_of
 from statemachine.decode.routes import Routes
 from statemachine.decode.source import BootstrapSource
@@ -138,12 +133,14 @@ class FanOut:
         """A request's send failed: every other request using that endpoint is lost too."""
         self.endpoint_dead(error.endpoint, str(error))
 
-    def on_endpoint(self, endpoint: Endpoint, alive: bool, reason: str) -> None:
+    def on_verdict(self, verdict: Verdict) -> None:
         """Transport listener: an endpoint was found dead (evidence) or back."""
-        if not alive:
-            self.endpoint_dead(endpoint_url(endpoint), reason)
+        if not verdict.alive:
+            self.endpoint_dead(
+                endpoint_url(verdict.endpoint), verdict.reason, exit_proven=verdict.exit_proven
+            )
         else:
-            self.dead_keys.forget_endpoint(endpoint_url(endpoint))
+            self.dead_keys.forget_endpoint(endpoint_url(verdict.endpoint))
 
     def process_exited(self, endpoint: Endpoint, reason: str) -> None:
         """Transport exit listener (ZMQ-26, before the dead verdict): the rank's process at
@@ -178,8 +175,10 @@ class FanOut:
         for generation in named:
             trace.emit("SilenceSeen", endpoint=url, instance=instance_label(generation))
 
-    def endpoint_dead(self, url: str, reason: str) -> int:
-        if trace.ENABLED and EXIT_PROVEN not in reason:
+    def endpoint_dead(self, url: str, reason: str, *, exit_proven: bool = False) -> int:
+        """``url`` is dead (a verdict, or a failed send: never an exit): fail every request
+        using it."""
+        if trace.ENABLED and not exit_proven:
             self._trace_silence(url)  # a verdict or a failed send that proves no exit
         generations = self._generations_using(url)
         if not generations:

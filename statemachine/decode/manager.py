@@ -191,7 +191,7 @@ class DecodeManager:
             self._close_owned()
             raise ConfigurationError(str(exc)) from exc
         self.transport.subscribe_exits(self._fanout.process_exited)
-        self.transport.subscribe(self._fanout.on_endpoint)
+        self.transport.subscribe_verdicts(self._fanout.on_verdict)
 
     def _build(
         self,

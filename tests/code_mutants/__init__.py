@@ -69,6 +69,9 @@ RECEIVER = "statemachine/decode/receiver.py"
 FLIGHT = "statemachine/decode/flight.py"
 PLAN = "statemachine/decode/plan.py"
 TRANSPORT = "statemachine/decode/ranks/transport.py"
+SOCKET_CACHE = "statemachine/decode/ranks/socket_cache.py"
+BREAKER = "statemachine/decode/ranks/breaker.py"
+SOCKETS = "statemachine/decode/ranks/sockets.py"
 LIVENESS = "statemachine/decode/ranks/liveness.py"
 ACKS = "statemachine/decode/ranks/acks.py"
 ZMTP = "statemachine/wire/zmtp.py"
@@ -153,8 +156,8 @@ MUTANTS: tuple[CodeMutant, ...] = (
         FANOUT,
         (
             (
-                "        if not alive:\n            self.endpoint_dead(endpoint_url(endpoint), reason)",
-                "        if alive:\n            self.endpoint_dead(endpoint_url(endpoint), reason)",
+                "        if not verdict.alive:\n            self.endpoint_dead(",
+                "        if verdict.alive:\n            self.endpoint_dead(",
             ),
         ),
         (T_KILL, T_VERDICT),
@@ -340,11 +343,11 @@ MUTANTS: tuple[CodeMutant, ...] = (
     # --- transport ------------------------------------------------------------------------------
     CodeMutant(
         "held_verdict_never_expires",
-        TRANSPORT,
+        BREAKER,
         (
             (
-                "        tomb = self._down.get(endpoint)\n        if tomb is not None and time.monotonic() < tomb.until:",
-                "        tomb = self._down.get(endpoint)\n        if tomb is not None:",
+                "        if tomb is not None and time.monotonic() < tomb.until:\n            return tomb.message",
+                "        if tomb is not None:\n            return tomb.message",
             ),
         ),
         (T_HOLD,),
@@ -364,8 +367,8 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "no_immediate",
-        TRANSPORT,
-        (("        socket.setsockopt(zmq.IMMEDIATE, 1)\n", "        pass\n"),),
+        SOCKETS,
+        (("            socket.setsockopt(zmq.IMMEDIATE, 1)\n", "            pass\n"),),
         (
             "tests/test_transport.py::test_zmq2_immediate_first_send_to_dead_endpoint_fails_and_evicts",
         ),
@@ -392,10 +395,10 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "release_keeps_sockets",
-        TRANSPORT,
+        SOCKET_CACHE,
         (
             (
-                "                    entry = self._entries.pop(endpoint, None)\n                    if entry is not None:\n                        retiring.append(entry)\n",
+                "                    entry = self.entries.pop(endpoint, None)\n                    if entry is not None:\n                        retiring.append(entry)\n",
                 "                    entry = None\n",
             ),
         ),
@@ -567,7 +570,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         TRANSPORT,
         (
             (
-                "exited = not entry.exited and reason in ATTEMPT_FAILED and connect_refused(endpoint)",
+                "exited = not entry.exited and proves_exit(reason, endpoint)",
                 "exited = not entry.exited",
             ),
         ),
