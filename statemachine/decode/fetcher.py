@@ -38,6 +38,7 @@ from statemachine.decode.health import HealthMonitor
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
+from statemachine.decode.retention import SocketRetention
 from statemachine.decode.routes import Routes
 from statemachine.decode.silent import SilentAddresses
 from statemachine.decode.source import BootstrapSource
@@ -94,6 +95,7 @@ class Fetcher:
         outbox: Outbox,
         flights: Flights,
         fanout: FanOut,
+        retention: SocketRetention,
         routes: Routes,
         silent: SilentAddresses,
         health: HealthMonitor | None,
@@ -105,6 +107,7 @@ class Fetcher:
         self._outbox = outbox
         self.flights = flights
         self._fanout = fanout
+        self._retention = retention
         self._routes = routes
         #: addresses judged silent: a fetch that failed while its server was judged silent
         #: fails with that verdict (MGR-22)
@@ -221,7 +224,7 @@ class Fetcher:
                 stale = stale or self._source.refusal(addr, generation)
                 continue
             if held is generation:
-                self._fanout.retain_sockets(generation)
+                self._retention.retain(generation)
             published[key] = held
         led = claim.led
         self.flights.resolve({k: f for k, f in led.items() if k in published}, published)

@@ -44,6 +44,7 @@ from statemachine.decode.completions import Completions
 from statemachine.decode.config import DecodeConfig
 from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.dp_ranks import DpRankQueries
+from statemachine.decode.exits import ExitProofs
 from statemachine.decode.fanout import FanOut
 from statemachine.decode.fetcher import Fetcher
 from statemachine.decode.flight import Flights
@@ -54,6 +55,7 @@ from statemachine.decode.ranks.acks import AckListener
 from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
+from statemachine.decode.retention import SocketRetention
 from statemachine.decode.rooms import Rooms
 from statemachine.decode.routes import AddressPlan, Routes
 from statemachine.decode.silent import SilentAddresses
@@ -190,7 +192,7 @@ class DecodeManager:
         except BootstrapError as exc:
             self._close_owned()
             raise ConfigurationError(str(exc)) from exc
-        self.transport.subscribe_exits(self._fanout.process_exited)
+        self.transport.subscribe_exits(self._exits.process_exited)
         self.transport.subscribe_verdicts(self._fanout.on_verdict)
 
     def _build(
@@ -265,16 +267,22 @@ class DecodeManager:
         #: keys whose ranks are known dead: a miss on one fails at once (no refetch per
         #: request); held off only when dead_recheck_s is given
         self.dead_keys = DeadKeys(clock=config.clock, recheck_s=config.dead_recheck_s or 1.0)
+        #: the sockets of the generations this process published (ZMQ-20)
+        self._retention = SocketRetention(
+            pool=self.pool, rooms=self._rooms, transport=self.transport
+        )
+        #: the transport's exit proofs, for the KV of failed rooms (MGR-15)
+        self._exits = ExitProofs(pool=self.pool, rooms=self._rooms, holds=kv_holds)
         self._fanout = self.fanout_class(
             rooms=self._rooms,
             routes=self._routes,
             pool=self.pool,
-            transport=self.transport,
             source=self.source,
             dead_keys=self.dead_keys,
             hold_off_dead=config.dead_recheck_s is not None,
             clock=config.clock,
-            holds=kv_holds,
+            retention=self._retention,
+            exits=self._exits,
         )
         self.health: HealthMonitor | None = None
         # A source that finds dead prefills itself (etcd: the watch and the leases) needs no
@@ -307,6 +315,7 @@ class DecodeManager:
             outbox=outbox,
             flights=self.flights,
             fanout=self._fanout,
+            retention=self._retention,
             routes=self._routes,
             silent=self.silent,
             health=self.health,
@@ -470,7 +479,7 @@ class DecodeManager:
                 rooms.detections, rooms.detection_total_s, rooms.detection_max_s
             ),
             sockets_open=sockets,
-            endpoints_retained=self._fanout.endpoints_retained(),
+            endpoints_retained=self._retention.endpoints_retained(),
             dp_queries=dp_started,
             dropped_events=self._completions.dropped,
             kv_held=self._completions.holds.stats().held,
@@ -492,6 +501,7 @@ class DecodeManager:
         self._rooms.close(
             ManagerClosed("the decode manager was closed while this request was in flight")
         )
+        self._retention.close()
         self._fanout.close()
         self.silent.clear()
         self._background.close()  # queries not started are cancelled; none is applied

@@ -20,9 +20,10 @@ from typing import Protocol
 
 from statemachine.decode.tally import Tally
 from statemachine.errors import BootstrapError, InvalidRoom, ManagerClosed, PeerLost
-from statemachine.pool import Generation, PoolKey, RankInfo
+from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.wire.endpoint import endpoint_url
 
-__all__ = ["InFlight", "Rooms", "entries_of", "items_of"]
+__all__ = ["InFlight", "Rooms", "entries_of", "generations_at", "items_of"]
 
 _log = logging.getLogger(__name__)
 
@@ -185,3 +186,17 @@ def items_of(receiver: InFlight) -> tuple[tuple[PoolKey, Generation], ...]:
         except RuntimeError:  # pragma: no cover - resized while copied; look again
             continue
     return ()  # pragma: no cover
+
+
+def generations_at(url: str, pool: BootstrapPool, rooms: Rooms) -> set[Generation]:
+    """The generations of the pool and of the receivers in flight with a rank at ``url``."""
+    found: set[Generation] = set()
+    candidates = list(pool.snapshot().values())
+    for receiver in rooms.snapshot():
+        candidates.extend(entries_of(receiver))
+    for generation in candidates:
+        for rank in generation.ranks:
+            if endpoint_url((rank.ip, rank.port)) == url:
+                found.add(generation)
+                break
+    return found

@@ -79,6 +79,8 @@ CHANGES = "statemachine/discovery/changes.py"
 ETCD = "statemachine/discovery/etcd_source.py"
 SERVER = "statemachine/prefill/server.py"
 HOLDS = "statemachine/decode/holds.py"
+RETENTION = "statemachine/decode/retention.py"
+ROOMS = "statemachine/decode/rooms.py"
 
 T_MANAGER = "tests/test_manager.py::"
 T_KILL = T_MANAGER + "test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it"
@@ -177,11 +179,11 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "endpoint_match_first_rank_only",
-        FANOUT,
+        ROOMS,
         (
             (
-                "            for rank in generation.ranks:\n                if endpoint_url(",
-                "            for rank in generation.ranks[:1]:\n                if endpoint_url(",
+                "        for rank in generation.ranks:\n            if endpoint_url(",
+                "        for rank in generation.ranks[:1]:\n            if endpoint_url(",
             ),
         ),
         (T_KILL,),
@@ -189,7 +191,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "reconcile_never_releases",
-        FANOUT,
+        RETENTION,
         (
             (
                 "dead = [g for g in self._retained if g not in live]",
