@@ -22,7 +22,7 @@ from zmq_support import AckRecorder
 from statemachine.completion import PrefillEvent, PrefillStatus
 from statemachine.decode.ranks.acks import AckListener
 from statemachine.errors import InvalidArgument
-from statemachine.wire.reference import ack_frames
+from statemachine.wire.reference import ack_frames, decode_reply
 from statemachine.wire.zmtp import EVICT_GRACE, MAX_FRAME_BYTES
 
 
@@ -51,8 +51,13 @@ def send_frames(port: int, messages: list[list[bytes]]) -> None:
 
 def test_ack2_too_many_frames_cuts_the_sender_and_the_listener_serves_on() -> None:
     """Past MAX_FRAMES (6: SGLang's 5-frame NIXL status fits) the sender is cut at that frame,
-    so its next message, on the same connection, is never read."""
-    with AckListener() as acks:
+    so its next message, on the same connection, is never read. The decoder takes any number
+    of frames (the first four), so it is the cap that cuts, not a decoder's refusal."""
+
+    def first_four(frames: Sequence[bytes]) -> PrefillEvent | None:
+        return decode_reply(frames[:4])
+
+    with AckListener(decoder=first_four) as acks:
         done = AckRecorder()
         acks.expect(7, 1, done)
         send_frames(acks.port, [[b"ack", b"7", b"0", b"0", *[b"extra"] * 3], ack_frames(7, 0, 0)])
