@@ -2,14 +2,11 @@
 
 The lifecycle (``statemachine.lifecycle``) says *which* steps exist; this class takes them, in
 SGLang's call shape (``init``, ``send_metadata``, ``poll``, ``failure_exception``, ``abort``,
-``clear``, ``invalidate_cached_bootstrap_infos``). It is handed the parts of its decode process
-as one :class:`~statemachine.decode.parts.Parts` value: the pool and the route cache for the
-hit path (all of it in :meth:`BootstrapReceiver.init`), the
-:class:`~statemachine.decode.fetcher.Fetcher` for the miss path (its steps answer with values;
-the receiver steps its own lifecycle between them), the transport and backend for the metadata,
-:class:`~statemachine.decode.completions.Completions` for BOOTSTRAP and ABORT, the fan-out for
-the evidence a failed send is, the room table it registers in and leaves. It never calls the
-manager: ``spec/lifecycle.md`` lists the effect of every event, ``spec/manager.md`` the parts'.
+``clear``, ``invalidate_cached_bootstrap_infos``), and is the only thing that takes them. It is
+handed its decode process's parts as one :class:`~statemachine.decode.parts.Parts` value: the
+pool and route cache (the hit path, all in :meth:`BootstrapReceiver.init`), the fetcher (the
+miss path's steps, which answer with values), the outbox (metadata, BOOTSTRAP, ABORT), the
+fan-out (for the evidence a failed send is) and the room table. It never calls the manager.
 
 One thread drives a receiver; the cross-thread inputs are single stores, each consumed by the
 owner's next call: the prefill's reports from the ack listener's thread (a success adds its
@@ -33,6 +30,7 @@ from statemachine.completion import KVPoll
 from statemachine.decode.fetcher import Claim
 from statemachine.decode.parts import Parts
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
+from statemachine.decode.rooms import MAX_ROOM, check_room, distinct_ranks
 from statemachine.decode.routes import Route
 from statemachine.errors import (
     Aborted,
@@ -53,8 +51,6 @@ __all__ = [
     "DecodeLayout",
     "RankPlan",
 ]
-
-_MAX_ROOM = 2**64 - 1
 
 _receiver_ids = itertools.count(1)
 #: Guards every receiver's set of responding prefill ranks: the ack listener's thread and a
@@ -77,16 +73,6 @@ _HANDSHAKE_NEEDS = (
 )
 
 _TERMINAL = frozenset({life.DONE, life.INVALIDATED, life.ABORTED})
-
-
-def check_room(room: object) -> int:
-    """``room`` if it is an int in [0, 2**64); else :class:`InvalidRoom`."""
-    if type(room) is not int or not 0 <= room <= _MAX_ROOM:
-        raise InvalidRoom(
-            f"bootstrap room must be an int in [0, 2**64), not {room!r}: use the request's "
-            "bootstrap_room as the router assigned it"
-        )
-    return room
 
 
 class BootstrapReceiver:
@@ -133,7 +119,7 @@ class BootstrapReceiver:
         plan: RankPlan | None = None,
         prefill_dp_rank: int | None = None,
     ) -> None:
-        if type(room) is not int or not 0 <= room <= _MAX_ROOM:
+        if type(room) is not int or not 0 <= room <= MAX_ROOM:
             check_room(room)  # raises, naming what a room must be
         if prefill_dp_rank is not None and (
             type(prefill_dp_rank) is not int or prefill_dp_rank < 0
@@ -166,8 +152,7 @@ class BootstrapReceiver:
         # thread (or a transfer engine's), read by the owner's poll.
         #: how many distinct prefill ranks must report success (known once the plan is)
         self._needed: int | None = None
-        #: the prefill ranks that reported success for this room (made at the first report,
-        #: under _RESPONSES_LOCK: a hit that never hears from the prefill allocates none)
+        #: the prefill ranks that reported success (made at the first, under _RESPONSES_LOCK)
         self._responses: set[int] | None = None
         #: a failure the prefill reported: terminal, and it wins over any success (MGR-14)
         self._reported: BootstrapError | None = None
@@ -315,8 +300,7 @@ class BootstrapReceiver:
         return KVPoll.WaitingForInput
 
     def _lookup(self, keys: tuple[PoolKey, ...]) -> list[PoolKey]:
-        """One pool lookup per key: the generations found are this request's; the keys that
-        missed are returned (in the plan's order)."""
+        """One pool lookup per key, recording what is found; the keys that missed."""
         lookup = self._parts.pool.lookup
         entries = self.entries
         missing: list[PoolKey] = []
@@ -329,9 +313,8 @@ class BootstrapReceiver:
         return missing
 
     def _resolve_keys(self) -> tuple[PoolKey, ...] | KVPoll:
-        """The keys of this request when the address's plan is not resolved yet, the plan was
-        given, or the dp rank is pending: the route (``Routes.route``), or a KVPoll when there
-        are no keys (yet)."""
+        """This request's keys from its route (``Routes.route``), or a KVPoll when there are
+        none (yet)."""
         try:
             route = self._parts.routes.route(
                 self.addr, self.plan, room=self.room, dp_rank=self._dp_rank, window=self.window
@@ -713,14 +696,7 @@ class BootstrapReceiver:
     def ranks(self) -> list[tuple[Generation, RankInfo]]:
         """Every (generation, rank) of this room, each endpoint once (what an ABORT or a
         BOOTSTRAP goes to)."""
-        seen: set[tuple[str, int]] = set()
-        out: list[tuple[Generation, RankInfo]] = []
-        for generation in self.entries.values():
-            for rank in generation.ranks:
-                if (rank.ip, rank.port) not in seen:
-                    seen.add((rank.ip, rank.port))
-                    out.append((generation, rank))
-        return out
+        return distinct_ranks(self.entries.values())
 
     @property
     def ended(self) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from statemachine.decode.tally import Tally
@@ -23,7 +23,19 @@ from statemachine.errors import BootstrapError, InvalidRoom, ManagerClosed, Peer
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 from statemachine.wire.endpoint import endpoint_url
 
-__all__ = ["InFlight", "Rooms", "entries_of", "generations_at", "items_of"]
+__all__ = [
+    "MAX_ROOM",
+    "InFlight",
+    "Rooms",
+    "check_room",
+    "distinct_ranks",
+    "entries_of",
+    "generations_at",
+    "items_of",
+]
+
+#: The largest bootstrap room (SGLang's rooms are unsigned 64-bit).
+MAX_ROOM = 2**64 - 1
 
 _log = logging.getLogger(__name__)
 
@@ -200,3 +212,26 @@ def generations_at(url: str, pool: BootstrapPool, rooms: Rooms) -> set[Generatio
                 found.add(generation)
                 break
     return found
+
+
+def check_room(room: object) -> int:
+    """``room`` if it is an int in [0, 2**64); else :class:`InvalidRoom`."""
+    if type(room) is not int or not 0 <= room <= MAX_ROOM:
+        raise InvalidRoom(
+            f"bootstrap room must be an int in [0, 2**64), not {room!r}: use the request's "
+            "bootstrap_room as the router assigned it"
+        )
+    return room
+
+
+def distinct_ranks(generations: Iterable[Generation]) -> list[tuple[Generation, RankInfo]]:
+    """Every (generation, rank) of ``generations``, each endpoint once (what an ABORT or a
+    BOOTSTRAP of a room goes to)."""
+    seen: set[tuple[str, int]] = set()
+    out: list[tuple[Generation, RankInfo]] = []
+    for generation in generations:
+        for rank in generation.ranks:
+            if (rank.ip, rank.port) not in seen:
+                seen.add((rank.ip, rank.port))
+                out.append((generation, rank))
+    return out
