@@ -31,7 +31,7 @@ from statemachine.decode.fetcher import Claim
 from statemachine.decode.parts import Parts
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
 from statemachine.decode.rooms import MAX_ROOM, check_room, distinct_ranks
-from statemachine.decode.routes import Route
+from statemachine.decode.routes import Pending
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -273,7 +273,15 @@ class BootstrapReceiver:
                 if keys is not None:
                     self.plan = known.plan
                     self._needed = known.needed
-                    missing = self._lookup(keys)
+                    missing = []
+                    lookup = parts.pool.lookup
+                    entries = self.entries
+                    for key in keys:
+                        generation = lookup(key)
+                        if generation is None:
+                            missing.append(key)
+                        else:
+                            entries[key] = generation
         if missing is None or missing:
             # Not a hit: before anything is asked, what is known to fail is refused.
             if missing is None and self._lost is not None:
@@ -282,10 +290,10 @@ class BootstrapReceiver:
             if silent is not None:  # its server was judged dead, unanswered since (MGR-22)
                 return self.fail(life.FETCH_FAIL, silent)
             if missing is None:
-                resolved = self._resolve_keys()
-                if not isinstance(resolved, tuple):
+                resolved = self._resolve_missing()
+                if not isinstance(resolved, list):
                     return resolved  # Bootstrapping (pending) or Failed
-                missing = self._lookup(resolved)
+                missing = resolved
         if missing:
             dead = parts.dead_keys.refusal(self.addr, missing)
             if dead is not None:  # a rank the source still names is known dead: no refetch
@@ -299,40 +307,38 @@ class BootstrapReceiver:
             return self._handshake()
         return KVPoll.WaitingForInput
 
-    def _lookup(self, keys: tuple[PoolKey, ...]) -> list[PoolKey]:
-        """One pool lookup per key, recording what is found; the keys that missed."""
+    def _resolve_missing(self) -> list[PoolKey] | KVPoll:
+        """This request's keys from its route (``Routes.route``), looked up in the pool as
+        the hit path does: the keys that missed; a KVPoll when there are no keys (yet)."""
+        routes = self._parts.routes
+        try:
+            plan = routes.route(self.addr, self.plan, window=self.window)
+            if isinstance(plan, Pending):
+                # Resolved in the background (prepare): poll() says Bootstrapping until a
+                # later init() goes on (as for a pending dp rank).
+                self._asked_dp = True
+                return KVPoll.Bootstrapping
+            self.plan = plan
+            dp_rank = self._dp_rank
+            if dp_rank is None:
+                dp_rank = routes.dp_rank(self.addr, self.room, window=self.window)
+                if dp_rank is None:
+                    self._wait_for_dp_rank()
+                    self._call_at = 0.0  # the next init() is a new call
+                    return KVPoll.Bootstrapping
+        except BootstrapError as error:
+            return self.fail(life.FETCH_FAIL, error)
+        self._needed = plan.required_prefill_response_num
         lookup = self._parts.pool.lookup
         entries = self.entries
         missing: list[PoolKey] = []
-        for key in keys:
+        for key in plan.keys_for(self.addr, dp_rank):
             generation = lookup(key)
             if generation is None:
                 missing.append(key)
             else:
                 entries[key] = generation
         return missing
-
-    def _resolve_keys(self) -> tuple[PoolKey, ...] | KVPoll:
-        """This request's keys from its route (``Routes.route``), or a KVPoll when there are
-        none (yet)."""
-        try:
-            route = self._parts.routes.route(
-                self.addr, self.plan, room=self.room, dp_rank=self._dp_rank, window=self.window
-            )
-            if not isinstance(route, Route):
-                # Resolved in the background (prepare): poll() says Bootstrapping until a
-                # later init() goes on (as for a pending dp rank).
-                self._asked_dp = True
-                return KVPoll.Bootstrapping
-            plan = self.plan = route.plan
-            if route.dp_rank is None:
-                self._wait_for_dp_rank()
-                self._call_at = 0.0  # the next init() is a new call
-                return KVPoll.Bootstrapping
-        except BootstrapError as error:
-            return self.fail(life.FETCH_FAIL, error)
-        self._needed = plan.required_prefill_response_num
-        return plan.keys_for(self.addr, route.dp_rank)
 
     def _miss(self, missing: list[PoolKey]) -> KVPoll:
         """The miss path (``decode/fetcher.py``): each step answers, this receiver steps."""

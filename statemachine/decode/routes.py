@@ -26,7 +26,7 @@ from statemachine.errors import TopologyMismatch
 from statemachine.pool import PoolKey
 from statemachine.validation import Topology
 
-__all__ = ["PREPARING", "AddressPlan", "Pending", "Route", "Routes"]
+__all__ = ["PREPARING", "AddressPlan", "Pending", "Routes"]
 
 #: What a manager without a layout is, for the checks of MGR-16: SGLang's defaults (policy
 #: unset = ``early``, tp 1).
@@ -47,16 +47,6 @@ class AddressPlan:
     needed: int
     #: ``plan.keys_for(addr, dp_rank)`` for every dp rank of the prefill's topology
     keys: Mapping[int, tuple[PoolKey, ...]]
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """What :meth:`Routes.route` answers for one request: its rank plan, and its prefill dp
-    rank - ``None`` when only the manager's batched ``POST /query_dp_ranks`` can tell it
-    (MGR-8)."""
-
-    plan: RankPlan
-    dp_rank: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,25 +97,22 @@ class Routes:
         addr: str,
         plan: RankPlan | None,
         *,
-        room: int,
-        dp_rank: int | None,
         window: Callable[[], AbstractContextManager[object]],
-    ) -> Route | Pending:
-        """A request's route when the hit path's :attr:`known` did not answer: the plan (given,
-        or the address's, resolved once), SGLang 0.5.23's ``init()`` checks passed (MGR-16/17),
-        and the prefill dp rank in SGLang's order after a router-given one. Questions to the
+    ) -> RankPlan | Pending:
+        """A request's plan when the hit path's :attr:`known` did not answer: the plan given,
+        or the address's (resolved once), with SGLang 0.5.23's ``init()`` checks passed
+        (MGR-16/17); :data:`PREPARING` while :meth:`prepare` resolves it. Questions to the
         source run inside ``window()``, the request's deadline window (MGR-21), opened only
         when one is asked. Raises the typed error of a refused or failed resolution."""
         if plan is None:
             if addr in self._preparing:
-                # Resolved in the background (prepare): not fetched here.
-                return PREPARING
+                return PREPARING  # resolved in the background: not fetched here
             known = self.known.get(addr)
             if known is None:  # the topology is asked: inside the request's window
                 with window():
                     known = self.address_plan(addr)  # SGLang checks in init() too
-            plan = known.plan
-        elif self.policy_checked:
+            return known.plan
+        if self.policy_checked:
             # SGLang checks in init(), before the routes
             if addr in self._topologies:
                 self.check_prefill(addr)
@@ -134,17 +121,24 @@ class Routes:
                     self.check_prefill(addr)
         else:  # no layout: SGLang's default policy, once the topology is known
             self.check_known(addr)
-        if dp_rank is None:
-            if addr in self._topologies:
+        return plan
+
+    def dp_rank(
+        self, addr: str, room: int, *, window: Callable[[], AbstractContextManager[object]]
+    ) -> int | None:
+        """The prefill dp rank of ``room`` in SGLang's order after a router-given one: 0 for a
+        prefill of one dp rank, ``room % dp_size`` under ``follow_bootstrap_room``; ``None``
+        when only the manager's batched ``POST /query_dp_ranks`` can tell (MGR-8)."""
+        if addr in self._topologies:
+            topology = self.topology(addr)
+        else:
+            with window():
                 topology = self.topology(addr)
-            else:
-                with window():
-                    topology = self.topology(addr)
-            if topology.dp_size == 1:
-                dp_rank = 0
-            elif topology.follow_bootstrap_room is not False:  # never set means True (SGLang)
-                dp_rank = room % topology.dp_size
-        return Route(plan, dp_rank)
+        if topology.dp_size == 1:
+            return 0
+        if topology.follow_bootstrap_room is not False:  # never set means True (SGLang)
+            return room % topology.dp_size
+        return None
 
     def topology(self, addr: str) -> Topology:
         """The prefill's topology, fetched once per instance of the prefill (MGR-20)."""
