@@ -11,11 +11,14 @@ only on the ones below it (``docs/design.md``, "The decode core"):
 * :mod:`~statemachine.decode.routes` - per prefill address: topology → rank plan → the
   address plan and checks the hit path reads (MGR-16/17/20);
 * :mod:`~statemachine.decode.fanout` - evidence → invalidate by identity → fail every
-  receiver that depends on it (MGR-1..6), the keys known dead, the retained sockets;
-* :mod:`~statemachine.decode.fetcher` - the miss path: single-flight → fetch → register →
-  publish;
+  receiver that depends on it (MGR-1..6), the keys known dead;
+  :mod:`~statemachine.decode.retention` the sockets of what this process published (ZMQ-20),
+  :mod:`~statemachine.decode.exits` the transport's exit proofs for held KV (MGR-15);
+* :mod:`~statemachine.decode.fetcher` - the miss path's steps, each answering a value:
+  single-flight → fetch → register → publish (the receiver steps its lifecycle between them);
 * :mod:`~statemachine.decode.completions` - prefill statuses → receivers (MGR-13/14/16), and
-  BOOTSTRAP/ABORT out with the deferred KV release (MGR-15);
+  the KV an ABORT holds (MGR-15); :mod:`~statemachine.decode.ranks.outbox` - everything sent
+  to the ranks;
 * :mod:`~statemachine.decode.dp_ranks` - rooms waiting for their dp rank, asked in one batch
   per address per step (MGR-8).
 
