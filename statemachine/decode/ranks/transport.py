@@ -215,6 +215,7 @@ class ZmqTransport:
         #: the cache's sockets by endpoint: every send's one dict get
         self._entries = self._cache.entries
         self._lock = self._cache.lock  # guards the cache and the counters here, never a send
+        self._ticks = self._cache.ticks  # each send's use stamp (the LRU order)
 
     # --- liveness interface (what the manager subscribes to, spec/zmq.md ZMQ-16, ZMQ-19) ------
 
@@ -303,7 +304,7 @@ class ZmqTransport:
                         if not sent:
                             self._send_waiting(entry, frames)
                     entry.sends += 1
-                    entry.last_used = next(self._cache.ticks)
+                    entry.last_used = next(self._ticks)
                     return
             finally:
                 if entry.doomed and not entry.closed:
