@@ -228,6 +228,35 @@ POLL_OF_STATE: Mapping[str, KVPoll] = MappingProxyType(
 )
 
 
+#: What must come first, per public receiver method (and for send_metadata under the
+#: prefill_complete handshake): the ``requires`` text of its InvalidTransition.
+CALL_ORDER: dict[str, str] = {
+    "init": "init() runs once, on a new receiver; create a new receiver for a new request",
+    "send_metadata": "send_metadata() runs once, after init() returned WaitingForInput",
+    "send_metadata after the handshake": (
+        "under the prefill_complete policy, send_metadata() runs once poll() returned "
+        "WaitingForInput (the prefill answered the BOOTSTRAP handshake)"
+    ),
+    "poll": (
+        "call init() first: poll() reports a request's progress once init() ran (before it, "
+        "nothing is in progress and nothing was sent)"
+    ),
+    "failure_exception": (
+        "failure_exception() cannot run while init() is fetching on the owner's thread"
+    ),
+    "invalidate_cached_bootstrap_infos": (
+        "only a failed receiver has generations to invalidate (it does so itself)"
+    ),
+}
+
+
+def out_of_order(state: str, event: str, method: str, order: str = "") -> InvalidTransition:
+    """The InvalidTransition of a receiver's ``method`` called in ``state``: ``event`` has no
+    transition from it, and :data:`CALL_ORDER` says what must come first (``order`` names an
+    entry other than the method's own)."""
+    return InvalidTransition(state, event, method=method, requires=CALL_ORDER[order or method])
+
+
 # --- documentation output -------------------------------------------------------------------
 
 

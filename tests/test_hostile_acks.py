@@ -20,9 +20,10 @@ from zmq.utils.monitor import recv_monitor_message
 from zmq_support import AckRecorder
 
 from statemachine.completion import PrefillEvent, PrefillStatus
-from statemachine.decode.ranks.acks import EVICT_GRACE, MAX_FRAME_BYTES, AckListener
+from statemachine.decode.ranks.acks import AckListener
 from statemachine.errors import InvalidArgument
-from statemachine.wire.reference import ack_frames
+from statemachine.wire.reference import ack_frames, decode_reply
+from statemachine.wire.zmtp import EVICT_GRACE, MAX_FRAME_BYTES
 
 
 @pytest.mark.slow
@@ -50,8 +51,13 @@ def send_frames(port: int, messages: list[list[bytes]]) -> None:
 
 def test_ack2_too_many_frames_cuts_the_sender_and_the_listener_serves_on() -> None:
     """Past MAX_FRAMES (6: SGLang's 5-frame NIXL status fits) the sender is cut at that frame,
-    so its next message, on the same connection, is never read."""
-    with AckListener() as acks:
+    so its next message, on the same connection, is never read. The decoder takes any number
+    of frames (the first four), so it is the cap that cuts, not a decoder's refusal."""
+
+    def first_four(frames: Sequence[bytes]) -> PrefillEvent | None:
+        return decode_reply(frames[:4])
+
+    with AckListener(decoder=first_four) as acks:
         done = AckRecorder()
         acks.expect(7, 1, done)
         send_frames(acks.port, [[b"ack", b"7", b"0", b"0", *[b"extra"] * 3], ack_frames(7, 0, 0)])
@@ -270,7 +276,7 @@ def test_ack2_idle_connections_cannot_lock_senders_out() -> None:
 def test_ack2_silent_connection_is_cut_after_the_handshake_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("statemachine.decode.ranks.acks.HANDSHAKE_TIMEOUT", 0.3)
+    monkeypatch.setattr("statemachine.wire.zmtp.HANDSHAKE_TIMEOUT", 0.3)
     with (
         AckListener() as acks,
         socket.create_connection(("127.0.0.1", acks.port), timeout=5) as raw,
@@ -446,7 +452,7 @@ def test_ack5_a_rank_that_just_connected_is_not_cut_for_a_chattering_flood(
     connected less than EVICT_GRACE ago while older chattering senders are there: otherwise
     a flood sending acks for unknown rooms would cut every new rank before its first ack.
     (The grace is widened here so that a loaded machine cannot age the rank past it.)"""
-    monkeypatch.setattr("statemachine.decode.ranks.acks.EVICT_GRACE", 3.0)
+    monkeypatch.setattr("statemachine.wire.zmtp.EVICT_GRACE", 3.0)
     with AckListener(max_peers=8) as acks:
         done = AckRecorder()
         acks.expect(4, 1, done)

@@ -13,6 +13,7 @@ import pytest
 from zmq_support import LOOPBACK, AckRecorder
 
 from statemachine.decode.ranks.acks import AckListener
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import PrefillRankStartFailed
 from statemachine.pool import Generation, RankInfo
@@ -44,14 +45,14 @@ def test_ack1_dead_decode_does_not_delay_a_live_decodes_ack(server: BootstrapSer
         generation = Generation((RankInfo(LOOPBACK, rank.port, 0),))
         dead_backend = SimpleBackend(LOOPBACK, dead_port, "dead-decode")
         live_backend = SimpleBackend(LOOPBACK, live.port, "live-decode")
-        transport.register(generation, dead_backend)
-        transport.register(generation, live_backend)
+        Outbox(transport, dead_backend).register(generation)
+        Outbox(transport, live_backend).register(generation)
         for room in range(10):
-            transport.send_metadata(generation, dead_backend, MetadataRequest(room, (), 0))
+            Outbox(transport, dead_backend).metadata(generation, MetadataRequest(room, (), 0))
         done = AckRecorder()
         live.expect(100, 1, done)
         start = time.monotonic()
-        transport.send_metadata(generation, live_backend, MetadataRequest(100, (), 0))
+        Outbox(transport, live_backend).metadata(generation, MetadataRequest(100, (), 0))
         assert done.wait(10.0)
         late = time.monotonic() - start
         # One blocked send to the dead decode would already cost SNDTIMEO = 1 s.
@@ -77,14 +78,16 @@ def test_ack1_live_decode_acks_keep_flowing_while_another_is_dead(
         generation = Generation((RankInfo(LOOPBACK, rank.port, 0),))
         dead_backend = SimpleBackend(LOOPBACK, dead_port, "dead-decode")
         live_backend = SimpleBackend(LOOPBACK, live.port, "live-decode")
-        transport.register(generation, dead_backend)
-        transport.register(generation, live_backend)
+        Outbox(transport, dead_backend).register(generation)
+        Outbox(transport, live_backend).register(generation)
         done = AckRecorder()
         start = time.monotonic()
         for room in range(50):  # interleaved: dead, live, dead, live, ...
-            transport.send_metadata(generation, dead_backend, MetadataRequest(room, (), 0))
+            Outbox(transport, dead_backend).metadata(generation, MetadataRequest(room, (), 0))
             live.expect(1000 + room, 1, done)
-            transport.send_metadata(generation, live_backend, MetadataRequest(1000 + room, (), 0))
+            Outbox(transport, live_backend).metadata(
+                generation, MetadataRequest(1000 + room, (), 0)
+            )
         deadline = time.monotonic() + 10.0
         while len(done.rooms) < 50 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -121,10 +124,10 @@ def test_ack7_a_host_name_decode_ip_is_refused_never_resolved(server: BootstrapS
         named_done, live_done = AckRecorder(), AckRecorder()
         named.expect(7, 1, named_done)
         live.expect(8, 1, live_done)
-        transport.register(generation, named_backend)
-        transport.register(generation, live_backend)
-        transport.send_metadata(generation, named_backend, MetadataRequest(7, (), 0))
-        transport.send_metadata(generation, live_backend, MetadataRequest(8, (), 0))
+        Outbox(transport, named_backend).register(generation)
+        Outbox(transport, live_backend).register(generation)
+        Outbox(transport, named_backend).metadata(generation, MetadataRequest(7, (), 0))
+        Outbox(transport, live_backend).metadata(generation, MetadataRequest(8, (), 0))
         assert live_done.wait(10.0)
         assert not named_done.wait(0.5)
         stats = rank.terminate()
@@ -151,9 +154,9 @@ def test_ack8_only_the_session_that_sent_the_metadata_can_abort_its_room(
         stranger_backend = SimpleBackend(LOOPBACK, other.port, "never-registered")
         done = AckRecorder()
         owner.expect(5, 1, done)
-        transport.register(generation, owner_backend)
-        transport.register(generation, other_backend)
-        transport.send_metadata(generation, owner_backend, MetadataRequest(5, (), 0))
+        Outbox(transport, owner_backend).register(generation)
+        Outbox(transport, other_backend).register(generation)
+        Outbox(transport, owner_backend).metadata(generation, MetadataRequest(5, (), 0))
         transport.send((info.ip, info.port), stranger_backend.abort_frames(info, 5))
         transport.send((info.ip, info.port), other_backend.abort_frames(info, 5))
         assert done.wait(10.0), "the owner's ack was dropped by another session's abort"

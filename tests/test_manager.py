@@ -415,6 +415,69 @@ def test_mgr_1_a_fetch_answered_by_a_new_instance_retires_the_old_one() -> None:
         transport.close()
 
 
+class _RestartsAfterTheFirstKey(BootstrapClient):
+    """A real client whose server is replaced between two keys of one fetch: once the first
+    key's ranks were answered (``TP`` questions), a new bootstrap server (a new instance id,
+    the same rank processes registered with it) takes the address before the next question.
+    A stand-in for the timing only - a prefill restarting inside one request's fetch - which
+    no real path can place between two questions on demand; the server, the ranks and the
+    client are the real ones."""
+
+    def __init__(self, prefill: Prefill) -> None:
+        super().__init__(connect_timeout=1.0, read_timeout=2.0)
+        self._prefill = prefill
+        self._answered = 0
+        self.replacement: BootstrapServer | None = None
+
+    def get_rank(  # type: ignore[override]
+        self, addr: str, *, dp_rank: int, cp_rank: int, tp_rank: int, pp_rank: int
+    ) -> object:
+        reply = super().get_rank(
+            addr, dp_rank=dp_rank, cp_rank=cp_rank, tp_rank=tp_rank, pp_rank=pp_rank
+        )
+        self._answered += 1
+        if self._answered == TP and self.replacement is None:
+            self.replacement = _restart_server(self._prefill)
+        return reply
+
+
+def test_mgr_23_a_fetch_whose_keys_two_instances_answered_is_never_accepted() -> None:
+    """MGR-23: one request's two keys missed and were fetched together; the first key was
+    answered by instance A, then the prefill's bootstrap server restarted (B) and answered the
+    second. The request fails with PrefillRestarted (retryable, naming A then B), publishes
+    nothing, and its retry fetches both keys from B.
+
+    Catches a fetch that accepts keys of two instances (the request would go on with one
+    generation of each, one of them the old instance's)."""
+    first = start_prefill()
+    client = _RestartsAfterTheFirstKey(first)
+    old_id = first.server.instance_id
+    try:
+        with manager_for(source=client) as manager:
+            plan = _TwoDpPlan(tp_ranks=PLAN.tp_ranks)
+            keys = plan.keys_for(first.addr, 0)
+            receiver = manager.receiver(first.addr, 60, plan, prefill_dp_rank=0)
+            assert receiver.init() == KVPoll.Failed
+            assert client.replacement is not None  # the restart came between the two keys
+            error = receiver.failure
+            assert isinstance(error, PrefillRestarted), error
+            assert error.retryable
+            assert (error.old_id, error.new_id) == (old_id, client.replacement.instance_id)
+            assert all(manager.pool.get(key) is None for key in keys)  # nothing published
+            retry = manager.receiver(first.addr, 61, plan, prefill_dp_rank=0)
+            assert retry.init() == KVPoll.WaitingForInput, retry.failure
+            assert {g.instance_id for g in retry.entries.values()} == {
+                client.replacement.instance_id
+            }
+            assert set(retry.entries) == set(keys)
+            retry.abort()
+    finally:
+        client.close()
+        stop_prefill(first)
+        if client.replacement is not None:
+            client.replacement.stop()
+
+
 def test_mgr_1_a_restart_notice_leaves_requests_on_the_new_instance_alone() -> None:
     """The health monitor's restart notice (A replaced by B) fails the requests in flight on
     A's generations and none already running on B's. Driven by ``probe_once`` (the monitor's

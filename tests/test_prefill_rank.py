@@ -15,6 +15,7 @@ from zmq_support import LOOPBACK, AckRecorder, first_send_failure
 from statemachine.decode import liveness_bound
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.ranks.acks import AckListener
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.errors import PrefillRankStartFailed
 from statemachine.pool import Generation, RankInfo
@@ -76,8 +77,8 @@ def test_zmq13_ranks_register_receive_and_ack(
         generation = _generation(*ranks)
         done = AckRecorder()
         acks.expect(41, 2, done)
-        transport.register(generation, backend)
-        transport.send_metadata(generation, backend, MetadataRequest(41, (0, 1, 2), 0))
+        Outbox(transport, backend).register(generation)
+        Outbox(transport, backend).metadata(generation, MetadataRequest(41, (0, 1, 2), 0))
         assert done.wait()
         # Junk and a register for pp rank 1 (these ranks are pp rank 0) are counted, not used.
         transport.send((LOOPBACK, ranks[0].port), [b"register", b"junk"])
@@ -86,8 +87,8 @@ def test_zmq13_ranks_register_receive_and_ack(
         # The ack of a later request proves the rank handled everything sent before it.
         after = AckRecorder()
         acks.expect(42, 1, after)
-        transport.send_metadata(
-            Generation(generation.ranks[:1]), backend, MetadataRequest(42, (), 0)
+        Outbox(transport, backend).metadata(
+            Generation(generation.ranks[:1]), MetadataRequest(42, (), 0)
         )
         assert after.wait()
         stats = [rank.terminate() for rank in ranks]
@@ -114,9 +115,9 @@ def test_zmq13_metadata_from_an_unregistered_session_is_not_acked(
         acks.expect(1, 1, unacked)
         acks.expect(2, 1, acked)
         # One socket, one peer: handled in this order, so room 1's ack would come first.
-        transport.send_metadata(generation, stranger, MetadataRequest(1, (), 0))
-        transport.register(generation, known)
-        transport.send_metadata(generation, known, MetadataRequest(2, (), 0))
+        Outbox(transport, stranger).metadata(generation, MetadataRequest(1, (), 0))
+        Outbox(transport, known).register(generation)
+        Outbox(transport, known).metadata(generation, MetadataRequest(2, (), 0))
         assert acked.wait()
         stats = rank.terminate()
     assert unacked.rooms == []
@@ -131,13 +132,13 @@ def test_zmq13_sigkill_then_restart_gets_a_new_port_and_serves_again(
     backend = SimpleBackend(LOOPBACK, acks.port, "decode-1")
     with PrefillRankProcess(server.address, TOKEN) as rank:
         old = _generation(rank)
-        transport.register(old, backend)
+        Outbox(transport, backend).register(old)
         old_port = rank.port
         rank.kill()
         # Sends in the moment before libzmq sees the disconnect are queued and dropped with
         # the connection (see test_transport ZMQ-8); then sends fail.
         failure = first_send_failure(
-            lambda room: transport.send_metadata(old, backend, MetadataRequest(room, (), 0))
+            lambda room: Outbox(transport, backend).metadata(old, MetadataRequest(room, (), 0))
         )
         assert failure.endpoint == f"tcp://{LOOPBACK}:{old_port}"
         new_port = rank.restart()
@@ -151,8 +152,8 @@ def test_zmq13_sigkill_then_restart_gets_a_new_port_and_serves_again(
         fresh = _generation(rank)
         done = AckRecorder()
         acks.expect(5000, 1, done)
-        transport.register(fresh, backend)
-        transport.send_metadata(fresh, backend, MetadataRequest(5000, (7,), 1))
+        Outbox(transport, backend).register(fresh)
+        Outbox(transport, backend).metadata(fresh, MetadataRequest(5000, (7,), 1))
         assert done.wait()
 
 
@@ -163,7 +164,7 @@ def test_zmq13_delayed_acks_all_arrive(
     with PrefillRankProcess(server.address, TOKEN, ack_delay_ms=30) as rank:
         generation = _generation(rank)
         backend = SimpleBackend(LOOPBACK, acks.port, "decode-1")
-        transport.register(generation, backend)
+        Outbox(transport, backend).register(generation)
         all_done = threading.Event()
         finished: list[int] = []
 
@@ -174,7 +175,7 @@ def test_zmq13_delayed_acks_all_arrive(
 
         for room in range(20):
             acks.expect(room, 1, on_done)
-            transport.send_metadata(generation, backend, MetadataRequest(room, (room,), 0))
+            Outbox(transport, backend).metadata(generation, MetadataRequest(room, (room,), 0))
         assert all_done.wait(10)
         stats = rank.terminate()
     assert sorted(finished) == list(range(20))

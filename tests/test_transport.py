@@ -27,6 +27,7 @@ from zmq_support import (
 )
 
 from statemachine.decode.ranks.acks import AckListener
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
 from statemachine.demo.baselines import QueueingTransport, UnmonitoredTransport
 from statemachine.errors import BootstrapError, MalformedFrames, SendFailed
@@ -222,8 +223,8 @@ def test_zmq14_register_and_metadata_reach_every_rank_dummy_included(
                 RankInfo(LOOPBACK, port1, pp_rank=1),
             )
         )
-        transport.register(generation, backend)
-        transport.send_metadata(generation, backend, request)
+        Outbox(transport, backend).register(generation)
+        Outbox(transport, backend).metadata(generation, request)
         for peer, pp_rank in ((peer0, 0), (dummy, 0), (peer1, 1)):
             register, metadata = recv_n(peer, 2)
             reg = parse_register(register)
@@ -247,7 +248,7 @@ def test_zmq14_register_stops_at_the_first_failed_rank(context: zmq.Context) -> 
     with pull_peer(context) as (live, port), ZmqTransport(send_timeout_ms=FAST_MS) as transport:
         generation = Generation((RankInfo(LOOPBACK, dead_port(), 0), RankInfo(LOOPBACK, port, 0)))
         with pytest.raises(SendFailed):
-            transport.register(generation, _backend())
+            Outbox(transport, _backend()).register(generation)
         assert recv_all(live, quiet_ms=100) == []
 
 

@@ -25,6 +25,7 @@ from zmq_support import (
     with_deadline,
 )
 
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import EXIT_PROVEN, ZmqTransport
 from statemachine.demo.baselines import QueueingTransport
 from statemachine.errors import SendFailed
@@ -325,8 +326,8 @@ def test_zmq20_fds_threads_and_sockets_stay_flat_over_real_restarts() -> None:
                 generation = Generation((RankInfo(LOOPBACK, rank.port, 0),))
                 endpoints = generation_endpoints(generation)
                 transport.retain(endpoints)
-                transport.register(generation, backend)
-                transport.send_metadata(generation, backend, MetadataRequest(room, (1,), 0))
+                Outbox(transport, backend).register(generation)
+                Outbox(transport, backend).metadata(generation, MetadataRequest(room, (1,), 0))
                 mark = verdicts.mark()
                 rank.kill()
                 verdicts.wait_for(endpoints[0], alive=False, since=mark)
@@ -423,15 +424,15 @@ def test_zmq19_a_dead_decode_does_not_delay_acks_to_a_live_one() -> None:
         generation = Generation((RankInfo(LOOPBACK, rank.port, 0),))
         with ZmqTransport() as transport, AckListener() as acks:
             dead = SimpleBackend(LOOPBACK, dead_port(), "dead-decode")
-            transport.register(generation, dead)
+            Outbox(transport, dead).register(generation)
             for room in range(10):
-                transport.send_metadata(generation, dead, MetadataRequest(room, (1,), 0))
+                Outbox(transport, dead).metadata(generation, MetadataRequest(room, (1,), 0))
             live = SimpleBackend(LOOPBACK, acks.port, "live-decode")
-            transport.register(generation, live)
+            Outbox(transport, live).register(generation)
             done = threading.Event()
             acks.expect(99, 1, lambda room: done.set())
             started = time.monotonic()
-            transport.send_metadata(generation, live, MetadataRequest(99, (1,), 0))
+            Outbox(transport, live).metadata(generation, MetadataRequest(99, (1,), 0))
             assert done.wait(30)
             assert time.monotonic() - started < 5.0  # was 10 s: one SNDTIMEO per dead ack
         # The rank queues acks per decode peer and drops what a peer has not taken within its
@@ -459,7 +460,7 @@ def test_zmq20_a_generation_retains_and_releases_every_rank_dummy_included(
         endpoints = generation_endpoints(generation)
         assert endpoints == ((LOOPBACK, port), (LOOPBACK, dummy_port))
         transport.retain(endpoints)
-        transport.register(generation, SimpleBackend(LOOPBACK, 5555, "s"))
+        Outbox(transport, SimpleBackend(LOOPBACK, 5555, "s")).register(generation)
         assert len(recv_n(peer, 1)) == len(recv_n(dummy, 1)) == 1
         assert transport.stats().retained == 2 and transport.stats().sockets_open == 2
         transport.release(endpoints)

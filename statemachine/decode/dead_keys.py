@@ -1,5 +1,5 @@
 """Pool keys whose ranks are known dead: the next requests fail in microseconds, not after a
-refetch each (issue 18 item 3).
+refetch each (``spec/manager.md`` MGR-1, under ``dead_recheck_s``).
 
 When the fan-out drops a generation because one of its endpoints is dead (a failed send or the
 transport's verdict, MGR-1) and the source is asked over the network (``health_by_probes``: the

@@ -8,15 +8,10 @@ generations involved by identity (``spec/manager.md`` MGR-1..6). The fan-out nev
 another thread's receiver: it stores the reason on it (``mark_lost``: one attribute store) and the
 owner's next call fires ``PeerLost``.
 
-The transport's verdicts are also evidence about a failed room's KV (MGR-15): a proven exit
-(ZMQ-26: the port refused a connect) is recorded with the deferred release
-(:meth:`FanOut.process_exited`), so a room whose every writer exited is released at once; any
-other dead verdict is silence and releases nothing (traced as ``SilenceSeen``).
-
-Also here, because they follow the same generations: the keys known dead (a miss on one fails
-at once, :mod:`statemachine.decode.dead_keys`, off unless a recheck time is given), and the
-sockets of the generations this process published, retained in the transport until no pool
-entry and no receiver uses them (ZMQ-20).
+A key whose endpoint was found dead is remembered (a miss on one fails at once,
+:mod:`statemachine.decode.dead_keys`, off unless a recheck time is given). What the evidence
+means for a failed room's KV is :mod:`statemachine.decode.exits`'s; the sockets released as the
+fan-out drops generations are :mod:`statemachine.decode.retention`'s.
 """
 
 from __future__ import annotations
@@ -26,15 +21,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 from statemachine import trace
 from statemachine.decode.dead_keys import DeadKeys
-from statemachine.decode.holds import RESET_SEEN, AbortHolds, instance_label
-from statemachine.decode.ranks.exit_probe import connect_refused
-from statemachine.decode.ranks.transport import (
-    EXIT_PROVEN,
-    Endpoint,
-    ZmqTransport,
-    endpoint_url,
-)
-from statemachine.decode.rooms import InFlight, Rooms, entries_of, items_of
+from statemachine.decode.exits import ExitProofs
+from statemachine.decode.ranks.transport import Verdict, endpoint_url
+from statemachine.decode.retention import SocketRetention
+from statemachine.decode.rooms import Rooms, entries_of, generations_at, items_of
 from statemachine.decode.routes import Routes
 from statemachine.decode.source import BootstrapSource
 from statemachine.errors import (
@@ -60,27 +50,27 @@ class FanOut:
         rooms: Rooms,
         routes: Routes,
         pool: BootstrapPool,
-        transport: ZmqTransport,
         source: BootstrapSource,
         dead_keys: DeadKeys,
         hold_off_dead: bool,
         clock: Callable[[], float],
-        holds: AbortHolds | None = None,
+        retention: SocketRetention,
+        exits: ExitProofs,
     ) -> None:
         self._rooms = rooms
         self._routes = routes
         self._pool = pool
-        self._transport = transport
         self._source = source
         self.dead_keys = dead_keys
         #: hold keys known dead off (a network source only: one that answers from a watched
         #: local store costs microseconds to ask and sees a new registration at once)
         self._hold_off_dead = hold_off_dead and source.health_by_probes
         self._clock = clock
-        #: the deferred KV release the transport's exit proofs go to (MGR-15)
-        self._holds = holds
+        #: the sockets of what this process published: released as the fan-out drops it
+        self._retention = retention
+        #: a dead verdict that proves no exit is traced as silence there (MGR-15)
+        self._exits = exits
         self._lock = threading.Lock()
-        self._retained: dict[Generation, tuple[Endpoint, ...]] = {}
         #: pool entries removed, by what removed them (the lifecycle event or the evidence)
         self.invalidations: dict[str, int] = {}
         #: receivers failed, by evidence type
@@ -93,10 +83,10 @@ class FanOut:
         generations: Iterable[Generation],
         error: BootstrapError,
         *,
-        exclude: InFlight | None = None,
+        spare_room: int | None = None,
     ) -> int:
-        """Fail every receiver in flight that uses one of ``generations``; invalidate them by
-        identity. Returns how many receivers were failed."""
+        """Fail every receiver in flight that uses one of ``generations`` (but the one of
+        ``spare_room``); invalidate them by identity. Returns how many receivers were failed."""
         doomed = set(generations)
         if not doomed:
             return 0
@@ -107,13 +97,13 @@ class FanOut:
         failed = 0
         for receiver in self._rooms.snapshot():
             if (
-                receiver is not exclude
+                receiver.room != spare_room
                 and any(g in doomed for g in entries_of(receiver))
                 and receiver.mark_lost(error)
             ):
                 failed += 1
         self._count(error, failed)
-        self.reconcile()
+        self._retention.reconcile()
         return failed
 
     def fail_address(self, addr: str, error: BootstrapError) -> int:
@@ -131,57 +121,28 @@ class FanOut:
         if used:
             self.invalidated({}, self._pool.invalidate(used), type(error).__name__)
         self._count(error, failed)
-        self.reconcile()
+        self._retention.reconcile()
         return failed
 
     def send_failed(self, error: SendFailed) -> None:
         """A request's send failed: every other request using that endpoint is lost too."""
         self.endpoint_dead(error.endpoint, str(error))
 
-    def on_endpoint(self, endpoint: Endpoint, alive: bool, reason: str) -> None:
+    def on_verdict(self, verdict: Verdict) -> None:
         """Transport listener: an endpoint was found dead (evidence) or back."""
-        if not alive:
-            self.endpoint_dead(endpoint_url(endpoint), reason)
+        if not verdict.alive:
+            self.endpoint_dead(
+                endpoint_url(verdict.endpoint), verdict.reason, exit_proven=verdict.exit_proven
+            )
         else:
-            self.dead_keys.forget_endpoint(endpoint_url(endpoint))
+            self.dead_keys.forget_endpoint(endpoint_url(verdict.endpoint))
 
-    def process_exited(self, endpoint: Endpoint, reason: str) -> None:
-        """Transport exit listener (ZMQ-26, before the dead verdict): the rank's process at
-        ``endpoint`` is gone, proof for the KV of every room its generations told.
-
-        The other ranks of those generations are asked at once too: ranks that die together
-        (a whole prefill killed) would otherwise race their own verdicts, and the first one
-        ends the requests and closes the others' sockets before theirs arrive, leaving those
-        rooms held until the timeout. A refused connect is the proof either way."""
-        if self._holds is None:
-            return
-        url = endpoint_url(endpoint)
-        generations = self._generations_using(url) | self._holds.generations_at(url)
-        self._holds.proven_gone(url, generations, RESET_SEEN)
-        others = {
-            (rank.ip, rank.port)
-            for generation in generations
-            for rank in generation.ranks
-            if (rank.ip, rank.port) != endpoint
-        }
-        for other in others:
-            if connect_refused(other):
-                other_url = endpoint_url(other)
-                named = self._generations_using(other_url) | self._holds.generations_at(other_url)
-                self._holds.proven_gone(other_url, named, RESET_SEEN)
-
-    def _trace_silence(self, url: str) -> None:
-        """A dead verdict that is not an exit: silence about every process told at ``url``."""
-        named = self._generations_using(url)
-        if self._holds is not None:
-            named |= self._holds.generations_at(url)
-        for generation in named:
-            trace.emit("SilenceSeen", endpoint=url, instance=instance_label(generation))
-
-    def endpoint_dead(self, url: str, reason: str) -> int:
-        if trace.ENABLED and EXIT_PROVEN not in reason:
-            self._trace_silence(url)  # a verdict or a failed send that proves no exit
-        generations = self._generations_using(url)
+    def endpoint_dead(self, url: str, reason: str, *, exit_proven: bool = False) -> int:
+        """``url`` is dead (a verdict, or a failed send: never an exit): fail every request
+        using it."""
+        if trace.ENABLED and not exit_proven:
+            self._exits.trace_silence(url)  # a verdict or a failed send that proves no exit
+        generations = generations_at(url, self._pool, self._rooms)
         if not generations:
             return 0
         if self._hold_off_dead:
@@ -215,7 +176,7 @@ class FanOut:
         new_id: str,
         *,
         cause: str,
-        exclude: InFlight | None = None,
+        spare_room: int | None = None,
     ) -> int:
         self._routes.forget(addr)
         self.dead_keys.forget_address(addr)  # a new instance: every registration is new
@@ -231,21 +192,21 @@ class FanOut:
             old_id=old_id,
             new_id=new_id,
         )
-        return self.fail_generations(stale, error, exclude=exclude)
+        return self.fail_generations(stale, error, spare_room=spare_room)
 
     def instance_replaced(
-        self, addr: str, old_ids: Iterable[str | None], new_id: str, finder: InFlight
+        self, addr: str, old_ids: Iterable[str | None], new_id: str, *, finder: int
     ) -> None:
-        """``finder``'s fetch from ``addr`` answered as ``new_id`` while it held entries of
-        ``old_ids``: retire those, and fail the other requests that use them (``finder``
-        refetches its stale keys itself)."""
+        """The fetch of room ``finder`` from ``addr`` answered as ``new_id`` while it held
+        entries of ``old_ids``: retire those, and fail the other requests that use them (the
+        finder refetches its stale keys itself)."""
         # Retire exactly the replaced ids (POOL-6): ``finder`` adopted those entries before
         # its fetch began, so they answered before ``new_id`` did. Never "every id but
         # new_id": a newer instance may have published since this fetch was answered.
         for old in old_ids:
             if old is not None:
                 self._pool.retire_instance(addr, old)
-                self.restarted(addr, old, new_id, cause="fetch", exclude=finder)
+                self.restarted(addr, old, new_id, cause="fetch", spare_room=finder)
 
     def named_dead_again(
         self, fresh: Mapping[PoolKey, Generation], error: RanksUnreachable
@@ -255,51 +216,16 @@ class FanOut:
         if self._hold_off_dead:
             self.dead_keys.record(fresh.items(), error.endpoint, "named again after it died")
 
-    # --- generations and their sockets ------------------------------------------------------
-
-    def retain_sockets(self, generation: Generation) -> None:
-        """``generation`` was published by this process: keep its endpoints' sockets."""
-        endpoints = tuple((rank.ip, rank.port) for rank in generation.ranks)
-        with self._lock:
-            if generation in self._retained:
-                return
-            self._retained[generation] = endpoints
-        self._transport.retain(endpoints)
-
     def invalidated(self, entries: Mapping[PoolKey, Generation], removed: int, cause: str) -> None:
         """``entries`` were dropped from the pool (``removed`` of them were there)."""
         if removed:
             with self._lock:
                 self.invalidations[cause] = self.invalidations.get(cause, 0) + removed
         if entries:
-            self.reconcile()
-
-    def reconcile(self) -> int:
-        """Release the sockets of retained generations nothing uses any more."""
-        with self._lock:
-            if not self._retained:
-                return 0
-        live = set(self._pool.snapshot().values())
-        for receiver in self._rooms.snapshot():
-            live.update(entries_of(receiver))
-        with self._lock:
-            dead = [g for g in self._retained if g not in live]
-            released = [self._retained.pop(g) for g in dead]
-        for endpoints in released:
-            self._transport.release(endpoints)
-        return len(released)
-
-    def endpoints_retained(self) -> int:
-        with self._lock:
-            return sum(len(e) for e in self._retained.values())
+            self._retention.reconcile()
 
     def close(self) -> None:
-        """Release every retained socket and forget the keys known dead."""
-        with self._lock:
-            retained = list(self._retained.values())
-            self._retained.clear()
-        for endpoints in retained:
-            self._transport.release(endpoints)
+        """Forget the keys known dead."""
         self.dead_keys.clear()
 
     # --- lookups over the pool and the receivers in flight ----------------------------------
@@ -316,18 +242,6 @@ class FanOut:
         for receiver in self._rooms.snapshot():
             items.extend((k, g) for k, g in items_of(receiver) if g in generations)
         return items
-
-    def _generations_using(self, url: str) -> set[Generation]:
-        found: set[Generation] = set()
-        candidates = list(self._pool.snapshot().values())
-        for receiver in self._rooms.snapshot():
-            candidates.extend(entries_of(receiver))
-        for generation in candidates:
-            for rank in generation.ranks:
-                if endpoint_url((rank.ip, rank.port)) == url:
-                    found.add(generation)
-                    break
-        return found
 
 
 def note_evidence(error: BootstrapError, now: float) -> None:

@@ -1,41 +1,44 @@
-"""``Fetcher``: the miss path, whole. A request whose keys missed the pool comes here once.
+"""``Fetcher``: the miss path, step by step. Each step answers with a value; the receiver
+steps its own lifecycle between them (``BootstrapReceiver._miss``, ``spec/lifecycle.md``) and
+no step is handed the receiver.
 
-In order (``spec/lifecycle.md``, ``spec/manager.md``):
+Before it, the receiver refuses at once what is known to fail (once each, ``spec/manager.md``):
+an address judged silent (``silent``, MGR-22) and keys whose rank is known dead (``dead_keys``,
+MGR-1). Then:
 
-1. **known dead** - a key whose rank is known dead fails at once (``dead_keys``, MGR-1), and
-   so does every key of a bootstrap address judged silent (``silent``, MGR-22);
-2. **single-flight** (:mod:`statemachine.decode.flight`) - follow the fetches in flight for
-   our keys and adopt what they publish (``Hit``), or lead all of them;
-3. **fetch** (``Miss`` → ``FetchOk``) - every (tp, pp) rank of each key from the source,
-   inside the request's deadline window (MGR-21); an answer from a new instance retires the
-   entries of the old one (POOL-6) and re-plans the address (MGR-20); ranks the transport
-   already judged dead fail the request as retryable (the one retry rule, MGR-19);
-4. **register** (``RegisterOk``) - with every rank, over the transport;
-5. **publish** (``Publish``) - through the source (its watermark may refuse a stale fetch),
-   adopting a concurrent winner's generation; what this process published keeps its sockets.
+1. :meth:`Fetcher.claim` - **single-flight** (:mod:`statemachine.decode.flight`): follow the
+   fetches in flight for our keys and adopt what they publish (``Hit`` once nothing is left), or
+   lead all of them: a :class:`Claim`, or the leader's error;
+2. :meth:`Fetcher.fetch` (``Miss`` → ``FetchOk``) - every (tp, pp) rank of each key from the
+   source, inside the request's deadline window (MGR-21); an answer from a new instance retires
+   the entries of the old one (POOL-6) and re-plans the address (MGR-20); ranks the transport
+   already judged dead fail the request as retryable (the one retry rule, MGR-19): the
+   generations fetched (every key answered by one instance, MGR-23), or the typed error;
+3. :meth:`Fetcher.register` (``RegisterOk``) - with every rank, over the transport: ``None``, or
+   the typed error;
+4. :meth:`Fetcher.publish` (``Publish``) - through the source (its watermark may refuse a stale
+   fetch), adopting a concurrent winner's generation; what this process published keeps its
+   sockets: a :class:`Published`;
+5. :meth:`Fetcher.abandon` - whatever happened, the flights a claim led and nobody resolved
+   fail, so no follower waits for them.
 
-The fetcher steps the receiver it was handed through the receiver's own lifecycle steps
-(:class:`Missing`: ``fire``/``fail``), and reports evidence to the fan-out; it knows nothing
-above it.
+The fetcher reports evidence to the fan-out (a failed register, an instance replaced, ranks
+named dead again); it knows nothing above it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
-from statemachine import call_deadline
-from statemachine import lifecycle as life
-from statemachine.backend import KVBackend
-from statemachine.completion import KVPoll
-from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.fanout import FanOut
 from statemachine.decode.flight import Flight, Flights
 from statemachine.decode.health import HealthMonitor
 from statemachine.decode.plan import RankPlan
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport, endpoint_url
-from statemachine.decode.rooms import InFlight
+from statemachine.decode.retention import SocketRetention
 from statemachine.decode.routes import Routes
 from statemachine.decode.silent import SilentAddresses
 from statemachine.decode.source import BootstrapSource
@@ -43,37 +46,41 @@ from statemachine.errors import (
     BootstrapError,
     BootstrapHTTPError,
     PeerLost,
+    PrefillRestarted,
     RanksUnreachable,
     SendFailed,
     TransportFailure,
 )
 from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
 
-__all__ = ["Fetcher", "Missing", "unreachable"]
+__all__ = ["Claim", "Fetched", "Fetcher", "Published", "unreachable"]
+
+#: What a fetch answers: one generation per key.
+Fetched = dict[PoolKey, Generation]
 
 
-class Missing(InFlight, Protocol):
-    """What the fetcher does to the receiver whose keys missed."""
+@dataclass(slots=True)
+class Claim:
+    """One look at the flights of a request's missing keys (:meth:`Fetcher.claim`)."""
 
-    @property
-    def lost(self) -> BootstrapError | None:
-        """The fan-out's reason, stored while this request fetched (or ``None``)."""
-        ...
+    #: the keys still missing: what this request fetches itself if it leads
+    missing: list[PoolKey]
+    #: the flights this request leads (their followers adopt what it publishes); empty when
+    #: it followed
+    led: dict[PoolKey, Flight]
+    #: another request's flight was followed: the request looks again (the fan-out may have
+    #: failed it while it waited)
+    followed: bool
 
-    @property
-    def failure(self) -> BootstrapError | None: ...
 
-    def fire(self, event: str) -> None:
-        """One lifecycle step (the Machine's table; traced)."""
-        ...
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What :meth:`Fetcher.publish` did: the generation each published key holds now (ours,
+    or a concurrent winner's), and why a key was not published (a stale fetch), if one was
+    not."""
 
-    def fail(self, event: str, error: BootstrapError) -> KVPoll:
-        """A failure step, with its effects (invalidation, ABORT); returns ``Failed``."""
-        ...
-
-    def window(self) -> call_deadline.Until:
-        """This init() call's deadline window for questions to the source (MGR-21)."""
-        ...
+    entries: Mapping[PoolKey, Generation]
+    stale: BootstrapError | None
 
 
 class Fetcher:
@@ -85,70 +92,62 @@ class Fetcher:
         pool: BootstrapPool,
         source: BootstrapSource,
         transport: ZmqTransport,
-        backend: KVBackend,
+        outbox: Outbox,
         flights: Flights,
         fanout: FanOut,
+        retention: SocketRetention,
         routes: Routes,
-        dead_keys: DeadKeys,
+        silent: SilentAddresses,
         health: HealthMonitor | None,
         clock: Callable[[], float],
-        flight_timeout_s: float,
-        silent: SilentAddresses | None = None,
     ) -> None:
         self._pool = pool
         self._source = source
         self._transport = transport
-        self._backend = backend
+        self._outbox = outbox
         self.flights = flights
         self._fanout = fanout
+        self._retention = retention
         self._routes = routes
-        self._dead_keys = dead_keys
-        #: addresses judged silent: asked by no request until a probe answers (MGR-22)
-        self.silent = SilentAddresses(clock=clock) if silent is None else silent
+        #: addresses judged silent: a fetch that failed while its server was judged silent
+        #: fails with that verdict (MGR-22)
+        self._silent = silent
         self._health = health
         self._clock = clock
-        self._flight_timeout_s = flight_timeout_s
         self._lock = threading.Lock()
         self._watched: set[str] = set()
 
-    def miss(self, receiver: Missing, plan: RankPlan, missing: list[PoolKey]) -> KVPoll:
-        """``missing`` (in the plan's order) were not in the pool: fetch, register, publish
-        them, or adopt what another request's fetch publishes; the receiver's next state."""
-        silent = self.silent.refusal(receiver.addr)
-        if silent is not None:  # judged dead by its probes, none answered since: ask nothing
-            return receiver.fail(life.FETCH_FAIL, silent)
-        dead = self._dead_keys.refusal(receiver.addr, missing)
-        if dead is not None:  # a rank the source still names is known dead: no refetch
-            return receiver.fail(life.FETCH_FAIL, dead)
-        return self.single_flight(receiver, plan, missing)
+    def claim(
+        self,
+        missing: list[PoolKey],
+        entries: dict[PoolKey, Generation],
+        deadline: float,
+    ) -> Claim | BootstrapError:
+        """Follow the fetches in flight for ``missing``, or lead all of them.
 
-    def single_flight(self, receiver: Missing, plan: RankPlan, missing: list[PoolKey]) -> KVPoll:
-        """Follow the fetches in flight for our keys, or lead all of them."""
+        A follower waits (until ``deadline``) for the flights it follows and adopts what they
+        publish into ``entries`` - the request's own record, so that evidence about an adopted
+        generation finds the request from the moment it adopted it (MGR-1) - then what is still
+        missing is looked up in the pool once more; the answer says what is left. The leader's
+        error when a followed flight failed (or the wait timed out)."""
         flights = self.flights
-        entries = receiver.entries
-        deadline = self._clock() + self._flight_timeout_s
-        while True:
-            led, followed = flights.claim(missing)
-            if not followed:
-                break
+        led, followed = flights.claim(missing)
+        if followed:
             for flight in followed:
                 try:
                     entries[flight.key] = flight.wait(deadline - self._clock())
                 except BootstrapError as error:
-                    return receiver.fail(life.FETCH_FAIL, error)
-            if receiver.lost is not None:
-                return receiver.fail(life.PEER_LOST, receiver.lost)
-            still = [key for key in missing if key not in entries]
-            missing = []
-            for key in still:
+                    return error
+            still: list[PoolKey] = []
+            for key in missing:
+                if key in entries:
+                    continue
                 generation = self._pool.lookup(key)
                 if generation is None:
-                    missing.append(key)
+                    still.append(key)
                 else:
                     entries[key] = generation
-            if not missing:
-                receiver.fire(life.HIT)
-                return KVPoll.WaitingForInput
+            return Claim(still, {}, followed=True)
         # We lead. A flight that closed between our lookup and our claim published first:
         # its generation is in the pool now, so look once more before fetching.
         present = {key: g for key in led if (g := self._pool.get(key)) is not None}
@@ -156,37 +155,24 @@ class Fetcher:
             flights.resolve({key: led.pop(key) for key in present}, present)
             entries.update(present)
             missing = [key for key in missing if key not in present]
-            if not missing:
-                receiver.fire(life.HIT)
-                return KVPoll.WaitingForInput
-        try:
-            return self.lead(receiver, plan, missing, led)
-        finally:
-            # Whatever happened, no follower may wait for a flight nobody will resolve.
-            unresolved = {key: f for key, f in led.items() if not f.done}
-            if unresolved:
-                flights.fail(
-                    unresolved,
-                    receiver.failure
-                    or PeerLost(
-                        f"{receiver.addr}: the fetch this request waited for was abandoned"
-                    ),
-                )
+        return Claim(missing, led, followed=False)
 
-    def lead(
+    def fetch(
         self,
-        receiver: Missing,
+        addr: str,
         plan: RankPlan,
-        missing: list[PoolKey],
-        led: dict[PoolKey, Flight],
-    ) -> KVPoll:
-        """Fetch, register and publish ``missing`` (the flights ``led`` follow the result)."""
-        addr = receiver.addr
-        flights = self.flights
-        receiver.fire(life.MISS)
+        claim: Claim,
+        *,
+        room: int,
+        adopted: Mapping[PoolKey, Generation],
+    ) -> Fetched | BootstrapError:
+        """Every rank of the claimed keys from the source (inside the caller's deadline
+        window, MGR-21), refused when a rank is at an endpoint already judged dead (MGR-19).
+        ``adopted``: what the request holds already (a new instance's answer retires those of
+        an older one, POOL-6); ``room`` is spared by the fan-out that retirement starts (the
+        request refetches its stale keys itself). On an error the led flights fail with it."""
         try:
-            with receiver.window():  # every rank's query ends by this call's deadline (MGR-21)
-                fresh = self._fetch(receiver, plan, missing)
+            fresh = self._fetch(addr, plan, claim.missing, room=room, adopted=adopted)
             # One retry rule on every source (MGR-19): ranks the transport already judged
             # dead, answered again (a store still listing a crashed prefill, a server that
             # kept a dead rank's port), fail this request as retryable, in microseconds.
@@ -198,31 +184,37 @@ class Fetcher:
         except BootstrapError as error:
             # The verdict came while this fetch waited on the silent server: fail with it (what
             # to do next), the fetch's own error as its cause.
-            silent = self.silent.refusal(addr) if isinstance(error, TransportFailure) else None
+            silent = self._silent.refusal(addr) if isinstance(error, TransportFailure) else None
             if silent is not None:
                 silent.__cause__ = error
                 error = silent
-            flights.fail(led, error)
-            return receiver.fail(life.FETCH_FAIL, error)
+            self.flights.fail(claim.led, error)
+            return error
         # Health-watch the address with the instance id just fetched as the baseline: no probe
         # runs inside this request (MGR-21).
         self._watch(addr, next(iter(fresh.values())).instance_id if fresh else None)
-        receiver.entries.update(fresh)
-        receiver.fire(life.FETCH_OK)
+        return fresh
+
+    def register(self, addr: str, claim: Claim, fetched: Fetched) -> BootstrapError | None:
+        """Register with every rank of ``fetched``; the typed error if a send failed (then the
+        led flights fail with it)."""
         try:
-            for generation in fresh.values():
-                self._transport.register(generation, self._backend)
+            for generation in fetched.values():
+                self._outbox.register(generation)
         except SendFailed as error:
             self._fanout.send_failed(error)  # the evidence, for the other requests there
             # Nothing of this request reached a prefill: retryable, as above (MGR-19).
             refused = unreachable(addr, error.endpoint, "registering with it failed")
             refused.__cause__ = error
-            flights.fail(led, refused)
-            return receiver.fail(life.REGISTER_FAIL, refused)
-        receiver.fire(life.REGISTER_OK)
+            self.flights.fail(claim.led, refused)
+            return refused
+        return None
+
+    def publish(self, addr: str, claim: Claim, fetched: Fetched) -> Published:
+        """Publish ``fetched`` through the source; the led flights follow the result."""
         published: dict[PoolKey, Generation] = {}
         stale: BootstrapError | None = None
-        for key, generation in fresh.items():
+        for key, generation in fetched.items():
             # setdefault: a concurrent winner's generation replaces ours in our records.
             held = self._source.publish(self._pool, key, generation)
             if held is None:
@@ -232,32 +224,43 @@ class Fetcher:
                 stale = stale or self._source.refusal(addr, generation)
                 continue
             if held is generation:
-                self._fanout.retain_sockets(generation)
-            receiver.entries[key] = published[key] = held
-        flights.resolve({k: f for k, f in led.items() if k in published}, published)
+                self._retention.retain(generation)
+            published[key] = held
+        led = claim.led
+        self.flights.resolve({k: f for k, f in led.items() if k in published}, published)
         if stale is not None:
-            flights.fail({k: f for k, f in led.items() if k not in published}, stale)
-        receiver.fire(life.PUBLISH)
-        if stale is not None:
-            return receiver.fail(life.PEER_LOST, stale)
-        if receiver.lost is not None:  # failed by the fan-out while we fetched
-            return receiver.fail(life.PEER_LOST, receiver.lost)
-        return KVPoll.WaitingForInput
+            self.flights.fail({k: f for k, f in led.items() if k not in published}, stale)
+        return Published(published, stale)
+
+    def abandon(self, addr: str, claim: Claim, failure: BootstrapError | None) -> None:
+        """The claim's flights nobody resolved fail (with ``failure``, the request's own
+        reason, if it has one): no follower may wait for a flight nobody will resolve."""
+        unresolved = {key: f for key, f in claim.led.items() if not f.done}
+        if unresolved:
+            self.flights.fail(
+                unresolved,
+                failure or PeerLost(f"{addr}: the fetch this request waited for was abandoned"),
+            )
 
     def _fetch(
-        self, receiver: Missing, plan: RankPlan, keys: list[PoolKey]
-    ) -> dict[PoolKey, Generation]:
+        self,
+        addr: str,
+        plan: RankPlan,
+        keys: list[PoolKey],
+        *,
+        room: int,
+        adopted: Mapping[PoolKey, Generation],
+    ) -> Fetched:
         """Ask the source for every (tp, pp) rank of each key; one generation each.
 
         Runs outside the pool lock. When the answering instance differs from the instance of
-        entries this receiver adopted before the fetch, that older instance was replaced:
+        entries this request adopted before the fetch, that older instance was replaced:
         its entries of this address are retired (POOL-6) and ours are fetched again.
         """
-        adopted = dict(receiver.entries)
-        fresh = self._fetch_keys(receiver.addr, plan, keys)
-        instance_ids = {g.instance_id for g in fresh.values() if g.instance_id is not None}
-        if len(instance_ids) == 1:
-            (instance_id,) = instance_ids
+        adopted = dict(adopted)
+        fresh = self._fetch_keys(addr, plan, keys)
+        instance_id = _one_instance(addr, fresh)
+        if instance_id is not None:
             stale = [
                 key
                 for key, g in adopted.items()
@@ -265,8 +268,9 @@ class Fetcher:
             ]
             if stale:
                 old_ids = {g.instance_id for k, g in adopted.items() if k in stale}
-                self._fanout.instance_replaced(receiver.addr, old_ids, instance_id, receiver)
-                fresh.update(self._fetch_keys(receiver.addr, plan, stale))
+                self._fanout.instance_replaced(addr, old_ids, instance_id, finder=room)
+                fresh.update(self._fetch_keys(addr, plan, stale))
+                _one_instance(addr, fresh)
         return fresh
 
     def _fetch_keys(
@@ -327,6 +331,28 @@ def unreachable(addr: str, endpoint: str, why: str) -> RanksUnreachable:
         addr=addr,
         endpoint=endpoint,
     )
+
+
+def _one_instance(addr: str, fresh: Mapping[PoolKey, Generation]) -> str | None:
+    """The one instance id that answered every key of ``fresh`` (``None`` if the source sends
+    none). Keys answered by two instances (the prefill restarted between two of them) are
+    never accepted together: the request fails with :class:`PrefillRestarted`, retryable,
+    and publishes nothing (``spec/manager.md`` MGR-23)."""
+    answered: list[str] = []  # in the order the keys were answered: the first is the older
+    for generation in fresh.values():
+        if generation.instance_id is not None and generation.instance_id not in answered:
+            answered.append(generation.instance_id)
+    if len(answered) > 1:
+        old_id, new_id = answered[0], answered[-1]
+        raise PrefillRestarted(
+            f"prefill {addr} restarted while this request fetched its ranks (keys answered by "
+            f"instance {old_id} and by {new_id}); nothing was published: retry the request, "
+            "it will fetch the new instance's ranks",
+            addr=addr,
+            old_id=old_id,
+            new_id=new_id,
+        )
+    return answered[0] if answered else None
 
 
 def _refuse_known_dead(addr: str, transport: ZmqTransport, fresh: Iterable[Generation]) -> None:

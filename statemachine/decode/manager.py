@@ -11,11 +11,14 @@ only on the ones below it (``docs/design.md``, "The decode core"):
 * :mod:`~statemachine.decode.routes` - per prefill address: topology → rank plan → the
   address plan and checks the hit path reads (MGR-16/17/20);
 * :mod:`~statemachine.decode.fanout` - evidence → invalidate by identity → fail every
-  receiver that depends on it (MGR-1..6), the keys known dead, the retained sockets;
-* :mod:`~statemachine.decode.fetcher` - the miss path: single-flight → fetch → register →
-  publish;
+  receiver that depends on it (MGR-1..6), the keys known dead;
+  :mod:`~statemachine.decode.retention` the sockets of what this process published (ZMQ-20),
+  :mod:`~statemachine.decode.exits` the transport's exit proofs for held KV (MGR-15);
+* :mod:`~statemachine.decode.fetcher` - the miss path's steps, each answering a value:
+  single-flight → fetch → register → publish (the receiver steps its lifecycle between them);
 * :mod:`~statemachine.decode.completions` - prefill statuses → receivers (MGR-13/14/16), and
-  BOOTSTRAP/ABORT out with the deferred KV release (MGR-15);
+  the KV an ABORT holds (MGR-15); :mod:`~statemachine.decode.ranks.outbox` - everything sent
+  to the ranks;
 * :mod:`~statemachine.decode.dp_ranks` - rooms waiting for their dp rank, asked in one batch
   per address per step (MGR-8).
 
@@ -44,6 +47,7 @@ from statemachine.decode.completions import Completions
 from statemachine.decode.config import DecodeConfig
 from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.dp_ranks import DpRankQueries
+from statemachine.decode.exits import ExitProofs
 from statemachine.decode.fanout import FanOut
 from statemachine.decode.fetcher import Fetcher
 from statemachine.decode.flight import Flights
@@ -51,8 +55,10 @@ from statemachine.decode.health import HealthMonitor
 from statemachine.decode.parts import Parts, check_parts
 from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.acks import AckListener
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
+from statemachine.decode.retention import SocketRetention
 from statemachine.decode.rooms import Rooms
 from statemachine.decode.routes import AddressPlan, Routes
 from statemachine.decode.silent import SilentAddresses
@@ -189,8 +195,8 @@ class DecodeManager:
         except BootstrapError as exc:
             self._close_owned()
             raise ConfigurationError(str(exc)) from exc
-        self.transport.subscribe_exits(self._fanout.process_exited)
-        self.transport.subscribe(self._fanout.on_endpoint)
+        self.transport.subscribe_exits(self._exits.process_exited)
+        self.transport.subscribe_verdicts(self._fanout.on_verdict)
 
     def _build(
         self,
@@ -222,7 +228,6 @@ class DecodeManager:
         self._completions = Completions(
             rooms=self._rooms,
             holds=kv_holds,
-            transport=self.transport,
             prefill_complete=config.prefill_complete,
             clock=config.clock,
         )
@@ -230,7 +235,6 @@ class DecodeManager:
         if config.completion == "acks":
             self.acks = AckListener(
                 config.ack_ip,
-                decoder=self._completions.decode,
                 on_event=self._completions.on_event,
             )
             self._owned.append(self.acks.close)
@@ -250,7 +254,11 @@ class DecodeManager:
             clock=config.clock,
         )
         self.backend: KVBackend = backend
-        self._completions.backend = backend
+        if self.acks is not None:
+            # The backend needed the listener's port; the listener reads the backend's wire
+            # from now on (nothing was sent to that port before).
+            self.acks.decode_with(backend.decode_message)
+        outbox = Outbox(self.transport, backend)
         self._routes = Routes(
             self.source,
             config.layout,
@@ -262,16 +270,22 @@ class DecodeManager:
         #: keys whose ranks are known dead: a miss on one fails at once (no refetch per
         #: request); held off only when dead_recheck_s is given
         self.dead_keys = DeadKeys(clock=config.clock, recheck_s=config.dead_recheck_s or 1.0)
+        #: the sockets of the generations this process published (ZMQ-20)
+        self._retention = SocketRetention(
+            pool=self.pool, rooms=self._rooms, transport=self.transport
+        )
+        #: the transport's exit proofs, for the KV of failed rooms (MGR-15)
+        self._exits = ExitProofs(pool=self.pool, rooms=self._rooms, holds=kv_holds)
         self._fanout = self.fanout_class(
             rooms=self._rooms,
             routes=self._routes,
             pool=self.pool,
-            transport=self.transport,
             source=self.source,
             dead_keys=self.dead_keys,
             hold_off_dead=config.dead_recheck_s is not None,
             clock=config.clock,
-            holds=kv_holds,
+            retention=self._retention,
+            exits=self._exits,
         )
         self.health: HealthMonitor | None = None
         # A source that finds dead prefills itself (etcd: the watch and the leases) needs no
@@ -301,27 +315,27 @@ class DecodeManager:
             pool=self.pool,
             source=self.source,
             transport=self.transport,
-            backend=backend,
+            outbox=outbox,
             flights=self.flights,
             fanout=self._fanout,
+            retention=self._retention,
             routes=self._routes,
-            dead_keys=self.dead_keys,
+            silent=self.silent,
             health=self.health,
             clock=config.clock,
-            flight_timeout_s=config.flight_timeout_s,
-            silent=self.silent,
         )
         self._parts = Parts(
             config=config,
             pool=self.pool,
             source=self.source,
-            transport=self.transport,
-            backend=backend,
+            outbox=outbox,
             rooms=self._rooms,
             routes=self._routes,
             dp_ranks=self._dp_ranks,
             fanout=self._fanout,
             fetcher=fetcher,
+            silent=self.silent,
+            dead_keys=self.dead_keys,
             completions=self._completions,
             prefill_complete=config.prefill_complete,
             checks_stale_marks=bool(self.source.marks_generations),
@@ -468,7 +482,7 @@ class DecodeManager:
                 rooms.detections, rooms.detection_total_s, rooms.detection_max_s
             ),
             sockets_open=sockets,
-            endpoints_retained=self._fanout.endpoints_retained(),
+            endpoints_retained=self._retention.endpoints_retained(),
             dp_queries=dp_started,
             dropped_events=self._completions.dropped,
             kv_held=self._completions.holds.stats().held,
@@ -490,6 +504,7 @@ class DecodeManager:
         self._rooms.close(
             ManagerClosed("the decode manager was closed while this request was in flight")
         )
+        self._retention.close()
         self._fanout.close()
         self.silent.clear()
         self._background.close()  # queries not started are cancelled; none is applied

@@ -12,15 +12,17 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from statemachine.backend import KVBackend
 from statemachine.decode.completions import Completions
 from statemachine.decode.config import DecodeConfig
+from statemachine.decode.dead_keys import DeadKeys
 from statemachine.decode.dp_ranks import DpRankQueries
 from statemachine.decode.fanout import FanOut
 from statemachine.decode.fetcher import Fetcher
+from statemachine.decode.ranks.outbox import Outbox
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.rooms import Rooms
 from statemachine.decode.routes import Routes
+from statemachine.decode.silent import SilentAddresses
 from statemachine.decode.source import BootstrapSource, as_source
 from statemachine.errors import ConfigurationError
 from statemachine.pool import BootstrapPool
@@ -35,13 +37,17 @@ class Parts:
     config: DecodeConfig
     pool: BootstrapPool
     source: BootstrapSource
-    transport: ZmqTransport
-    backend: KVBackend
+    #: every message to the prefill ranks (metadata, BOOTSTRAP, ABORT), built and sent
+    outbox: Outbox
     rooms: Rooms
     routes: Routes
     dp_ranks: DpRankQueries
     fanout: FanOut
     fetcher: Fetcher
+    #: bootstrap addresses judged silent: a request there fails at once (MGR-22)
+    silent: SilentAddresses
+    #: pool keys whose ranks are known dead: a miss on one fails at once (MGR-1)
+    dead_keys: DeadKeys
     completions: Completions
     #: ``config.prefill_complete``, read once: init() runs the BOOTSTRAP handshake (MGR-16)
     prefill_complete: bool

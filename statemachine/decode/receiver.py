@@ -2,14 +2,11 @@
 
 The lifecycle (``statemachine.lifecycle``) says *which* steps exist; this class takes them, in
 SGLang's call shape (``init``, ``send_metadata``, ``poll``, ``failure_exception``, ``abort``,
-``clear``, ``invalidate_cached_bootstrap_infos``). It is handed the parts of its decode process
-as one :class:`~statemachine.decode.parts.Parts` value: the pool and the route cache for the
-hit path (all of it in :meth:`BootstrapReceiver.init`), the
-:class:`~statemachine.decode.fetcher.Fetcher` for the miss path (all of it in
-``decode/fetcher.py``), the transport and backend for the metadata,
-:class:`~statemachine.decode.completions.Completions` for BOOTSTRAP and ABORT, the fan-out for
-the evidence a failed send is, the room table it registers in and leaves. It never calls the
-manager: ``spec/lifecycle.md`` lists the effect of every event, ``spec/manager.md`` the parts'.
+``clear``, ``invalidate_cached_bootstrap_infos``), and is the only thing that takes them. It is
+handed its decode process's parts as one :class:`~statemachine.decode.parts.Parts` value: the
+pool and route cache (the hit path, all in :meth:`BootstrapReceiver.init`), the fetcher (the
+miss path's steps, which answer with values), the outbox (metadata, BOOTSTRAP, ABORT), the
+fan-out (for the evidence a failed send is) and the room table. It never calls the manager.
 
 One thread drives a receiver; the cross-thread inputs are single stores, each consumed by the
 owner's next call: the prefill's reports from the ack listener's thread (a success adds its
@@ -30,8 +27,11 @@ from typing import Any
 from statemachine import call_deadline, trace
 from statemachine import lifecycle as life
 from statemachine.completion import KVPoll
+from statemachine.decode.fetcher import Claim
 from statemachine.decode.parts import Parts
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
+from statemachine.decode.rooms import MAX_ROOM, check_room, distinct_ranks
+from statemachine.decode.routes import Pending
 from statemachine.errors import (
     Aborted,
     BootstrapError,
@@ -52,39 +52,13 @@ __all__ = [
     "RankPlan",
 ]
 
-_MAX_ROOM = 2**64 - 1
-
 _receiver_ids = itertools.count(1)
 #: Guards every receiver's set of responding prefill ranks: the ack listener's thread and a
 #: transfer engine's may both report one room. One lock for all (never on the hit path), so
 #: that a receiver needs none of its own.
 _RESPONSES_LOCK = threading.Lock()
 
-# What must come first, per public method, for InvalidTransition messages.
-_INIT_NEEDS = "init() runs once, on a new receiver; create a new receiver for a new request"
-_SEND_NEEDS = "send_metadata() runs once, after init() returned WaitingForInput"
-_INVALIDATE_NEEDS = "only a failed receiver has generations to invalidate (it does so itself)"
-_POLL_NEEDS = (
-    "call init() first: poll() reports a request's progress once init() ran (before it, "
-    "nothing is in progress and nothing was sent)"
-)
-_FAILURE_NEEDS = "failure_exception() cannot run while init() is fetching on the owner's thread"
-_HANDSHAKE_NEEDS = (
-    "under the prefill_complete policy, send_metadata() runs once poll() returned "
-    "WaitingForInput (the prefill answered the BOOTSTRAP handshake)"
-)
-
 _TERMINAL = frozenset({life.DONE, life.INVALIDATED, life.ABORTED})
-
-
-def check_room(room: object) -> int:
-    """``room`` if it is an int in [0, 2**64); else :class:`InvalidRoom`."""
-    if type(room) is not int or not 0 <= room <= _MAX_ROOM:
-        raise InvalidRoom(
-            f"bootstrap room must be an int in [0, 2**64), not {room!r}: use the request's "
-            "bootstrap_room as the router assigned it"
-        )
-    return room
 
 
 class BootstrapReceiver:
@@ -131,7 +105,7 @@ class BootstrapReceiver:
         plan: RankPlan | None = None,
         prefill_dp_rank: int | None = None,
     ) -> None:
-        if type(room) is not int or not 0 <= room <= _MAX_ROOM:
+        if type(room) is not int or not 0 <= room <= MAX_ROOM:
             check_room(room)  # raises, naming what a room must be
         if prefill_dp_rank is not None and (
             type(prefill_dp_rank) is not int or prefill_dp_rank < 0
@@ -164,8 +138,7 @@ class BootstrapReceiver:
         # thread (or a transfer engine's), read by the owner's poll.
         #: how many distinct prefill ranks must report success (known once the plan is)
         self._needed: int | None = None
-        #: the prefill ranks that reported success for this room (made at the first report,
-        #: under _RESPONSES_LOCK: a hit that never hears from the prefill allocates none)
+        #: the prefill ranks that reported success (made at the first, under _RESPONSES_LOCK)
         self._responses: set[int] | None = None
         #: a failure the prefill reported: terminal, and it wins over any success (MGR-14)
         self._reported: BootstrapError | None = None
@@ -183,7 +156,7 @@ class BootstrapReceiver:
         if rooms.closed or rooms.by_room.setdefault(room, self) is not self:
             rooms.refuse(self)
 
-    # --- lifecycle steps (the fetcher takes them too) ------------------------------------
+    # --- lifecycle steps (only this receiver takes them) -----------------------------------
 
     def fire(self, event: str) -> None:
         """One lifecycle step through the Machine's table (LIFE-1); InvalidTransition if the
@@ -217,11 +190,6 @@ class BootstrapReceiver:
         self._end(error)
         return KVPoll.Failed
 
-    @property
-    def lost(self) -> BootstrapError | None:
-        """The fan-out's reason this request is lost, not yet acted on (or ``None``)."""
-        return self._lost
-
     def window(self) -> call_deadline.Until:
         """This init() call's deadline window: opened at its first question to the source,
         ``fetch_deadline_s`` long, shared by every question after it (MGR-21)."""
@@ -237,9 +205,19 @@ class BootstrapReceiver:
             self._parts.dp_ranks.forget(self)
 
     def _tell_abort(self, *, armed: bool) -> None:
-        """The room's ranks are told once (MGR-15): the first time the room has ranks."""
-        if not self._notified:
-            self._notified = self._parts.completions.send_abort(self, armed=armed)
+        """The room's ranks are told once (MGR-15): the first time the room has ranks (none
+        before ``init``). ``armed``: the metadata went out, so the prefill may be writing our
+        pages: the ABORT carries a new abort sequence number and the room's KV is held until
+        every rank acknowledged it or is proven gone; otherwise SGLang's legacy ABORT, nothing
+        held."""
+        if self._notified:
+            return
+        ranks = self.ranks()
+        if ranks:
+            parts = self._parts
+            abort_seq = parts.completions.hold(self.room, ranks) if armed else None
+            parts.outbox.abort(self.room, ranks, abort_seq=abort_seq)
+            self._notified = True
 
     def _invalidate(self, cause: str) -> int:
         removed = self._parts.pool.invalidate(self.entries)
@@ -269,11 +247,11 @@ class BootstrapReceiver:
         the keys that missed go to the fetcher.
         """
         if self.state != life.IDLE:
-            raise InvalidTransition(self.state, life.HIT, method="init", requires=_INIT_NEEDS)
+            raise life.out_of_order(self.state, life.HIT, "init")
         if prefill_dp_rank is not None:
             self._dp_rank = prefill_dp_rank
         parts = self._parts
-        keys: tuple[PoolKey, ...] | None = None
+        missing: list[PoolKey] | None = None
         if self.plan is None and self._lost is None:
             known = parts.routes.known.get(self.addr)
             if known is not None:
@@ -281,23 +259,32 @@ class BootstrapReceiver:
                 if keys is not None:
                     self.plan = known.plan
                     self._needed = known.needed
-        if keys is None:
-            resolved = self._resolve_keys()
-            if not isinstance(resolved, tuple):
-                return resolved  # Bootstrapping (pending) or Failed
-            keys = resolved
-        pool = parts.pool
-        entries = self.entries
-        missing: list[PoolKey] = []
-        for key in keys:
-            generation = pool.lookup(key)
-            if generation is None:
-                missing.append(key)
-            else:
-                entries[key] = generation
+                    missing = []
+                    lookup = parts.pool.lookup
+                    entries = self.entries
+                    for key in keys:
+                        generation = lookup(key)
+                        if generation is None:
+                            missing.append(key)
+                        else:
+                            entries[key] = generation
+        if missing is None or missing:
+            # Not a hit: before anything is asked, what is known to fail is refused.
+            if missing is None and self._lost is not None:
+                return self.fail(life.PEER_LOST, self._lost)
+            silent = parts.silent.refusal(self.addr)
+            if silent is not None:  # its server was judged dead, unanswered since (MGR-22)
+                return self.fail(life.FETCH_FAIL, silent)
+            if missing is None:
+                resolved = self._resolve_missing()
+                if not isinstance(resolved, list):
+                    return resolved  # Bootstrapping (pending) or Failed
+                missing = resolved
         if missing:
-            assert self.plan is not None  # resolved above
-            result = parts.fetcher.miss(self, self.plan, missing)
+            dead = parts.dead_keys.refusal(self.addr, missing)
+            if dead is not None:  # a rank the source still names is known dead: no refetch
+                return self.fail(life.FETCH_FAIL, dead)
+            result = self._miss(missing)
             if result != KVPoll.WaitingForInput:
                 return result
         else:
@@ -306,48 +293,87 @@ class BootstrapReceiver:
             return self._handshake()
         return KVPoll.WaitingForInput
 
-    def _resolve_keys(self) -> tuple[PoolKey, ...] | KVPoll:
-        """The keys of this request when the address's plan is not resolved yet, the plan was
-        given, the dp rank is pending, or the fan-out failed the request already; a KVPoll
-        when there are none (yet)."""
-        if self._lost is not None:
-            return self.fail(life.PEER_LOST, self._lost)
-        silent = self._parts.fetcher.silent.refusal(self.addr)
-        if silent is not None:  # its server was judged dead and has not answered since (MGR-22)
-            return self.fail(life.FETCH_FAIL, silent)
+    def _resolve_missing(self) -> list[PoolKey] | KVPoll:
+        """This request's keys from its route (``Routes.route``), looked up in the pool as
+        the hit path does: the keys that missed; a KVPoll when there are no keys (yet)."""
         routes = self._parts.routes
-        plan = self.plan
-        dp_rank = self._dp_rank
         try:
-            if plan is None:
-                if routes.preparing(self.addr):
-                    # Resolved in the background (prepare): not fetched here; poll() says
-                    # Bootstrapping until a later init() goes on (as for a pending dp rank).
-                    self._asked_dp = True
-                    return KVPoll.Bootstrapping
-                known = routes.known.get(self.addr)
-                if known is None:  # the topology is asked: inside this call's window
-                    with self.window():
-                        known = routes.address_plan(self.addr)  # SGLang checks in init() too
-                plan = self.plan = known.plan
-            elif routes.policy_checked:
-                # SGLang checks in init(), before the routes
-                if routes.has_topology(self.addr):
-                    routes.check_prefill(self.addr)
-                else:
-                    with self.window():
-                        routes.check_prefill(self.addr)
-            else:  # no layout: SGLang's default policy, once the topology is known
-                routes.check_known(self.addr)
+            plan = routes.route(self.addr, self.plan, window=self.window)
+            if isinstance(plan, Pending):
+                # Resolved in the background (prepare): poll() says Bootstrapping until a
+                # later init() goes on (as for a pending dp rank).
+                self._asked_dp = True
+                return KVPoll.Bootstrapping
+            self.plan = plan
+            dp_rank = self._dp_rank
             if dp_rank is None:
-                dp_rank = self._resolve_dp_rank()
+                dp_rank = routes.dp_rank(self.addr, self.room, window=self.window)
                 if dp_rank is None:
+                    self._wait_for_dp_rank()
                     self._call_at = 0.0  # the next init() is a new call
                     return KVPoll.Bootstrapping
         except BootstrapError as error:
             return self.fail(life.FETCH_FAIL, error)
         self._needed = plan.required_prefill_response_num
-        return plan.keys_for(self.addr, dp_rank)
+        lookup = self._parts.pool.lookup
+        entries = self.entries
+        missing: list[PoolKey] = []
+        for key in plan.keys_for(self.addr, dp_rank):
+            generation = lookup(key)
+            if generation is None:
+                missing.append(key)
+            else:
+                entries[key] = generation
+        return missing
+
+    def _miss(self, missing: list[PoolKey]) -> KVPoll:
+        """The miss path (``decode/fetcher.py``): each step answers, this receiver steps."""
+        parts = self._parts
+        fetcher = parts.fetcher
+        config = parts.config
+        deadline = config.clock() + config.flight_timeout_s
+        while True:
+            claim = fetcher.claim(missing, self.entries, deadline)
+            if isinstance(claim, BootstrapError):
+                return self.fail(life.FETCH_FAIL, claim)
+            if claim.followed and self._lost is not None:
+                return self.fail(life.PEER_LOST, self._lost)
+            missing = claim.missing
+            if not missing:
+                self.fire(life.HIT)
+                return KVPoll.WaitingForInput
+            if not claim.followed:
+                break
+        try:
+            return self._lead(claim)
+        finally:
+            fetcher.abandon(self.addr, claim, self._failure)
+
+    def _lead(self, claim: Claim) -> KVPoll:
+        """Fetch, register and publish what ``claim`` leads (its followers get the result)."""
+        fetcher = self._parts.fetcher
+        addr = self.addr
+        plan = self.plan
+        assert plan is not None  # resolved before any lookup
+        self.fire(life.MISS)
+        with self.window():  # every rank's query ends by this call's deadline (MGR-21)
+            fetched = fetcher.fetch(addr, plan, claim, room=self.room, adopted=self.entries)
+        if isinstance(fetched, BootstrapError):
+            return self.fail(life.FETCH_FAIL, fetched)
+        self.entries.update(fetched)
+        self.fire(life.FETCH_OK)
+        refused = fetcher.register(addr, claim, fetched)
+        if refused is not None:
+            return self.fail(life.REGISTER_FAIL, refused)
+        self.fire(life.REGISTER_OK)
+        published = fetcher.publish(addr, claim, fetched)
+        self.entries.update(published.entries)
+        self.fire(life.PUBLISH)
+        if published.stale is not None:
+            return self.fail(life.PEER_LOST, published.stale)
+        if self._lost is not None:  # failed by the fan-out while we fetched
+            return self.fail(life.PEER_LOST, self._lost)
+        return KVPoll.WaitingForInput
 
     def send_metadata(
         self,
@@ -388,8 +414,8 @@ class BootstrapReceiver:
             # SGLang records the failure and returns; the recorded reason (init's) stays.
             return KVPoll.Failed
         else:
-            requires = _HANDSHAKE_NEEDS if state == life.HANDSHAKING else _SEND_NEEDS
-            raise InvalidTransition(state, life.SEND_OK, method="send_metadata", requires=requires)
+            order = "send_metadata after the handshake" if state == life.HANDSHAKING else ""
+            raise life.out_of_order(state, life.SEND_OK, "send_metadata", order)
         parts = self._parts
         if parts.checks_stale_marks:
             # The source marked a generation we hold (etcd: a watch event retired it after we
@@ -410,9 +436,10 @@ class BootstrapReceiver:
         if self._needed == 0:
             self._acked = True  # every rank is a dummy for us: nothing will be transferred
         self._metadata_sent = True  # from the first send on, the prefill may write our pages
+        metadata = parts.outbox.metadata
         try:
             for generation in self.entries.values():
-                parts.transport.send_metadata(generation, parts.backend, request)
+                metadata(generation, request)
         except SendFailed as error:
             parts.fanout.send_failed(error)
             return self.fail(life.SEND_FAIL, error)
@@ -519,7 +546,7 @@ class BootstrapReceiver:
                 self.fail(life.FETCH_FAIL, self._bootstrap_timeout())
             elif state == life.IDLE and not self._asked_dp:
                 # Never init()ed: Bootstrapping would be reported forever (MGR-7).
-                raise InvalidTransition(state, life.HIT, method="poll", requires=_POLL_NEEDS)
+                raise life.out_of_order(state, life.HIT, "poll")
         elif state == life.HANDSHAKING:
             self._poll_handshake()
         return life.POLL_OF_STATE[self.state]
@@ -530,7 +557,7 @@ class BootstrapReceiver:
         self._sent_at = parts.config.clock()  # the prefill wait clock (SGLang's waiting timeout)
         self.fire(life.HANDSHAKE)
         try:
-            parts.completions.send_bootstrap(self)
+            parts.outbox.bootstrap(self.room, self.ranks())
         except SendFailed as error:
             parts.fanout.send_failed(error)
             return self.fail(life.SEND_FAIL, error)
@@ -581,9 +608,7 @@ class BootstrapReceiver:
             self.fail(life.PEER_LOST, lost)
             raise lost
         # fetching/fetched/registered exist only inside init() on the owner's thread.
-        raise InvalidTransition(  # pragma: no cover
-            state, life.PEER_LOST, method="failure_exception", requires=_FAILURE_NEEDS
-        )
+        raise life.out_of_order(state, life.PEER_LOST, "failure_exception")  # pragma: no cover
 
     def abort(self) -> None:
         """The owner gives up. Every prefill rank that got this room's metadata is told once
@@ -621,36 +646,20 @@ class BootstrapReceiver:
         if state == life.INVALIDATED:
             return 0
         if state != life.FAILED:
-            raise InvalidTransition(
-                state,
-                life.INVALIDATE,
-                method="invalidate_cached_bootstrap_infos",
-                requires=_INVALIDATE_NEEDS,
-            )
+            raise life.out_of_order(state, life.INVALIDATE, "invalidate_cached_bootstrap_infos")
         return self._invalidate(life.INVALIDATE)  # pragma: no cover - fail() does it at once
 
     # --- the dp rank ---------------------------------------------------------------------
 
-    def _resolve_dp_rank(self) -> int | None:
-        """SGLang's order after a router-given rank; None while the room is pending."""
-        parts = self._parts
-        routes = parts.routes
-        if routes.has_topology(self.addr):
-            topology = routes.topology(self.addr)
-        else:
-            with self.window():
-                topology = routes.topology(self.addr)
-        if topology.dp_size == 1:
-            return 0
-        if topology.follow_bootstrap_room is not False:  # never set means True (SGLang)
-            return self.room % topology.dp_size
+    def _wait_for_dp_rank(self) -> None:
+        """Only the manager's batched query can tell the dp rank: wait for it, or raise
+        BootstrapTimeout once the wait is over."""
         if not self.awaiting_dp_rank:
             self.awaiting_dp_rank = self._asked_dp = True
-            self._sent_at = parts.config.clock()
-            parts.dp_ranks.wait_for(self)
+            self._sent_at = self._parts.config.clock()
+            self._parts.dp_ranks.wait_for(self)
         elif self._bootstrap_expired():
             raise self._bootstrap_timeout()
-        return None
 
     def dp_rank_answered(self, dp_rank: int) -> None:
         """The batched query answered (called from the stepping thread)."""
@@ -672,14 +681,7 @@ class BootstrapReceiver:
     def ranks(self) -> list[tuple[Generation, RankInfo]]:
         """Every (generation, rank) of this room, each endpoint once (what an ABORT or a
         BOOTSTRAP goes to)."""
-        seen: set[tuple[str, int]] = set()
-        out: list[tuple[Generation, RankInfo]] = []
-        for generation in self.entries.values():
-            for rank in generation.ranks:
-                if (rank.ip, rank.port) not in seen:
-                    seen.add((rank.ip, rank.port))
-                    out.append((generation, rank))
-        return out
+        return distinct_ranks(self.entries.values())
 
     @property
     def ended(self) -> bool:

@@ -13,16 +13,29 @@ when evidence arrives instead: a few microseconds per thousand requests in fligh
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from statemachine.decode.tally import Tally
 from statemachine.errors import BootstrapError, InvalidRoom, ManagerClosed, PeerLost
-from statemachine.pool import Generation, PoolKey, RankInfo
+from statemachine.pool import BootstrapPool, Generation, PoolKey, RankInfo
+from statemachine.wire.endpoint import endpoint_url
 
-__all__ = ["InFlight", "Rooms", "count_value", "entries_of", "items_of"]
+__all__ = [
+    "MAX_ROOM",
+    "InFlight",
+    "Rooms",
+    "check_room",
+    "distinct_ranks",
+    "entries_of",
+    "generations_at",
+    "items_of",
+]
+
+#: The largest bootstrap room (SGLang's rooms are unsigned 64-bit).
+MAX_ROOM = 2**64 - 1
 
 _log = logging.getLogger(__name__)
 
@@ -78,8 +91,8 @@ class Rooms:
         self._lock = threading.Lock()  # guards the counters below (never on the hit path)
         #: the receivers in flight by room (a receiver stores itself here at creation)
         self.by_room: dict[int, InFlight] = {}
-        self._completed = itertools.count()
-        self._failures: dict[str, itertools.count[int]] = {}
+        self._completed = Tally()
+        self._failures: dict[str, Tally] = {}
         self.detections = 0
         self.detection_total_s = 0.0
         self.detection_max_s = 0.0
@@ -104,14 +117,14 @@ class Rooms:
         if self.by_room.get(receiver.room) is receiver:
             del self.by_room[receiver.room]
         if error is None:
-            next(self._completed)  # lock-free: one C call
+            self._completed.add()  # lock-free: one C call
             return
         kind = type(error).__name__
         counter = self._failures.get(kind)
         if counter is None:
             with self._lock:
-                counter = self._failures.setdefault(kind, itertools.count())
-        next(counter)
+                counter = self._failures.setdefault(kind, Tally())
+        counter.add()
         if isinstance(error, PeerLost) and error.evidence_at is not None:
             with self._lock:
                 latency = max(0.0, self._clock() - error.evidence_at)
@@ -155,8 +168,8 @@ class Rooms:
     def counts(self) -> tuple[int, dict[str, int], int]:
         """(completed, failures by error type, in flight)."""
         with self._lock:
-            failures = {k: count_value(c) for k, c in self._failures.items()}
-        return count_value(self._completed), failures, len(self.by_room)
+            failures = {k: c.value() for k, c in self._failures.items()}
+        return self._completed.value(), failures, len(self.by_room)
 
     def close(self, error: BootstrapError) -> None:
         """Admit no more; fail every receiver still in flight with ``error``."""
@@ -187,7 +200,38 @@ def items_of(receiver: InFlight) -> tuple[tuple[PoolKey, Generation], ...]:
     return ()  # pragma: no cover
 
 
-def count_value(counter: itertools.count[int]) -> int:
-    """The next value of an ``itertools.count`` without advancing it (its repr is
-    ``count(N)``); counters bumped lock-free on the request path are read this way."""
-    return int(repr(counter)[6:-1])
+def generations_at(url: str, pool: BootstrapPool, rooms: Rooms) -> set[Generation]:
+    """The generations of the pool and of the receivers in flight with a rank at ``url``."""
+    found: set[Generation] = set()
+    candidates = list(pool.snapshot().values())
+    for receiver in rooms.snapshot():
+        candidates.extend(entries_of(receiver))
+    for generation in candidates:
+        for rank in generation.ranks:
+            if endpoint_url((rank.ip, rank.port)) == url:
+                found.add(generation)
+                break
+    return found
+
+
+def check_room(room: object) -> int:
+    """``room`` if it is an int in [0, 2**64); else :class:`InvalidRoom`."""
+    if type(room) is not int or not 0 <= room <= MAX_ROOM:
+        raise InvalidRoom(
+            f"bootstrap room must be an int in [0, 2**64), not {room!r}: use the request's "
+            "bootstrap_room as the router assigned it"
+        )
+    return room
+
+
+def distinct_ranks(generations: Iterable[Generation]) -> list[tuple[Generation, RankInfo]]:
+    """Every (generation, rank) of ``generations``, each endpoint once (what an ABORT or a
+    BOOTSTRAP of a room goes to)."""
+    seen: set[tuple[str, int]] = set()
+    out: list[tuple[Generation, RankInfo]] = []
+    for generation in generations:
+        for rank in generation.ranks:
+            if (rank.ip, rank.port) not in seen:
+                seen.add((rank.ip, rank.port))
+                out.append((generation, rank))
+    return out

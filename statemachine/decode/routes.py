@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from statemachine.decode.background import Background
@@ -25,7 +26,7 @@ from statemachine.errors import TopologyMismatch
 from statemachine.pool import PoolKey
 from statemachine.validation import Topology
 
-__all__ = ["AddressPlan", "Routes"]
+__all__ = ["PREPARING", "AddressPlan", "Pending", "Routes"]
 
 #: What a manager without a layout is, for the checks of MGR-16: SGLang's defaults (policy
 #: unset = ``early``, tp 1).
@@ -46,6 +47,17 @@ class AddressPlan:
     needed: int
     #: ``plan.keys_for(addr, dp_rank)`` for every dp rank of the prefill's topology
     keys: Mapping[int, tuple[PoolKey, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """No route yet, and none is asked here: ``why``."""
+
+    why: str
+
+
+#: The address is being resolved on the background workers (:meth:`Routes.prepare`).
+PREPARING = Pending("its route is being prepared in the background")
 
 
 class Routes:
@@ -80,8 +92,53 @@ class Routes:
         #: addresses being resolved by prepare() on the background workers
         self._preparing: dict[str, Future[AddressPlan]] = {}
 
-    def has_topology(self, addr: str) -> bool:
-        return addr in self._topologies
+    def route(
+        self,
+        addr: str,
+        plan: RankPlan | None,
+        *,
+        window: Callable[[], AbstractContextManager[object]],
+    ) -> RankPlan | Pending:
+        """A request's plan when the hit path's :attr:`known` did not answer: the plan given,
+        or the address's (resolved once), with SGLang 0.5.23's ``init()`` checks passed
+        (MGR-16/17); :data:`PREPARING` while :meth:`prepare` resolves it. Questions to the
+        source run inside ``window()``, the request's deadline window (MGR-21), opened only
+        when one is asked. Raises the typed error of a refused or failed resolution."""
+        if plan is None:
+            if addr in self._preparing:
+                return PREPARING  # resolved in the background: not fetched here
+            known = self.known.get(addr)
+            if known is None:  # the topology is asked: inside the request's window
+                with window():
+                    known = self.address_plan(addr)  # SGLang checks in init() too
+            return known.plan
+        if self.policy_checked:
+            # SGLang checks in init(), before the routes
+            if addr in self._topologies:
+                self.check_prefill(addr)
+            else:
+                with window():
+                    self.check_prefill(addr)
+        else:  # no layout: SGLang's default policy, once the topology is known
+            self.check_known(addr)
+        return plan
+
+    def dp_rank(
+        self, addr: str, room: int, *, window: Callable[[], AbstractContextManager[object]]
+    ) -> int | None:
+        """The prefill dp rank of ``room`` in SGLang's order after a router-given one: 0 for a
+        prefill of one dp rank, ``room % dp_size`` under ``follow_bootstrap_room``; ``None``
+        when only the manager's batched ``POST /query_dp_ranks`` can tell (MGR-8)."""
+        if addr in self._topologies:
+            topology = self.topology(addr)
+        else:
+            with window():
+                topology = self.topology(addr)
+        if topology.dp_size == 1:
+            return 0
+        if topology.follow_bootstrap_room is not False:  # never set means True (SGLang)
+            return room % topology.dp_size
+        return None
 
     def topology(self, addr: str) -> Topology:
         """The prefill's topology, fetched once per instance of the prefill (MGR-20)."""
@@ -246,10 +303,6 @@ class Routes:
         finally:
             with self._lock:
                 self._preparing.pop(addr, None)
-
-    def preparing(self, addr: str) -> bool:
-        """Whether :meth:`prepare` is resolving ``addr`` in the background right now."""
-        return addr in self._preparing
 
     def close(self) -> None:
         with self._lock:

@@ -1,5 +1,5 @@
 """Bootstrap addresses judged silent: a request for one fails at once instead of waiting on a
-fetch from it (issue 27, MGR-22).
+fetch from it (``spec/manager.md`` MGR-22).
 
 When the health monitor judges an address dead (``failures_to_dead`` probes in a row failed),
 every request in flight there fails through the fan-out, and the pool forgets the address's

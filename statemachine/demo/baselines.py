@@ -5,25 +5,26 @@ and no single-flight (every miss fetches for itself), and its PUSH sockets queue
 rank (no ``IMMEDIATE``, ``SNDHWM=1000``, no monitor, a blocking send). The demo's ``sglang``
 mode and the recovery and transport benchmarks compare against that behaviour; it lives here,
 beside them, so that the product classes carry no switch for it (``DecodeManager`` makes its
-fan-out, fetcher and transport from the class attributes these override; ``ZmqTransport``
-reads ``monitored`` and ``_queue_option``).
+fan-out, fetcher and transport from the class attributes these override; a ``ZmqTransport``
+takes the baseline's ``SocketPolicy``).
 """
 
 from __future__ import annotations
 
-import zmq
+from typing import Any
 
-from statemachine.completion import KVPoll
 from statemachine.decode.fanout import FanOut
-from statemachine.decode.fetcher import Fetcher, Missing
+from statemachine.decode.fetcher import Claim, Fetcher
 from statemachine.decode.manager import DecodeManager
-from statemachine.decode.plan import RankPlan
+from statemachine.decode.ranks.sockets import SocketPolicy
 from statemachine.decode.ranks.transport import ZmqTransport
-from statemachine.decode.rooms import InFlight
 from statemachine.demo.modes import ModeConfig, ZmqMode
-from statemachine.pool import PoolKey
+from statemachine.errors import BootstrapError
+from statemachine.pool import Generation, PoolKey
 
 __all__ = [
+    "QUEUEING",
+    "UNMONITORED",
     "EveryMissFetches",
     "FetchPerMissManager",
     "NoFanOut",
@@ -40,22 +41,27 @@ __all__ = [
 QUEUEING_SNDHWM = 1000
 
 
+#: SGLang 0.5.23's PUSH sockets: no ``IMMEDIATE`` (a send towards a dead rank queues, up to
+#: ``SNDHWM=1000`` messages), libzmq's reconnect defaults, no monitor, a blocking send.
+QUEUEING = SocketPolicy(monitored=False, immediate=False, sndhwm=QUEUEING_SNDHWM)
+#: The transport before the socket monitor: ``IMMEDIATE``, a blocking send bounded by
+#: ``SNDTIMEO``, a failed send closes and evicts its socket (ZMQ-6, ZMQ-7).
+UNMONITORED = SocketPolicy(monitored=False)
+
+
 class QueueingTransport(ZmqTransport):
-    """SGLang 0.5.23's PUSH sockets: no ``IMMEDIATE`` (a send towards a dead rank queues, up to
-    ``SNDHWM=1000`` messages), libzmq's reconnect defaults, no monitor, a blocking send."""
+    """A transport on SGLang 0.5.23's sockets (:data:`QUEUEING`)."""
 
-    monitored = False
-
-    def _queue_option(self, socket: zmq.Socket[bytes]) -> None:
-        socket.setsockopt(zmq.SNDHWM, QUEUEING_SNDHWM)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(policy=QUEUEING, **options)
 
 
 class UnmonitoredTransport(ZmqTransport):
-    """The transport before the socket monitor: ``IMMEDIATE``, a blocking send bounded by
-    ``SNDTIMEO``, a failed send closes and evicts its socket (ZMQ-6, ZMQ-7). The benchmarks'
+    """The transport before the socket monitor (:data:`UNMONITORED`). The benchmarks'
     "previous" anchor; tests use it to watch a detector other than the monitor alone."""
 
-    monitored = False
+    def __init__(self, **options: Any) -> None:
+        super().__init__(policy=UNMONITORED, **options)
 
 
 def transport_class(zmq_mode: ZmqMode) -> type[ZmqTransport]:
@@ -68,7 +74,7 @@ class NoFanOut(FanOut):
     send and a restart only drop what they name from the caches (as SGLang: each request
     fails on its own send or timeout). A source's retirements still apply."""
 
-    def endpoint_dead(self, url: str, reason: str) -> int:
+    def endpoint_dead(self, url: str, reason: str, *, exit_proven: bool = False) -> int:
         return 0
 
     def address_dead(self, addr: str, reason: str) -> None:
@@ -81,7 +87,7 @@ class NoFanOut(FanOut):
         new_id: str,
         *,
         cause: str,
-        exclude: InFlight | None = None,
+        spare_room: int | None = None,
     ) -> int:
         self._routes.forget(addr)
         self.dead_keys.forget_address(addr)
@@ -91,8 +97,13 @@ class NoFanOut(FanOut):
 class EveryMissFetches(Fetcher):
     """No single-flight: each request that misses leads its own fetch."""
 
-    def single_flight(self, receiver: Missing, plan: RankPlan, missing: list[PoolKey]) -> KVPoll:
-        return self.lead(receiver, plan, missing, {})
+    def claim(
+        self,
+        missing: list[PoolKey],
+        entries: dict[PoolKey, Generation],
+        deadline: float,
+    ) -> Claim | BootstrapError:
+        return Claim(missing, {}, followed=False)
 
 
 class FetchPerMissManager(DecodeManager):

@@ -69,13 +69,19 @@ RECEIVER = "statemachine/decode/receiver.py"
 FLIGHT = "statemachine/decode/flight.py"
 PLAN = "statemachine/decode/plan.py"
 TRANSPORT = "statemachine/decode/ranks/transport.py"
+SOCKET_CACHE = "statemachine/decode/ranks/socket_cache.py"
+BREAKER = "statemachine/decode/ranks/breaker.py"
+SOCKETS = "statemachine/decode/ranks/sockets.py"
 LIVENESS = "statemachine/decode/ranks/liveness.py"
 ACKS = "statemachine/decode/ranks/acks.py"
+ZMTP = "statemachine/wire/zmtp.py"
 CHANGES = "statemachine/discovery/changes.py"
 ETCD = "statemachine/discovery/etcd_source.py"
 REGISTRY = "statemachine/prefill/registry.py"
 GUARD = "statemachine/prefill/guard.py"
 HOLDS = "statemachine/decode/holds.py"
+RETENTION = "statemachine/decode/retention.py"
+ROOMS = "statemachine/decode/rooms.py"
 
 T_MANAGER = "tests/test_manager.py::"
 T_KILL = T_MANAGER + "test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it"
@@ -154,7 +160,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         FANOUT,
         (
             (
-                '                self.restarted(addr, old, new_id, cause="fetch", exclude=finder)\n',
+                '                self.restarted(addr, old, new_id, cause="fetch", spare_room=finder)\n',
                 "",
             ),
         ),
@@ -164,7 +170,12 @@ MUTANTS: tuple[CodeMutant, ...] = (
     CodeMutant(
         "fanout_fails_the_finder",
         FANOUT,
-        (("                receiver is not exclude\n                and ", "                "),),
+        (
+            (
+                "                receiver.room != spare_room\n                and ",
+                "                ",
+            ),
+        ),
         (T_FETCH,),
         "the request whose fetch found the restart is failed by its own evidence",
     ),
@@ -173,8 +184,8 @@ MUTANTS: tuple[CodeMutant, ...] = (
         FANOUT,
         (
             (
-                "        if not alive:\n            self.endpoint_dead(endpoint_url(endpoint), reason)",
-                "        if alive:\n            self.endpoint_dead(endpoint_url(endpoint), reason)",
+                "        if not verdict.alive:\n            self.endpoint_dead(",
+                "        if verdict.alive:\n            self.endpoint_dead(",
             ),
         ),
         (T_KILL, T_VERDICT),
@@ -194,11 +205,11 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "endpoint_match_first_rank_only",
-        FANOUT,
+        ROOMS,
         (
             (
-                "            for rank in generation.ranks:\n                if endpoint_url(",
-                "            for rank in generation.ranks[:1]:\n                if endpoint_url(",
+                "        for rank in generation.ranks:\n            if endpoint_url(",
+                "        for rank in generation.ranks[:1]:\n            if endpoint_url(",
             ),
         ),
         (T_KILL,),
@@ -206,7 +217,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "reconcile_never_releases",
-        FANOUT,
+        RETENTION,
         (
             (
                 "dead = [g for g in self._retained if g not in live]",
@@ -244,9 +255,17 @@ MUTANTS: tuple[CodeMutant, ...] = (
     CodeMutant(
         "stale_key_not_refetched",
         FETCHER,
-        (("                fresh.update(self._fetch_keys(receiver.addr, plan, stale))\n", ""),),
+        (("                fresh.update(self._fetch_keys(addr, plan, stale))\n", ""),),
         (T_FETCH,),
         "after retiring a replaced instance the request keeps its entry of the old one",
+    ),
+    CodeMutant(
+        "fetch_accepts_two_instances",
+        FETCHER,
+        (("    if len(answered) > 1:\n", "    if False:\n"),),
+        (T_MANAGER + "test_mgr_23_a_fetch_whose_keys_two_instances_answered_is_never_accepted",),
+        "a fetch whose keys two instances answered is accepted: the request goes on with a "
+        "generation of the old instance beside one of the new (MGR-23)",
     ),
     CodeMutant(
         "mark_not_checked_at_start",
@@ -352,11 +371,11 @@ MUTANTS: tuple[CodeMutant, ...] = (
     # --- transport ------------------------------------------------------------------------------
     CodeMutant(
         "held_verdict_never_expires",
-        TRANSPORT,
+        BREAKER,
         (
             (
-                "        tomb = self._down.get(endpoint)\n        if tomb is not None and time.monotonic() < tomb.until:",
-                "        tomb = self._down.get(endpoint)\n        if tomb is not None:",
+                "        if tomb is not None and time.monotonic() < tomb.until:\n            return tomb.message",
+                "        if tomb is not None:\n            return tomb.message",
             ),
         ),
         (T_HOLD,),
@@ -376,8 +395,8 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "no_immediate",
-        TRANSPORT,
-        (("        socket.setsockopt(zmq.IMMEDIATE, 1)\n", "        pass\n"),),
+        SOCKETS,
+        (("            socket.setsockopt(zmq.IMMEDIATE, 1)\n", "            pass\n"),),
         (
             "tests/test_transport.py::test_zmq2_immediate_first_send_to_dead_endpoint_fails_and_evicts",
         ),
@@ -404,10 +423,10 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "release_keeps_sockets",
-        TRANSPORT,
+        SOCKET_CACHE,
         (
             (
-                "                    entry = self._entries.pop(endpoint, None)\n                    if entry is not None:\n                        retiring.append(entry)\n",
+                "                    entry = self.entries.pop(endpoint, None)\n                    if entry is not None:\n                        retiring.append(entry)\n",
                 "                    entry = None\n",
             ),
         ),
@@ -461,7 +480,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
     ),
     CodeMutant(
         "frame_cap_off",
-        ACKS,
+        ZMTP,
         (
             (
                 "            if len(frames) > MAX_FRAMES:\n",
@@ -579,7 +598,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         TRANSPORT,
         (
             (
-                "exited = not entry.exited and reason in ATTEMPT_FAILED and connect_refused(endpoint)",
+                "exited = not entry.exited and proves_exit(reason, endpoint)",
                 "exited = not entry.exited",
             ),
         ),

@@ -20,9 +20,10 @@ import errno
 import select
 import socket
 
+from statemachine.decode.ranks.liveness import ATTEMPT_FAILED
 from statemachine.wire.endpoint import Endpoint
 
-__all__ = ["EXIT_PROBE_TIMEOUT_S", "connect_refused"]
+__all__ = ["EXIT_PROBE_TIMEOUT_S", "connect_refused", "proves_exit"]
 
 #: How long the probe waits for the kernel's answer. A refusal takes one round trip (well under
 #: a millisecond on loopback and in a data centre); a path that answers nothing within this is
@@ -50,3 +51,9 @@ def connect_refused(endpoint: Endpoint, timeout_s: float = EXIT_PROBE_TIMEOUT_S)
                 return False  # no answer: silence, not proof
             code = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         return code == errno.ECONNREFUSED
+
+
+def proves_exit(reason: str, endpoint: Endpoint) -> bool:
+    """Whether a dead verdict for ``reason`` is the rank's process exiting (ZMQ-26): only a
+    failed connection attempt can be, and only if a connect to its port is refused now."""
+    return reason in ATTEMPT_FAILED and connect_refused(endpoint)

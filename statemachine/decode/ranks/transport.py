@@ -1,9 +1,13 @@
 """ZMQ PUSH transport from a decode process to prefill ranks (``spec/zmq.md``).
 
-One cached ``PUSH`` socket per endpoint ``(ip, port)``, each with its own lock (ZMQ sockets are
-not thread-safe); a small lock guards only the creation and retirement of cache entries, never
-a send (ZMQ-1). Options: ``IMMEDIATE=1`` (ZMQ-2), ``LINGER=0`` (ZMQ-3), sends bounded by
-``SNDTIMEO`` (ZMQ-4).
+:class:`ZmqTransport` moves the bytes a decode sends (:mod:`statemachine.decode.ranks.outbox`
+builds them) and reports what it learns about the endpoints. Its parts, one module each: the
+socket of one endpoint, its options and how a message goes through it
+(:mod:`~statemachine.decode.ranks.sockets`); the cache of those sockets and how long each lives
+(:mod:`~statemachine.decode.ranks.socket_cache`, ZMQ-1, ZMQ-20); the verdicts remembered after a
+socket closed (:mod:`~statemachine.decode.ranks.breaker`); the verdicts told and to whom
+(:mod:`~statemachine.decode.ranks.verdicts`); the exit probe
+(:mod:`~statemachine.decode.ranks.exit_probe`). Sends are bounded by ``SNDTIMEO`` (ZMQ-4).
 
 Every socket is monitored:
 
@@ -24,52 +28,63 @@ Every socket is monitored:
   long a reconnect attempt into a cut lasts and how long the next waits, so the first
   handshake after the path returns follows within their sum.
   :mod:`statemachine.decode.liveness_bound` derives all of them from one bound.
-* **Exit or silence (ZMQ-26).** A dead verdict is an *exit* only when the rank's port refuses
-  a connect (:mod:`statemachine.decode.ranks.exit_probe` reads the errno the monitor does not
+* **Exit or silence (ZMQ-26).** A dead verdict is an *exit* only when the rank's port refuses a
+  connect (:mod:`statemachine.decode.ranks.exit_probe` reads the errno the monitor does not
   give); listeners registered with :meth:`ZmqTransport.subscribe_exits` hear it, before the
-  verdict itself. Every other dead verdict (a heartbeat expiry, no reconnect within the grace,
-  a send that found no connection) is silence: the process may still run and write.
+  verdict itself, which carries it as a typed flag (``Verdict.exit_proven``). Every other dead
+  verdict (a heartbeat expiry, no reconnect within the grace, a send that found no connection)
+  is silence: the process may still run and write.
 * **Resources follow generations (ZMQ-20).** :meth:`ZmqTransport.retain` / :meth:`release`
   count the live generations that use an endpoint; at zero its socket and monitor are closed.
   A dead endpoint nobody retains is closed at once (no reconnect attempts while idle); its
-  verdict is remembered for ``down_hold_ms`` so sends to it still fail in microseconds. Sockets
-  nobody retains are an LRU bounded by ``max_sockets``.
+  verdict is remembered for ``down_hold_ms`` so sends to it still fail in microseconds.
 
 The comparison baselines (SGLang's queueing sockets, and the previous transport without a
-monitor) are subclasses in :mod:`statemachine.demo.baselines`, beside the demo and benchmarks
-that compare against them: they override :attr:`ZmqTransport.monitored` and
-:meth:`ZmqTransport._queue_option`. Without the monitor a send blocks up to ``SNDTIMEO`` and a
+monitor) pass their own :class:`~statemachine.decode.ranks.sockets.SocketPolicy`
+(:mod:`statemachine.demo.baselines`, beside the demo and benchmarks that compare against
+them). Without the monitor a send blocks up to ``SNDTIMEO`` and a
 failed one closes and evicts its socket (ZMQ-6/ZMQ-7). Every ``zmq.ZMQError`` on a connect
 or a send becomes :class:`~statemachine.errors.SendFailed`, with the socket closed (ZMQ-18).
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, NoReturn
+from typing import NoReturn
 
 import zmq
 
-from statemachine.backend import KVBackend
-from statemachine.decode.ranks.endpoints import (
-    check_endpoint_shape,
-    endpoint_address,
-    generation_endpoints,
-)
-from statemachine.decode.ranks.exit_probe import connect_refused
-from statemachine.decode.ranks.liveness import ATTEMPT_FAILED, EVENTS, Liveness
+from statemachine.decode.ranks.breaker import RememberedVerdicts
+from statemachine.decode.ranks.endpoints import generation_endpoints
+from statemachine.decode.ranks.exit_probe import proves_exit
 from statemachine.decode.ranks.monitor import SocketMonitor
+from statemachine.decode.ranks.socket_cache import (
+    CONTEXT_MAX_SOCKETS,
+    NEXT_STEP,
+    SocketCache,
+    SocketOptions,
+)
+from statemachine.decode.ranks.sockets import (
+    MONITORED,
+    SocketEntry,
+    SocketPolicy,
+    check_frames,
+    heartbeat_options,
+    push,
+)
+from statemachine.decode.ranks.verdicts import (
+    EXIT_PROVEN,
+    EndpointListener,
+    ExitListener,
+    Listeners,
+    Verdict,
+)
+from statemachine.decode.tally import Tally
 from statemachine.errors import InvalidArgument, SendFailed
-from statemachine.pool import Generation
 from statemachine.wire.endpoint import Endpoint, endpoint_url
-from statemachine.wire.metadata import MetadataRequest
 
 __all__ = [
     "EXIT_PROVEN",
@@ -77,45 +92,18 @@ __all__ = [
     "EndpointListener",
     "ExitListener",
     "TransportStats",
+    "Verdict",
     "ZmqTransport",
     "endpoint_url",
     "generation_endpoints",
 ]
 
-#: ``(endpoint, alive, reason)``, called on the transport's monitor thread.
-EndpointListener = Callable[[Endpoint, bool, str], None]
-#: ``(endpoint, reason)``: the rank's process at ``endpoint`` is proven exited (ZMQ-26).
-ExitListener = Callable[[Endpoint, str], None]
-#: Ends the reason of a dead verdict proven to be an exit (what ``subscribe`` listeners hear).
-EXIT_PROVEN = "the port refuses connections: the process exited"
-
-#: What SGLang sets on its context; each monitored endpoint uses three ZMQ sockets.
-CONTEXT_MAX_SOCKETS = 16384
 _EVICTED_RETRIES = 3
 _RETRIES = tuple(range(_EVICTED_RETRIES))  # a tuple iterates cheaper than a new range
-# A message goes to libzmq one frame at a time with plain int flags, through the backend's
-# ``Socket.send``. pyzmq's ``send_multipart`` does the same libzmq calls but computes
-# ``zmq.SNDMORE | flags`` per frame as ``enum.Flag`` arithmetic and goes through the Python-level
-# ``Socket.send`` wrapper: 10 µs for a 10-frame message here, against 2 µs this way
-# (``benchmarks/bench_vs_sglang.py``, docs/performance.md).
-_NOBLOCK = int(zmq.NOBLOCK)
-_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 # Poll slices while a send waits for a connection: short at first (a fresh loopback connection
 # takes ~0.2 ms), then at most this long between looks at the monitor's verdict.
 _FIRST_SLICE_MS = 1
 _MAX_SLICE_MS = 8
-
-_log = logging.getLogger(__name__)
-
-# What every SendFailed tells the caller to do. Not "invalidate and refetch": a receiver has
-# already failed its request and dropped the generation by the time the caller sees this, and
-# the ranks come from the HTTP bootstrap server or from etcd, which the transport cannot tell.
-NEXT_STEP = (
-    "the request that sent it failed and its cached ranks of this prefill were dropped: retry "
-    "the request, which refetches the prefill's current ranks (from its bootstrap server, or from "
-    "etcd when the manager watches etcd); if every retry fails the same way, the prefill rank "
-    "is not running"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,61 +127,8 @@ class TransportStats:
     exits: int = 0  # dead verdicts proven to be a process exit (a refused connect, ZMQ-26)
 
 
-class _Tombstone(NamedTuple):
-    """A dead endpoint whose socket was closed: its verdict, held until ``until``."""
-
-    message: str
-    until: float
-
-
-class _Entry:
-    """One cached socket; ``sends``/``last_used`` change under ``lock``.
-
-    ``down`` is the ``SendFailed`` message while the endpoint is judged dead (a single
-    attribute store, read without the lock by the circuit breaker). ``doomed`` marks an entry
-    already removed from the cache whose socket the next holder of ``lock`` must close.
-    """
-
-    __slots__ = (
-        "closed",
-        "doomed",
-        "down",
-        "endpoint",
-        "exited",
-        "failed",
-        "last_used",
-        "lock",
-        "reported_dead",
-        "send_frame",
-        "sends",
-        "socket",
-        "url",
-    )
-
-    def __init__(self, endpoint: Endpoint, socket: zmq.Socket[bytes], url: str) -> None:
-        self.endpoint = endpoint
-        self.socket = socket
-        #: ``send_frame(socket, frame, flags)``: one frame to libzmq (see :func:`_frame_sender`)
-        self.send_frame = _frame_sender(socket)
-        self.url = url
-        self.lock = threading.Lock()
-        self.closed = False
-        self.failed = False  # closed because a send failed (unmonitored: ZMQ-7)
-        self.doomed = False
-        self.down: str | None = None
-        self.reported_dead = False
-        self.exited = False  # the dead verdict was proven an exit (ZMQ-26)
-        self.sends = 0
-        self.last_used = 0
-
-
 class ZmqTransport:
     """Cached PUSH sockets per endpoint with liveness and a circuit breaker; see the module."""
-
-    #: Each socket has a ZMQ monitor (liveness, ZMQ-16) and a circuit breaker (ZMQ-19). False
-    #: only in the comparison baselines (:mod:`statemachine.demo.baselines`): a blocking send,
-    #: evicted on failure (ZMQ-6, ZMQ-7), sockets cached until a send fails.
-    monitored: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -209,6 +144,7 @@ class ZmqTransport:
         heartbeat_ivl_ms: int | None = None,
         heartbeat_timeout_ms: int | None = None,
         heartbeat_ttl_ms: int | None = None,
+        policy: SocketPolicy = MONITORED,
     ) -> None:
         for name, value in (
             ("send_timeout_ms", send_timeout_ms),
@@ -235,45 +171,51 @@ class ZmqTransport:
         self.send_timeout_ms = send_timeout_ms
         self.max_sockets = max_sockets
         self._timeout_s = send_timeout_ms / 1000
-        self._reconnect_ivl_ms = reconnect_ivl_ms
-        self._reconnect_ivl_max_ms = max(reconnect_ivl_max_ms, reconnect_ivl_ms)
-        self._grace_s = dead_grace_ms / 1000
         self._hold_s = down_hold_ms / 1000
-        self._connect_timeout_ms = (
-            send_timeout_ms if connect_timeout_ms is None else connect_timeout_ms
-        )
-        # ZMTP heartbeats (ZMQ-25): None leaves libzmq's default, no heartbeats.
-        self._heartbeat = _heartbeat_options(
-            heartbeat_ivl_ms, heartbeat_timeout_ms, heartbeat_ttl_ms
-        )
         self._own_context = context is None
         if context is None:
             context = zmq.Context()
             context.set(zmq.MAX_SOCKETS, CONTEXT_MAX_SOCKETS)
         self._context: zmq.Context[zmq.Socket[bytes]] = context
-        self._lock = threading.Lock()  # guards the dicts and counters below, never a send
-        self._entries: dict[Endpoint, _Entry] = {}
-        self._refs: dict[Endpoint, int] = {}
-        self._down: dict[Endpoint, _Tombstone] = {}
-        self._listeners: tuple[EndpointListener, ...] = ()
-        self._exit_listeners: tuple[ExitListener, ...] = ()
+        self._listeners = Listeners()
+        self._remembered = RememberedVerdicts(self._hold_s, max_sockets)
         self._exits = 0
-        self._closed = False
-        self._open_sockets = 0
-        self._retired_sends = 0
-        self._created = 0
-        self._evictions = 0
-        self._lru_evictions = 0
         self._dead_verdicts = 0
         self._reconnects = 0
-        self._listener_errors = 0
-        # Counted without the lock: next() on itertools.count is one atomic C call.
-        self._failures = itertools.count()
-        self._circuit_failures = itertools.count()
-        self._ticks = itertools.count(1)
-        self._monitor: SocketMonitor[_Entry] | None = (
-            SocketMonitor(self._on_verdict, name="zmq-endpoint-monitor") if self.monitored else None
+        # Counted without the lock (a Tally's add is one atomic C call).
+        self._failures = Tally()
+        self._circuit_failures = Tally()
+        self._monitor: SocketMonitor[SocketEntry] | None = (
+            SocketMonitor(self._on_verdict, name="zmq-endpoint-monitor")
+            if policy.monitored
+            else None
         )
+        self._cache = SocketCache(
+            context=context,
+            options=SocketOptions(
+                policy=policy,
+                send_timeout_ms=send_timeout_ms,
+                reconnect_ivl_ms=reconnect_ivl_ms,
+                reconnect_ivl_max_ms=max(reconnect_ivl_max_ms, reconnect_ivl_ms),
+                connect_timeout_ms=(
+                    send_timeout_ms if connect_timeout_ms is None else connect_timeout_ms
+                ),
+                # ZMTP heartbeats (ZMQ-25): None leaves libzmq's default, no heartbeats.
+                heartbeat=heartbeat_options(
+                    heartbeat_ivl_ms, heartbeat_timeout_ms, heartbeat_ttl_ms
+                ),
+                grace_s=dead_grace_ms / 1000,
+            ),
+            max_sockets=max_sockets,
+            monitor=self._monitor,
+            remembered=self._remembered,
+            failures=self._failures,
+            circuit_failures=self._circuit_failures,
+        )
+        #: the cache's sockets by endpoint: every send's one dict get
+        self._entries = self._cache.entries
+        self._lock = self._cache.lock  # guards the cache and the counters here, never a send
+        self._ticks = self._cache.ticks  # each send's use stamp (the LRU order)
 
     # --- liveness interface (what the manager subscribes to, spec/zmq.md ZMQ-16, ZMQ-19) ------
 
@@ -284,60 +226,34 @@ class ZmqTransport:
         endpoint reported dead completes a handshake again. An exception in a listener is
         logged and counted (``listener_errors``); the other listeners still run.
         """
-        if not callable(listener):
-            raise TypeError("listener must be callable")
-        with self._lock:
-            self._listeners = (*self._listeners, listener)
+        self._listeners.subscribe(listener)
+
+    def subscribe_verdicts(self, listener: Callable[[Verdict], None]) -> None:
+        """As :meth:`subscribe`, with the :class:`Verdict` whole (a dead verdict proven an exit
+        says so in ``exit_proven``, ZMQ-26)."""
+        self._listeners.subscribe_verdicts(listener)
 
     def subscribe_exits(self, listener: ExitListener) -> None:
         """Call ``listener(endpoint, reason)`` on the monitor thread when a dead verdict is
         proven to be the rank's process exiting (its port refused a connect, ZMQ-26), before
         the ``subscribe`` listeners hear the verdict. Contained like those."""
-        if not callable(listener):
-            raise TypeError("listener must be callable")
-        with self._lock:
-            self._exit_listeners = (*self._exit_listeners, listener)
+        self._listeners.subscribe_exits(listener)
 
     def is_down(self, endpoint: Endpoint) -> bool:
         """True while sends to ``endpoint`` fail in microseconds (the circuit is open)."""
         entry = self._entries.get(endpoint)
         if entry is not None:
             return entry.down is not None
-        tomb = self._down.get(endpoint)
-        return tomb is not None and time.monotonic() < tomb.until
+        return self._remembered.refusal(endpoint) is not None
 
     def retain(self, endpoints: Iterable[Endpoint]) -> None:
         """A live generation uses ``endpoints``: keep their sockets (ZMQ-20)."""
-        endpoints = list(endpoints)
-        for endpoint in endpoints:
-            check_endpoint_shape(endpoint)
-        with self._lock:
-            for endpoint in endpoints:
-                self._refs[endpoint] = self._refs.get(endpoint, 0) + 1
+        self._cache.retain(endpoints)
 
     def release(self, endpoints: Iterable[Endpoint]) -> None:
-        """A generation that used ``endpoints`` ended: close the sockets no one retains.
-
-        Never blocks on a send in progress: a socket in use is closed by its current user as
-        it finishes (within one poll slice if it is waiting). Releasing more than was retained
-        is ignored. Without the monitor (the baselines, :attr:`monitored` False) the counts are
-        kept but sockets live as SGLang's do: cached until a send fails (or for ever).
-        """
-        retiring = []
-        with self._lock:
-            for endpoint in endpoints:
-                count = self._refs.get(endpoint, 0)
-                if count > 1:
-                    self._refs[endpoint] = count - 1
-                elif count == 1:
-                    del self._refs[endpoint]
-                    if self._monitor is None:
-                        continue
-                    entry = self._entries.pop(endpoint, None)
-                    if entry is not None:
-                        retiring.append(entry)
-        for entry in retiring:
-            self._retire(entry)
+        """A generation that used ``endpoints`` ended: close the sockets no one retains (never
+        waiting on a send in progress; without the monitor they stay cached, as SGLang's)."""
+        self._cache.release(endpoints)
 
     # --- sending ------------------------------------------------------------------------------
 
@@ -352,25 +268,25 @@ class ZmqTransport:
             raise ValueError("a message needs at least one frame")
         for frame in frames:
             if frame.__class__ is not bytes:
-                _check_frames(frames)
+                check_frames(frames)
                 break
         # An entry retired while we waited for its lock is replaced; bounded so that a caller
         # evicting in a tight loop cannot keep a sender spinning.
         for _ in _RETRIES:
             entry = self._entries.get(endpoint)  # dict.get is atomic: no lock on the hit path
             if entry is None:
-                entry = self._open(endpoint)
+                entry = self._cache.open(endpoint)
             down = entry.down
             if down is not None:  # the circuit is open (ZMQ-19)
-                next(self._circuit_failures)
-                next(self._failures)
+                self._circuit_failures.add()
+                self._failures.add()
                 raise SendFailed(down, endpoint=entry.url)
             try:
                 with entry.lock:
                     if entry.closed or entry.doomed:
                         if entry.failed:
                             # Its socket failed while we waited for the lock (ZMQ-7).
-                            next(self._failures)
+                            self._failures.add()
                             raise SendFailed(
                                 f"send to {entry.url} failed: the peer was found dead; {NEXT_STEP}",
                                 endpoint=entry.url,
@@ -382,7 +298,7 @@ class ZmqTransport:
                         # Monitored (ZMQ-19): non-blocking first, which is all a warm socket
                         # needs; without a connection, wait for one in poll slices.
                         try:
-                            sent = _push(entry.send_frame, entry.socket, frames)
+                            sent = push(entry.send_frame, entry.socket, frames)
                         except zmq.ZMQError as exc:
                             self._send_error(entry, exc)
                         if not sent:
@@ -392,37 +308,13 @@ class ZmqTransport:
                     return
             finally:
                 if entry.doomed and not entry.closed:
-                    self._close_if_free(entry)
-        next(self._failures)
+                    self._cache.close_if_free(entry)
+        self._failures.add()
         raise SendFailed(
             "socket evicted repeatedly during send; retry", endpoint=endpoint_url(endpoint)
         )
 
-    def register(self, generation: Generation, backend: KVBackend) -> None:
-        """Send the backend's KV args to every rank of ``generation``, dummy ranks included.
-
-        Dummy ranks get the message too (the backend's frames carry the flag), so a prefill
-        rank knows how many decode peers to expect, as SGLang does (ZMQ-14). Stops at the first
-        failure (its :class:`SendFailed` propagates): the caller invalidates the generation.
-        The frames name the generation's instance (ZMQ-21), so a process that binds a dead
-        rank's port later drops what was queued for the old one.
-        """
-        instance_id = generation.instance_id
-        for rank in generation.ranks:
-            self.send((rank.ip, rank.port), backend.register_frames(rank, instance_id=instance_id))
-
-    def send_metadata(
-        self, generation: Generation, backend: KVBackend, request: MetadataRequest
-    ) -> None:
-        """Send one metadata message to every rank of ``generation``, dummy ranks included,
-        addressed to the generation's instance (ZMQ-21)."""
-        instance_id = generation.instance_id
-        build = backend.metadata_frames
-        for rank in generation.ranks:
-            # rank[:2] is (ip, port) as a plain tuple, built in C.
-            self.send(rank[:2], build(rank, request, instance_id=instance_id))
-
-    def _send_blocking(self, entry: _Entry, frames: Sequence[bytes]) -> None:
+    def _send_blocking(self, entry: SocketEntry, frames: Sequence[bytes]) -> None:
         """Unmonitored (the baselines): a blocking send; any failure closes and evicts (ZMQ-6).
 
         pyzmq's ``send_multipart``, as SGLang sends: this path is the baselines' (SGLang's
@@ -431,15 +323,15 @@ class ZmqTransport:
             entry.socket.send_multipart(frames)
         except zmq.ZMQError as exc:
             entry.failed = True
-            self._close_socket(entry)
-            next(self._failures)
+            self._cache.close_socket(entry)
+            self._failures.add()
             raise SendFailed(
                 f"no live peer at {entry.url} within SNDTIMEO={self.send_timeout_ms} ms "
                 f"({exc}); {NEXT_STEP}",
                 endpoint=entry.url,
             ) from exc
 
-    def _send_waiting(self, entry: _Entry, frames: Sequence[bytes]) -> None:
+    def _send_waiting(self, entry: SocketEntry, frames: Sequence[bytes]) -> None:
         """Monitored send that found no completed connection (a new socket, or the peer just
         went): wait for one in poll slices until SNDTIMEO or the monitor's verdict (ZMQ-19)."""
         socket = entry.socket
@@ -448,11 +340,11 @@ class ZmqTransport:
         while True:
             down = entry.down
             if down is not None:  # the monitor judged it dead while we waited
-                next(self._circuit_failures)
-                next(self._failures)
+                self._circuit_failures.add()
+                self._failures.add()
                 raise SendFailed(down, endpoint=entry.url)
             if entry.doomed:
-                next(self._failures)
+                self._failures.add()
                 raise SendFailed(
                     f"the socket to {entry.url} was closed while this send waited (no live "
                     f"request uses its ranks any more); {NEXT_STEP}",
@@ -463,13 +355,13 @@ class ZmqTransport:
                 self._send_timed_out(entry)
             try:
                 zmq.zmq_poll([(socket, zmq.POLLOUT)], min(slice_ms, math.ceil(left_ms)))
-                if _push(entry.send_frame, socket, frames):
+                if push(entry.send_frame, socket, frames):
                     return
                 slice_ms = min(slice_ms * 2, _MAX_SLICE_MS)
             except zmq.ZMQError as exc:
                 self._send_error(entry, exc)
 
-    def _send_timed_out(self, entry: _Entry) -> NoReturn:
+    def _send_timed_out(self, entry: SocketEntry) -> NoReturn:
         """No connection took the message within SNDTIMEO: open the circuit, tell the monitor."""
         reason = f"no live peer within SNDTIMEO={self.send_timeout_ms} ms"
         message = (
@@ -478,49 +370,35 @@ class ZmqTransport:
         entry.down = message  # provisional: lifted if the monitor says a connection is up
         assert self._monitor is not None
         self._monitor.send_failed(entry, reason)
-        next(self._failures)
+        self._failures.add()
         raise SendFailed(message, endpoint=entry.url)
 
-    def _send_error(self, entry: _Entry, exc: zmq.ZMQError) -> NoReturn:
+    def _send_error(self, entry: SocketEntry, exc: zmq.ZMQError) -> NoReturn:
         """Any other ZMQError: the socket is unusable; close it (ZMQ-18)."""
         entry.failed = True
-        self._close_socket(entry)
-        next(self._failures)
+        self._cache.close_socket(entry)
+        self._failures.add()
         raise SendFailed(
             f"send to {entry.url} failed ({exc}), so its socket was closed; {NEXT_STEP}",
             endpoint=entry.url,
         ) from exc
 
-    # --- cache management ---------------------------------------------------------------------
+    # --- the cache and the transport's life --------------------------------------------------
 
     def evict(self, endpoint: Endpoint) -> None:
         """Close and forget the socket for ``endpoint`` (no-op if there is none).
 
         Waits for a send in progress on it (at most ``SNDTIMEO``).
         """
-        with self._lock:
-            entry = self._entries.pop(endpoint, None)
-        if entry is not None:
-            entry.doomed = True
-            with entry.lock:
-                if not entry.closed:
-                    self._close_socket(entry)
+        self._cache.evict(endpoint)
 
     def close(self) -> None:
         """Close every socket (LINGER=0: nothing is flushed), the monitor thread, and an owned
         context. Waits at most about ``SNDTIMEO`` for a send in progress; never hangs."""
         with self._lock:
-            if self._closed:
+            if self._cache.closed:
                 return
-            self._closed = True
-            entries = list(self._entries.values())
-            self._entries.clear()
-        for entry in entries:
-            entry.doomed = True  # a monitored send waiting for a connection gives up now
-        for entry in entries:
-            with entry.lock:
-                if not entry.closed:
-                    self._close_socket(entry)
+        self._cache.close_all()
         stopped = self._monitor.close() if self._monitor is not None else True
         if self._own_context:
             if stopped:
@@ -535,189 +413,34 @@ class ZmqTransport:
         self.close()
 
     def stats(self) -> TransportStats:
-        now = time.monotonic()
+        cache = self._cache
         with self._lock:
-            live = list(self._entries.values())
-            held = sum(1 for tomb in self._down.values() if now < tomb.until)
+            live = list(cache.entries.values())
             monitor = self._monitor
             # Live counters are read without their locks: each is a single int load.
             return TransportStats(
-                sends=self._retired_sends + sum(e.sends for e in live),
-                failures=_count_value(self._failures),
-                sockets_open=self._open_sockets,
-                sockets_created=self._created,
-                evictions=self._evictions,
-                circuit_failures=_count_value(self._circuit_failures),
+                sends=cache.retired_sends + sum(e.sends for e in live),
+                failures=self._failures.value(),
+                sockets_open=cache.open_sockets,
+                sockets_created=cache.created,
+                evictions=cache.evictions,
+                circuit_failures=self._circuit_failures.value(),
                 dead_verdicts=self._dead_verdicts,
                 reconnects=self._reconnects,
-                endpoints_down=sum(1 for e in live if e.down is not None) + held,
-                retained=len(self._refs),
-                lru_evictions=self._lru_evictions,
-                listener_errors=self._listener_errors,
+                endpoints_down=sum(1 for e in live if e.down is not None) + self._remembered.held(),
+                retained=len(cache.refs),
+                lru_evictions=cache.lru_evictions,
+                listener_errors=self._listeners.errors,
                 monitor_events=monitor.events if monitor is not None else 0,
                 exits=self._exits,
             )
 
-    # --- internals ----------------------------------------------------------------------------
+    # --- verdicts -----------------------------------------------------------------------------
 
-    def _open(self, endpoint: Endpoint) -> _Entry:
-        check_endpoint_shape(endpoint)
-        tomb = self._down.get(endpoint)
-        if tomb is not None and time.monotonic() < tomb.until:
-            next(self._circuit_failures)
-            next(self._failures)
-            raise SendFailed(tomb.message, endpoint=endpoint_url(endpoint))
-        try:
-            address = endpoint_address(endpoint)  # IP literals only: no resolver, ever
-        except ValueError as exc:
-            next(self._failures)
-            raise SendFailed(str(exc), endpoint=endpoint_url(endpoint)) from None
-        victims: list[_Entry] = []
-        try:
-            with self._lock:
-                if self._closed:
-                    next(self._failures)
-                    raise SendFailed("transport is closed", endpoint=address.url)
-                entry = self._entries.get(endpoint)
-                if entry is not None:  # another thread created it first
-                    return entry
-                if len(self._entries) >= self.max_sockets:
-                    victims = self._lru_victims_locked()
-                # Creating and connecting a socket does no network I/O (connect is
-                # asynchronous, and never resolves a name here), so doing it under the small
-                # lock keeps exactly one socket per endpoint.
-                socket, monitor_socket = self._connect(address.url, address.ipv6)
-                entry = _Entry(endpoint, socket, address.url)
-                if self._down.pop(endpoint, None) is not None:
-                    entry.reported_dead = True  # judged dead before: a handshake reports alive
-                self._entries[endpoint] = entry
-                self._created += 1
-                self._open_sockets += 1
-        finally:
-            for victim in victims:
-                self._retire(victim)
-        if monitor_socket is not None:
-            assert self._monitor is not None
-            self._monitor.watch(entry, monitor_socket, Liveness(self._grace_s))
-        return entry
-
-    def _connect(self, url: str, ipv6: bool) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
-        """A connected PUSH socket (and its monitor socket); SendFailed with both closed."""
-        socket: zmq.Socket[bytes] | None = None
-        monitor_socket: zmq.Socket[bytes] | None = None
-        try:
-            socket = self._context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SNDTIMEO, self.send_timeout_ms)
-            if ipv6:
-                socket.setsockopt(zmq.IPV6, 1)  # before connect, or libzmq cannot parse it
-            self._queue_option(socket)
-            if self._monitor is not None:
-                socket.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
-                socket.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_ivl_max_ms)
-                socket.setsockopt(zmq.CONNECT_TIMEOUT, self._connect_timeout_ms)
-                for option, value in self._heartbeat:
-                    socket.setsockopt(option, value)
-                # Before connect(), so that not even the first attempt's events are missed.
-                monitor_socket = self._monitor_socket(socket)
-            socket.connect(url)
-        except zmq.ZMQError as exc:
-            if socket is not None:  # its monitor may be started even if its reader is not
-                _close_monitored(socket, self._monitor is not None)
-            if monitor_socket is not None:
-                monitor_socket.close(linger=0)
-            next(self._failures)
-            raise SendFailed(
-                f"cannot connect to {url} ({exc}): the rank's address is unusable; {NEXT_STEP}",
-                endpoint=url,
-            ) from exc
-        return socket, monitor_socket
-
-    def _queue_option(self, socket: zmq.Socket[bytes]) -> None:
-        """``IMMEDIATE=1`` (ZMQ-2): queue only on a completed connection, so a send to a dead
-        rank fails instead of queueing. SGLang's queueing baseline overrides it."""
-        socket.setsockopt(zmq.IMMEDIATE, 1)
-
-    def _monitor_socket(self, socket: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
-        """Start ``socket``'s monitor and connect the PAIR that reads it (before connect(),
-        so that not even the first attempt's events are missed).
-
-        libzmq sends monitor events with a *blocking* send from its I/O and reaper threads, so
-        the reading side must never be full or gone: its receive HWM is unlimited (a stalled
-        reader costs memory, never a stalled I/O thread), and it is closed only after
-        :func:`_close_monitored` stopped the monitor (ZMQ-16).
-        """
-        # A unique inproc name: pyzmq's default is derived from the socket's fd, which is
-        # reused after a close while the old name may still be bound.
-        address = f"inproc://statemachine-monitor-{id(self):x}-{next(self._ticks)}"
-        socket.monitor(address, EVENTS)
-        reader = self._context.socket(zmq.PAIR)
-        try:
-            reader.setsockopt(zmq.LINGER, 0)
-            reader.setsockopt(zmq.RCVHWM, 0)
-            reader.connect(address)
-        except zmq.ZMQError:
-            reader.close(linger=0)
-            raise
-        return reader
-
-    def _lru_victims_locked(self) -> list[_Entry]:
-        """Remove (under ``_lock``) the least recently used unretained entry, if any."""
-        best: _Entry | None = None
-        for endpoint, entry in self._entries.items():
-            if endpoint not in self._refs and (best is None or entry.last_used < best.last_used):
-                best = entry
-        if best is None:
-            return []  # every socket serves a live generation: those are not evicted
-        del self._entries[best.endpoint]
-        self._lru_evictions += 1
-        return [best]
-
-    def _retire(self, entry: _Entry) -> None:
-        """Close a socket already removed from the cache, without waiting for its lock.
-
-        If a sender holds the lock, ``doomed`` tells it (and every later holder) to close the
-        socket on the way out; setting it *before* trying the lock means one of us always does.
-        """
-        entry.doomed = True
-        self._close_if_free(entry)
-
-    def _close_if_free(self, entry: _Entry) -> None:
-        if entry.lock.acquire(blocking=False):
-            try:
-                if not entry.closed:
-                    self._close_socket(entry)
-            finally:
-                entry.lock.release()
-
-    def _close_socket(self, entry: _Entry) -> None:
-        """Close ``entry``'s socket and forget it. Called with ``entry.lock`` held."""
-        entry.closed = True
-        _close_monitored(entry.socket, self._monitor is not None)
-        if self._monitor is not None:
-            self._monitor.unwatch(entry)  # its monitor was stopped: the reader may close
-        with self._lock:
-            # Identity check: a fresh entry for the same endpoint is not ours to remove.
-            if self._entries.get(entry.endpoint) is entry:
-                del self._entries[entry.endpoint]
-            if entry.down is not None and entry.reported_dead and not self._closed:
-                self._remember_down_locked(entry.endpoint, entry.down)
-            self._retired_sends += entry.sends
-            self._evictions += 1
-            self._open_sockets -= 1
-
-    def _remember_down_locked(self, endpoint: Endpoint, message: str) -> None:
-        now = time.monotonic()
-        if len(self._down) >= self.max_sockets:  # bounded: expired first, then the oldest
-            for key in [k for k, tomb in self._down.items() if tomb.until <= now]:
-                del self._down[key]
-            while len(self._down) >= self.max_sockets:
-                del self._down[next(iter(self._down))]
-        self._down[endpoint] = _Tombstone(message, now + self._hold_s)
-
-    def _on_verdict(self, entry: _Entry, alive: bool, reason: str) -> None:
+    def _on_verdict(self, entry: SocketEntry, alive: bool, reason: str) -> None:
         """Monitor thread: apply a verdict, retire a dead unretained socket, tell listeners."""
         endpoint = entry.endpoint
+        exited = False
         if alive:
             entry.down = None
             if not entry.reported_dead:
@@ -726,143 +449,23 @@ class ZmqTransport:
             entry.exited = False
             with self._lock:
                 self._reconnects += 1
-                self._down.pop(endpoint, None)
+                self._remembered.forget(endpoint)
         else:
             entry.down = f"peer at {entry.url} is down ({reason}); {NEXT_STEP}"
-            exited = not entry.exited and reason in ATTEMPT_FAILED and connect_refused(endpoint)
+            exited = not entry.exited and proves_exit(reason, endpoint)
             if exited:
                 entry.exited = True
-                self._exited(endpoint, reason)
                 reason = f"{reason}; {EXIT_PROVEN}"
+                with self._lock:
+                    self._exits += 1
+                self._listeners.tell_exit(endpoint, reason)
             if entry.reported_dead:
                 return  # silence judged earlier, now (maybe) an exit: told above if so
             entry.reported_dead = True
-            retire = False
             with self._lock:
                 self._dead_verdicts += 1
-                if endpoint not in self._refs and self._entries.get(endpoint) is entry:
-                    # Nobody needs it: close it now rather than reconnecting while idle.
-                    del self._entries[endpoint]
-                    retire = True
+                # Nobody needs it: close it now rather than reconnecting while idle.
+                retire = self._cache.drop_unretained(entry)
             if retire:
-                self._retire(entry)
-        for listener in self._listeners:
-            try:
-                listener(endpoint, alive, reason)
-            except Exception:
-                with self._lock:
-                    self._listener_errors += 1
-                _log.exception("endpoint listener raised; other listeners still run")
-
-    def _exited(self, endpoint: Endpoint, reason: str) -> None:
-        with self._lock:
-            self._exits += 1
-        for listener in self._exit_listeners:
-            try:
-                listener(endpoint, f"{reason}; {EXIT_PROVEN}")
-            except Exception:
-                with self._lock:
-                    self._listener_errors += 1
-                _log.exception("exit listener raised; other listeners still run")
-
-
-def _heartbeat_options(
-    ivl_ms: int | None, timeout_ms: int | None, ttl_ms: int | None
-) -> tuple[tuple[int, int], ...]:
-    """The socket options of ZMTP heartbeats (ZMQ-25); none unless ``ivl_ms`` is given.
-
-    libzmq sends a PING every ``ivl_ms`` on each connection and closes it (the monitor sees
-    ``EVENT_DISCONNECTED``) when nothing at all arrived within ``timeout_ms`` of a PING; any
-    ZMQ peer answers PINGs inside libzmq, a prefill's ``PULL`` socket included, so a stopped or
-    cut-off peer is found without a message of ours. ``ttl_ms`` asks the peer to drop the
-    connection once it has heard nothing from us that long (libzmq counts it in tenths of a
-    second, at most 6553.5 s).
-    """
-    if ivl_ms is None:
-        if timeout_ms is not None or ttl_ms is not None:
-            raise InvalidArgument(
-                "heartbeat_timeout_ms and heartbeat_ttl_ms need heartbeat_ivl_ms: give the "
-                "interval between PINGs too"
-            )
-        return ()
-    options = [(int(zmq.HEARTBEAT_IVL), ivl_ms)]
-    if timeout_ms is not None:
-        options.append((int(zmq.HEARTBEAT_TIMEOUT), timeout_ms))
-    if ttl_ms is not None:
-        options.append((int(zmq.HEARTBEAT_TTL), min(ttl_ms, 6_553_500)))
-    return tuple(options)
-
-
-FrameSender = Callable[[zmq.Socket[bytes], bytes, int], object]
-
-
-def _frame_sender(socket: zmq.Socket[bytes]) -> FrameSender:
-    """The cheapest correct way to hand ``socket`` one frame: the backend's ``Socket.send``
-    when the socket's class does not override pyzmq's ``send`` (whose only addition is the
-    routing-id and group arguments of draft sockets, which a PUSH socket never takes), else the
-    class's own ``send``."""
-    cls = type(socket)
-    if cls.send is zmq.Socket.send and isinstance(socket, zmq.backend.Socket):
-        backend_send: FrameSender = zmq.backend.Socket.send
-        return backend_send
-    own_send: FrameSender = cls.send
-    return own_send
-
-
-def _push(send: FrameSender, socket: zmq.Socket[bytes], frames: Sequence[bytes]) -> bool:
-    """Queue ``frames`` as one message without blocking; False if no connection could take it.
-
-    libzmq decides at the first frame: it raises ``zmq.Again`` then (IMMEDIATE, no completed
-    connection, or the queue at its high-water mark), with nothing queued, so the caller may
-    wait and try the whole message again. Once the first frame is in, the later ones of the same
-    message are not refused for room; any error on them propagates as ``zmq.ZMQError`` (the
-    caller closes the socket, which discards the part already queued: libzmq never delivers
-    half a message).
-    """
-    if len(frames) > 1:
-        try:
-            send(socket, frames[0], _NOBLOCK_MORE)
-        except zmq.Again:
-            return False
-        for frame in frames[1:-1]:
-            send(socket, frame, _NOBLOCK_MORE)
-        send(socket, frames[-1], _NOBLOCK)
-        return True
-    try:
-        send(socket, frames[0], _NOBLOCK)
-    except zmq.Again:
-        return False
-    return True
-
-
-def _check_frames(frames: Sequence[bytes]) -> None:
-    """``TypeError`` unless every frame is bytes-like (what libzmq can take), before any is sent."""
-    for index, frame in enumerate(frames):
-        if isinstance(frame, (bytes, zmq.Frame)):
-            continue
-        try:
-            memoryview(frame)
-        except TypeError:
-            raise TypeError(
-                f"frame {index} of the message is a {type(frame).__name__}, not bytes: a "
-                "backend's frames must be bytes (nothing was sent)"
-            ) from None
-
-
-def _close_monitored(socket: zmq.Socket[bytes], monitored: bool) -> None:
-    """Close a socket, stopping its monitor first, in the calling (owning) thread.
-
-    Otherwise libzmq stops the monitor in the socket's destructor on its reaper thread, with
-    a blocking send of ``EVENT_MONITOR_STOPPED``: if the reading PAIR is already closed, that
-    send never returns and the reaper never destroys another socket (measured: 3 fds leaked
-    per closed socket from then on).
-    """
-    if monitored:
-        with contextlib.suppress(zmq.ZMQError):
-            socket.disable_monitor()
-    socket.close(linger=0)
-
-
-def _count_value(counter: itertools.count[int]) -> int:
-    """The next value an ``itertools.count`` will yield, without advancing it (``count(N)``)."""
-    return int(repr(counter)[6:-1])
+                self._cache.retire(entry)
+        self._listeners.tell(Verdict(endpoint, alive, reason, exit_proven=exited))
