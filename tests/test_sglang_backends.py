@@ -25,6 +25,11 @@ from statemachine.sglang.v0_5_23.mooncake import REGISTRATION_FRAMES as MOONCAKE
 from statemachine.sglang.v0_5_23.nixl import GUARD
 from statemachine.sglang.v0_5_23.nixl import METADATA_FRAMES as NIXL_METADATA
 from statemachine.sglang.v0_5_23.nixl import REGISTRATION_FRAMES as NIXL_REGISTRATION
+from statemachine.sglang.v0_5_23.unverified import (
+    unverified_mooncake_backend,
+    unverified_mooncake_factory,
+    unverified_nixl_backend,
+)
 from statemachine.wire.metadata import MetadataRequest
 
 KV = DecodeKVArgs(
@@ -46,7 +51,7 @@ def mooncake(**kwargs: Any) -> MooncakeBackend:
         "session_id": "10.0.0.1:17001",
         "kv_args": KV,
     }
-    return MooncakeBackend(**{**args, **kwargs})
+    return unverified_mooncake_backend(**{**args, **kwargs})
 
 
 def nixl(**kwargs: Any) -> NixlBackend:
@@ -57,7 +62,7 @@ def nixl(**kwargs: Any) -> NixlBackend:
         "agent_metadata": b"\x00meta",
         "kv_args": KV,
     }
-    return NixlBackend(**{**args, **kwargs})
+    return unverified_nixl_backend(**{**args, **kwargs})
 
 
 # --- SGW-1, SGW-2: every bad input is typed, before any frame exists ------------------------
@@ -172,10 +177,11 @@ def test_sgw7_abort_frames(backend: Any) -> None:
 def test_manager_accepts_the_backends_through_its_factory() -> None:
     """The manager builds them with its ack listener's endpoint (and checks their methods)."""
     for factory in (
-        MooncakeBackend.factory("10.0.0.1:17001", KV),
-        # NixlBackend.factory reads a real agent's metadata back (test_public_path_mistakes.py);
-        # here the manager's side only: any callable of (ip, port) building the backend.
-        lambda ip, port: NixlBackend(ip, port, "agent-1", b"m", KV),
+        # The public factories read a real engine's or agent's buffers back
+        # (test_public_path_mistakes.py); here the manager's side only, with no engine behind
+        # the session: any callable of (ip, port) building the backend.
+        unverified_mooncake_factory("10.0.0.1:17001", KV),
+        lambda ip, port: unverified_nixl_backend(ip, port, "agent-1", b"m", KV),
     ):
         manager = DecodeManager(backend_factory=factory, health_probes=False)
         try:
