@@ -177,10 +177,12 @@ class StandInMooncakeEngine:
         return 0
 
     def register_memory(self, ptr: int, length: int) -> int:
-        return self.batch_register([ptr], [length])
+        self.regions[ptr] = length
+        return 0
 
     def unregister_memory(self, ptr: int) -> int:
-        return self.batch_deregister([ptr])
+        self.regions.pop(ptr, None)
+        return 0
 
     def transfer_sync_read(self, session_id: str, local: int, remote: int, length: int) -> int:
         served = session_id == self.session_id and any(
