@@ -67,7 +67,7 @@ from statemachine.decode.plan import DecodeLayout
 from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
 from statemachine.sglang.v0_5_23 import DecodeKVArgs
-from statemachine.sglang.v0_5_23.unverified import unverified_mooncake_factory
+from statemachine.sglang.v0_5_23.mooncake import unverified_mooncake_factory
 from statemachine.wire.http import route_payload
 
 _TESTS = Path(__file__).resolve().parent.parent / "tests"

@@ -15,10 +15,10 @@ so two of the mistakes cannot be made through it (``docs/sglang-interop.md`` has
 The constructor ``NixlBackend(...)`` is closed (it takes a witness only those two hold).
 
 Mooncake: a KV or aux buffer unregistered, one registered shorter than claimed, and a session
-that is not the decode's engine x ``MooncakeBackend.factory`` / ``from_engine`` (and the closed
-constructor), against SGLang's real Mooncake prefill the same way. Its prefill survives these
-(the transfer fails), so the harm refused is to the mistaken decode: every request of it failed,
-reported as the prefill's failure.
+that is not the decode's engine x ``MooncakeBackend.factory`` / ``from_engine`` /
+``from_engine_session`` (and the closed constructor), against SGLang's real Mooncake prefill
+the same way. Its prefill survives these (the transfer fails), so the harm refused is to the
+mistaken decode: every request of it failed, reported as the prefill's failure.
 """
 
 from __future__ import annotations
@@ -262,6 +262,11 @@ class MooncakeDecode:
 
         return MooncakeBackend.from_engine(self.engine, "127.0.0.1", self.kv_args)
 
+    def from_engine_session(self) -> Callable[[str, int], Any]:
+        from statemachine.sglang.v0_5_23 import MooncakeBackend
+
+        return MooncakeBackend.from_engine_session(self.engine, self.session_id, self.kv_args)
+
     def constructor(self) -> Any:
         from statemachine.sglang.v0_5_23 import MooncakeBackend
 
@@ -288,6 +293,14 @@ MOONCAKE_REFUSALS = [
     ),
     (UNREGISTERED_AUX, "from_engine", r"aux_data_ptrs\[0\] .* not registered with this Mooncake"),
     (WRONG_SESSION, "factory", r"no buffer kv_args names could be read through .*'127.0.0.1:1'"),
+    (UNREGISTERED, "from_engine_session", _last_kv),
+    (SHORT_KV, "from_engine_session", _last_kv + r" \(its last byte"),
+    (UNREGISTERED_AUX, "from_engine_session", r"aux_data_ptrs\[0\] .* not registered with the"),
+    (
+        WRONG_SESSION,
+        "from_engine_session",
+        r"no buffer kv_args names could be read through .*'127.0.0.1:1'",
+    ),
     (UNREGISTERED, "constructor", r"MooncakeBackend\(\.\.\.\) is not a public constructor"),
     (WRONG_SESSION, "constructor", r"MooncakeBackend\(\.\.\.\) is not a public constructor"),
 ]

@@ -22,14 +22,13 @@ from statemachine.sglang.v0_5_23 import DecodeKVArgs, MooncakeBackend, NixlBacke
 from statemachine.sglang.v0_5_23.control import MAX_REASON_CHARS
 from statemachine.sglang.v0_5_23.mooncake import METADATA_FRAMES as MOONCAKE_METADATA
 from statemachine.sglang.v0_5_23.mooncake import REGISTRATION_FRAMES as MOONCAKE_REGISTRATION
-from statemachine.sglang.v0_5_23.nixl import GUARD
-from statemachine.sglang.v0_5_23.nixl import METADATA_FRAMES as NIXL_METADATA
-from statemachine.sglang.v0_5_23.nixl import REGISTRATION_FRAMES as NIXL_REGISTRATION
-from statemachine.sglang.v0_5_23.unverified import (
+from statemachine.sglang.v0_5_23.mooncake import (
     unverified_mooncake_backend,
     unverified_mooncake_factory,
-    unverified_nixl_backend,
 )
+from statemachine.sglang.v0_5_23.nixl import GUARD, unverified_nixl_backend
+from statemachine.sglang.v0_5_23.nixl import METADATA_FRAMES as NIXL_METADATA
+from statemachine.sglang.v0_5_23.nixl import REGISTRATION_FRAMES as NIXL_REGISTRATION
 from statemachine.wire.metadata import MetadataRequest
 
 KV = DecodeKVArgs(
@@ -172,6 +171,16 @@ def test_sgw3_sgw4_frame_counts_and_dummy_encoding() -> None:
 def test_sgw7_abort_frames(backend: Any) -> None:
     assert backend.abort_frames(REAL, 9) == [b"ABORT", b"9", b"127.0.0.1", b"5555"]
     assert backend.abort_frames(REAL, 9, abort_seq=4, instance_id="x")[4:] == [b"4"]
+
+
+def test_sgw12_the_constructors_are_closed() -> None:
+    """Only the verified paths (and the unverified_* functions, for stand-in engines) hold
+    the constructors' witness; anything else is refused, whatever it passes
+    (test_public_path_mistakes.py shows it against SGLang's real prefills)."""
+    with pytest.raises(InvalidArgument, match=r"MooncakeBackend\(\.\.\.\) is not a public"):
+        MooncakeBackend("127.0.0.1", 5555, "10.0.0.1:17001", KV)
+    with pytest.raises(InvalidArgument, match=r"NixlBackend\(\.\.\.\) is not a public"):
+        NixlBackend("127.0.0.1", 5555, "agent-1", b"m", KV, _witness=object())
 
 
 def test_manager_accepts_the_backends_through_its_factory() -> None:

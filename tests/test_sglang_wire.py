@@ -36,11 +36,8 @@ from statemachine.completion import (
 from statemachine.errors import ConfigurationError
 from statemachine.pool import RankInfo
 from statemachine.sglang.v0_5_23 import DecodeKVArgs
-from statemachine.sglang.v0_5_23.nixl import GUARD
-from statemachine.sglang.v0_5_23.unverified import (
-    unverified_mooncake_backend,
-    unverified_nixl_backend,
-)
+from statemachine.sglang.v0_5_23.mooncake import unverified_mooncake_backend
+from statemachine.sglang.v0_5_23.nixl import GUARD, unverified_nixl_backend
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import SimpleBackend
 

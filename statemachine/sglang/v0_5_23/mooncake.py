@@ -11,9 +11,10 @@ with :class:`~statemachine.validation.InvalidArgument`.
 A registration naming memory the decode's engine does not serve (a buffer not registered with
 it, or a session id that is not its own) survives the prefill's parser but fails every transfer
 to this decode, reported as the prefill's failure. The public ways to make a backend
-(:meth:`MooncakeBackend.from_engine`, :meth:`MooncakeBackend.factory`) therefore read one byte
-at each end of every claimed buffer through the claimed session first (SGW-12); the constructor
-takes a witness only they (and :mod:`.unverified`, for stand-in engines) hold.
+(:meth:`MooncakeBackend.from_engine`, :meth:`~MooncakeBackend.from_engine_session`,
+:meth:`~MooncakeBackend.factory`) therefore read one byte at each end of every claimed buffer
+through the claimed session first (SGW-12); the constructor takes a witness only they (and
+:func:`unverified_mooncake_backend`, for tests whose engine is a stand-in) hold.
 """
 
 from __future__ import annotations
@@ -188,15 +189,18 @@ class MooncakeBackend:
                     f"aux_data_ptrs[{i}] ({ptr:#x}) is not registered with this Mooncake engine: "
                     "register each aux buffer first with engine.register_memory(ptr, nbytes)"
                 )
-        return cls._verified_by(engine, session_id, kv_args)
+        return cls.from_engine_session(engine, session_id, kv_args)
 
     @classmethod
-    def _verified_by(
+    def from_engine_session(
         cls, engine: Any, session_id: str, kv_args: DecodeKVArgs
     ) -> Callable[[str, int], MooncakeBackend]:
-        """The factory once ``engine`` (a ``mooncake.engine.TransferEngine``: the decode's own,
-        or one that stands in for it and answers reads as it would) read every buffer back
-        through ``session_id``. The drop-in manager's path, with SGLang's shared engine."""
+        """A ``backend_factory`` from the decode's Mooncake engine (a
+        ``mooncake.engine.TransferEngine``) and the session id a prefill reaches it by, for a
+        caller that registered every buffer itself and holds the id already (SGLang's
+        ``MooncakeTransferEngine.get_session_id()``; the drop-in manager's path). Registers
+        nothing: the engine reads every buffer back through ``session_id``, as
+        :meth:`from_engine` does, before anything is sent."""
         check_session_id(session_id)
         _check_kv_args(kv_args)
         _verify_session(engine, session_id, kv_args)
@@ -382,3 +386,23 @@ def _verify_session(engine: Any, session_id: str, kv_args: DecodeKVArgs) -> None
         "would fail. Register every buffer first with engine.register_memory(ptr, nbytes), "
         "at its full length (unregister a shorter registration first: Mooncake keeps it)"
     )
+
+
+def unverified_mooncake_backend(
+    decode_ip: str, decode_port: int, session_id: str, kv_args: DecodeKVArgs
+) -> MooncakeBackend:
+    """A :class:`MooncakeBackend` whose session nobody read back (the form of its inputs is
+    checked): for tests and benchmarks with no Mooncake engine behind the session (a wire
+    test comparing frames, a benchmark of the bootstrap path against sinks), never for a
+    decode that talks to a prefill. Not exported from :mod:`statemachine.sglang.v0_5_23`."""
+    return MooncakeBackend(decode_ip, decode_port, session_id, kv_args, _witness=_VERIFIED)
+
+
+def unverified_mooncake_factory(
+    session_id: str, kv_args: DecodeKVArgs
+) -> Callable[[str, int], MooncakeBackend]:
+    """A ``backend_factory`` of :func:`unverified_mooncake_backend`: the same use, the same
+    warning."""
+    check_session_id(session_id)
+    _check_kv_args(kv_args)
+    return MooncakeBackend._builder(session_id, kv_args)

@@ -10,7 +10,7 @@ parses the rest with ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq``
 An agent name or metadata that does not describe the buffers ``kv_args`` names ends it too
 (``NIXL_ERR_NOT_FOUND``), so the public ways to make a backend (:meth:`NixlBackend.from_agent`,
 :meth:`NixlBackend.factory`) read them back first (SGW-12); the constructor takes a witness
-only they (and :mod:`.unverified`, for tests whose agent is a stand-in) hold.
+only they (and :func:`unverified_nixl_backend`, for tests whose agent is a stand-in) hold.
 """
 
 from __future__ import annotations
@@ -284,6 +284,18 @@ class NixlBackend:
     def decode_message(self, frames: Sequence[bytes]) -> PrefillEvent | None:
         """NIXL statuses are ``[KV_STATUS, room, status, prefill rank, reason]`` (SGW-8)."""
         return decode_prefill_message(frames, KV_STATUS_TAG)
+
+
+def unverified_nixl_backend(
+    decode_ip: str, decode_port: int, agent_name: str, agent_metadata: bytes, kv_args: DecodeKVArgs
+) -> NixlBackend:
+    """A :class:`NixlBackend` whose metadata nobody read back (the form of its inputs is
+    checked): for tests with no NIXL agent behind the name (a wire test comparing frames),
+    never for a decode that talks to a prefill (metadata that does not describe the buffers
+    ends a NIXL prefill's bootstrap thread). Not exported from the package."""
+    return NixlBackend(
+        decode_ip, decode_port, agent_name, agent_metadata, kv_args, _witness=_VERIFIED
+    )
 
 
 def _regions(kv_args: DecodeKVArgs) -> list[tuple[str, int, int, str]]:

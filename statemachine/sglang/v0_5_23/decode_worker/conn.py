@@ -100,7 +100,7 @@ class MooncakeKVManager(DecodeKVManagerBase):
         """Verified as :meth:`MooncakeBackend.from_engine` verifies: SGLang's engine (its
         ``mooncake.engine.TransferEngine``, the wrapper's ``engine``) reads every buffer back
         through its own session before a registration is built."""
-        return MooncakeBackend._verified_by(
+        return MooncakeBackend.from_engine_session(
             self.engine.engine, self.get_session_id(), self.decode_kv_args
         )
 
