@@ -284,8 +284,8 @@ _last_kv = (
 #: 127.0.0.2 does here, is the engine's session for a prefill too).
 MOONCAKE_REFUSALS = [
     (UNREGISTERED, "factory", _last_kv),
-    (SHORT_KV, "factory", _last_kv + r" \(its last byte"),
-    (SHORT_KV, "from_engine", _last_kv + r" \(its last byte"),
+    (SHORT_KV, "factory", _last_kv + r" .* \(its last byte"),
+    (SHORT_KV, "from_engine", _last_kv + r" .* \(its last byte"),
     (
         UNREGISTERED_AUX,
         "factory",
@@ -294,7 +294,7 @@ MOONCAKE_REFUSALS = [
     (UNREGISTERED_AUX, "from_engine", r"aux_data_ptrs\[0\] .* not registered with this Mooncake"),
     (WRONG_SESSION, "factory", r"no buffer kv_args names could be read through .*'127.0.0.1:1'"),
     (UNREGISTERED, "from_engine_session", _last_kv),
-    (SHORT_KV, "from_engine_session", _last_kv + r" \(its last byte"),
+    (SHORT_KV, "from_engine_session", _last_kv + r" .* \(its last byte"),
     (UNREGISTERED_AUX, "from_engine_session", r"aux_data_ptrs\[0\] .* not registered with the"),
     (
         WRONG_SESSION,
