@@ -97,8 +97,8 @@ class MooncakeBackend:
             raise InvalidArgument(
                 "MooncakeBackend(...) is not a public constructor: it cannot tell whether the "
                 "session serves the buffers kv_args names. Use MooncakeBackend.from_engine(engine, "
-                "host, kv_args) or MooncakeBackend.factory(session_id, kv_args), which read them "
-                "back through the session first"
+                "host, kv_args), from_engine_session(engine, session_id, kv_args) or "
+                "factory(session_id, kv_args), which read them back through the session first"
             )
         if not isinstance(kv_args, DecodeKVArgs):
             raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
