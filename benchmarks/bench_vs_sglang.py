@@ -5,7 +5,9 @@ SGLang's side is the real release wheel (``sglang==0.5.23`` in ``.venv``, instal
 (``tests/sglang_support.py``, ``tests/sglang_stubs``): a decode-mode ``CommonKVManager`` with
 Mooncake's frame builders and Mooncake's deferred KV release (as ``mooncake/conn.py`` has them),
 and its ``MooncakeKVReceiver``. Ours is a :class:`DecodeManager` speaking SGLang's Mooncake wire
-(:class:`~statemachine.sglang.v0_5_23.MooncakeBackend`) with the default transport (ZMQ
+(:class:`~statemachine.sglang.v0_5_23.MooncakeBackend`, built with
+``unverified_mooncake_factory``: no Mooncake engine stands behind its session, as none stands
+behind SGLang's here, and the sinks move no bytes) with the default transport (ZMQ
 IMMEDIATE, socket monitor, circuit breaker). Both decodes are tp 1, page size 16, and run
 against the same two prefills on 127.0.0.1: one of tp 1 and one of tp 4, registered with a real
 bootstrap server, whose ranks are sink processes that drain every message in libzmq
@@ -64,7 +66,8 @@ from statemachine.decode.manager import DecodeManager
 from statemachine.decode.plan import DecodeLayout
 from statemachine.prefill.registration import register_rank
 from statemachine.prefill.server import BootstrapServer
-from statemachine.sglang.v0_5_23 import DecodeKVArgs, MooncakeBackend
+from statemachine.sglang.v0_5_23 import DecodeKVArgs
+from statemachine.sglang.v0_5_23.mooncake import unverified_mooncake_factory
 from statemachine.wire.http import route_payload
 
 _TESTS = Path(__file__).resolve().parent.parent / "tests"
@@ -208,7 +211,7 @@ class OurDecode:
         stack.callback(self.client.close)
         self.manager = DecodeManager(
             source=self.client,
-            backend_factory=MooncakeBackend.factory(SESSION_ID, kv_args),
+            backend_factory=unverified_mooncake_factory(SESSION_ID, kv_args),
             layout=DecodeLayout(page_size=PAGE_SIZE, kv_cache_dtype="bfloat16"),
             health_probes=False,
         )

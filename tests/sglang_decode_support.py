@@ -150,22 +150,46 @@ class Req:
 
 class StandInMooncakeEngine:
     """SGLang's shared Mooncake engine where none can run: a session id and the registered
-    regions (the real-bytes tests use the real engine)."""
+    regions (the real-bytes tests use the real engine). Its ``engine`` (SGLang's wrapper holds
+    the ``mooncake.engine.TransferEngine`` there) answers the drop-in manager's read-back of
+    its buffers as a real engine would: a one-byte read through this session succeeds inside a
+    registered region and fails (-1) anywhere else or through another session. No byte moves."""
 
     def __init__(self, session_id: str = "127.0.0.1:17777") -> None:
         self.session_id = session_id
-        self.registered: list[int] = []
+        self.regions: dict[int, int] = {}
+        self.engine = self
+
+    @property
+    def registered(self) -> list[int]:
+        return list(self.regions)
 
     def get_session_id(self) -> str:
         return self.session_id
 
     def batch_register(self, ptrs: list[int], lens: list[int]) -> int:
-        self.registered += ptrs
+        self.regions.update(zip(ptrs, lens, strict=True))
         return 0
 
     def batch_deregister(self, ptrs: list[int]) -> int:
-        self.registered = [p for p in self.registered if p not in ptrs]
+        for ptr in ptrs:
+            self.regions.pop(ptr, None)
         return 0
+
+    def register_memory(self, ptr: int, length: int) -> int:
+        self.regions[ptr] = length
+        return 0
+
+    def unregister_memory(self, ptr: int) -> int:
+        self.regions.pop(ptr, None)
+        return 0
+
+    def transfer_sync_read(self, session_id: str, local: int, remote: int, length: int) -> int:
+        served = session_id == self.session_id and any(
+            start <= remote and remote + length <= start + size
+            for start, size in self.regions.items()
+        )
+        return 0 if served else -1
 
 
 class TreeCache:

@@ -3,7 +3,10 @@
 The section's code block is extracted and executed against SGLang 0.5.23's own bootstrap server
 with two of its prefill ranks (tp 2, ``CommonKVManager`` in prefill mode, registered by SGLang's
 ``register_to_bootstrap``). Those ranks start no thread, so the test reads their PULL sockets
-itself and parses every frame with SGLang's own Mooncake parsers (spec/sglang-wire.md).
+itself and parses every frame with SGLang's own Mooncake parsers (spec/sglang-wire.md). The
+decode's Mooncake engine is real (loopback TCP, numpy buffers), so the example's
+``MooncakeBackend.from_engine`` reads its buffers back through its session as it would in a
+deployment; no bytes move (those ranks transfer nothing: ``test_real_bytes.py`` moves them).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
+from real_prefill.engines import engine_unavailable
 from sglang_support import import_sglang, requires_sglang, sglang_bootstrap_server
 from sglang_support import sglang_prefill_rank as prefill_rank
 from sglang_wire_support import mooncake_module
@@ -27,7 +32,6 @@ pytestmark = requires_sglang
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "integration.md"
 HEADING = "## In front of an SGLang 0.5.23 prefill"
-SESSION = "10.1.2.3:17001"
 
 
 def example() -> dict[str, Any]:
@@ -61,9 +65,18 @@ def test_sglang_example_against_sglangs_server_parsers_and_status_sender(
     prefill: tuple[str, list[Any]],
 ) -> None:
     addr, ranks = prefill
+    reason = engine_unavailable("mooncake")
+    if reason is not None:
+        pytest.skip(reason)
+    from real_prefill import engines
+
     conn, mooncake = import_sglang(), mooncake_module()
     code = example()
-    manager = code["make_sglang_manager"](SESSION)
+    engine, session = engines.mooncake_engine()
+    kv = [np.zeros(1 << 16, dtype=np.uint8) for _ in range(2)]
+    aux = np.zeros(4096, dtype=np.uint8)
+    engines.register("mooncake", engine, [aux])
+    manager = code["make_sglang_manager"](engine, "127.0.0.1", kv, aux)
     try:
         acks = manager.acks
         assert acks is not None
@@ -73,12 +86,12 @@ def test_sglang_example_against_sglangs_server_parsers_and_status_sender(
         for rank in ranks:
             registration = mooncake.KVArgsRegisterInfo.from_zmq(received(rank))
             assert (registration.endpoint, registration.dst_port) == (acks.ip, acks.port)
-            assert registration.mooncake_session_id == SESSION
-            assert registration.dst_kv_ptrs == [0x7F0000000000, 0x7F0000100000]
+            assert registration.mooncake_session_id == session
+            assert registration.dst_kv_ptrs == [b.ctypes.data for b in kv]
             assert registration.dst_kv_item_lens == [4096, 4096]
             info = mooncake.TransferInfo.from_zmq(received(rank))
             assert (info.room, info.endpoint, info.dst_port) == (77, acks.ip, acks.port)
-            assert info.mooncake_session_id == SESSION
+            assert info.mooncake_session_id == session
             assert list(info.dst_kv_indices) == [5, 6, 7]
             assert (info.dst_aux_index, info.is_dummy, info.required_dst_info_num) == (0, False, 1)
         # SGLang's own status sender on each rank: the room completes once both reported.

@@ -12,6 +12,13 @@ SGLang's decode hangs and every other decode of that prefill fails (measured in 
 The four mistakes x the two public paths (``NixlBackend.factory``, ``NixlBackend.from_agent``):
 ``from_agent`` takes the name and the metadata from the agent itself, after the registration,
 so two of the mistakes cannot be made through it (``docs/sglang-interop.md`` has the table).
+The constructor ``NixlBackend(...)`` is closed (it takes a witness only those two hold).
+
+Mooncake: a KV or aux buffer unregistered, one registered shorter than claimed, and a session
+that is not the decode's engine x ``MooncakeBackend.factory`` / ``from_engine`` /
+``from_engine_session`` (and the closed constructor), against SGLang's real Mooncake prefill
+the same way. Its prefill survives these (the transfer fails), so the harm refused is to the
+mistaken decode: every request of it failed, reported as the prefill's failure.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 from real_prefill.engines import engine_unavailable
-from real_prefill.harness import PrefillPool, RealPrefill
+from real_prefill.harness import PrefillPool, RealPrefill, wrong_pages
 from sglang_support import requires_sglang
 
 from statemachine.errors import InvalidArgument
@@ -156,8 +163,28 @@ def test_sgw15_a_correct_agent_passes_both_paths_with_the_same_registration(
     sglang_decode_completes(prefill, sglang_decode)
 
 
-# --- Mooncake: what MooncakeBackend.factory lets through, and what it costs ---------------------
+# --- the constructors themselves: closed ------------------------------------------------------
 
+
+def test_sgw12_nixl_constructor_is_refused_and_sglangs_decode_completes_after(
+    prefill: RealPrefill, sglang_decode: Any
+) -> None:
+    """``NixlBackend(...)`` directly, with an agent whose metadata lacks a KV buffer (what
+    killed the prefill's bootstrap thread through it): refused whatever its inputs, since it
+    cannot tell; the same inputs through ``factory`` are refused for the mistake itself."""
+    decode = MistakenDecode(UNREGISTERED)
+    with pytest.raises(InvalidArgument, match=r"NixlBackend\(\.\.\.\) is not a public constructor"):
+        NixlBackend("127.0.0.1", 5555, decode.name, decode.metadata, decode.kv_args)
+    correct = MistakenDecode(None)
+    with pytest.raises(InvalidArgument, match="not a public constructor"):
+        NixlBackend("127.0.0.1", 5555, correct.name, correct.metadata, correct.kv_args)
+    sglang_decode_completes(prefill, sglang_decode)
+
+
+# --- Mooncake: every public path reads the buffers back through the session --------------------
+
+UNREGISTERED_AUX = "aux buffer unregistered"
+SHORT_KV = "a KV buffer registered shorter than claimed"
 WRONG_SESSION = "a session id that is not the engine's"
 
 
@@ -184,29 +211,30 @@ def sglang_mooncake_decode(mooncake_prefill: RealPrefill) -> Iterator[Any]:
         decode.close()
 
 
-class MooncakeByFactory:
-    """This library's decode built through the public ``MooncakeBackend.factory(session_id,
-    kv_args)``, with one mistake: its own engine over loopback TCP, buffers as the prefill's
-    layout needs them."""
+class MooncakeDecode:
+    """A decode's own Mooncake engine over loopback TCP, buffers as the prefill's layout needs
+    them, set up with one mistake (or none)."""
 
-    def __init__(self, prefill: RealPrefill, mistake: str) -> None:
+    def __init__(self, prefill: RealPrefill, mistake: str | None) -> None:
         from real_prefill import engines
         from real_prefill.prefill_process import has_state
 
-        from statemachine import DecodeLayout, DecodeManager
-        from statemachine.sglang.v0_5_23 import MooncakeBackend
-
+        #: what real_prefill.harness.wrong_pages reads of a decode
+        self.layout, self.tp_rank, self.tp_size, self.backend = prefill.layout, 0, 1, "mooncake"
         g = prefill.layout.side(1)
         self.engine, session = engines.mooncake_engine()
         self.kv = [np.zeros(g.slots * g.item_len, dtype=np.uint8) for _ in range(g.buffers)]
         self.aux = np.zeros(g.aux_slots * g.aux_item_len, dtype=np.uint8)
         self.state = np.zeros(g.state_slots * g.state_item_len, dtype=np.uint8)
-        state = has_state("mooncake")
-        registered = self.kv[:-1] if mistake == UNREGISTERED else self.kv
-        engines.register("mooncake", self.engine, [*registered, self.aux, self.state])
-        session_id = "127.0.0.1:1" if mistake == WRONG_SESSION else session
+        registered = [*self.kv[:-1], self.state]
+        if mistake != UNREGISTERED:
+            registered.append(self.kv[-1][: len(self.kv[-1]) // 2 if mistake == SHORT_KV else None])
+        if mistake != UNREGISTERED_AUX:
+            registered.append(self.aux)
+        engines.register("mooncake", self.engine, registered)
+        self.session_id = "127.0.0.1:1" if mistake == WRONG_SESSION else session
         fields: dict[str, Any] = {}
-        if state:
+        if has_state("mooncake"):
             fields = {
                 "state_data_ptrs": [[self.state.ctypes.data]],
                 "state_data_lens": [[self.state.nbytes]],
@@ -214,7 +242,7 @@ class MooncakeByFactory:
                 "state_dim_per_tensor": [[]],
                 "state_layer_ids": [[]],
             }
-        kv_args = DecodeKVArgs(
+        self.kv_args = DecodeKVArgs(
             engine_rank=0,
             attn_tp_size=1,
             kv_data_ptrs=[b.ctypes.data for b in self.kv],
@@ -223,48 +251,131 @@ class MooncakeByFactory:
             aux_data_ptrs=[self.aux.ctypes.data],
             **fields,
         )
-        self.manager = DecodeManager(
-            layout=DecodeLayout(
-                tp_rank=0,
-                tp_size=1,
-                page_size=g.page_size,
-                kv_cache_dtype="bfloat16",
-                is_mla=prefill.layout.mla,
-            ),
-            backend_factory=MooncakeBackend.factory(session_id, kv_args),
-            ack_ip="127.0.0.1",
-            waiting_timeout_s=30.0,
-        )
+
+    def factory(self) -> Callable[[str, int], Any]:
+        from statemachine.sglang.v0_5_23 import MooncakeBackend
+
+        return MooncakeBackend.factory(self.session_id, self.kv_args)
+
+    def from_engine(self) -> Callable[[str, int], Any]:
+        from statemachine.sglang.v0_5_23 import MooncakeBackend
+
+        return MooncakeBackend.from_engine(self.engine, "127.0.0.1", self.kv_args)
+
+    def from_engine_session(self) -> Callable[[str, int], Any]:
+        from statemachine.sglang.v0_5_23 import MooncakeBackend
+
+        return MooncakeBackend.from_engine_session(self.engine, self.session_id, self.kv_args)
+
+    def constructor(self) -> Any:
+        from statemachine.sglang.v0_5_23 import MooncakeBackend
+
+        return MooncakeBackend("127.0.0.1", 5555, self.session_id, self.kv_args)
 
 
-@pytest.mark.parametrize("mistake", [UNREGISTERED, WRONG_SESSION])
-def test_sgw12_mooncake_factory_mistake_fails_only_its_own_request(
-    mooncake_prefill: RealPrefill, sglang_mooncake_decode: Any, mistake: str
+_last_kv = (
+    r"kv_data_ptrs\[\d+\] \(0x[0-9a-f]+\) is not registered with the Mooncake engine of session"
+)
+#: (mistake, path, what the refusal says): every combination a caller can make. Through
+#: ``from_engine`` a KV buffer unregistered cannot be made (it registers them itself, at their
+#: full length; one registered short before stays short: Mooncake answers "already registered"),
+#: nor a session that is not the engine's (the port is the
+#: engine's; a host other than the one it was initialized with that still reaches it, as
+#: 127.0.0.2 does here, is the engine's session for a prefill too).
+MOONCAKE_REFUSALS = [
+    (UNREGISTERED, "factory", _last_kv),
+    (SHORT_KV, "factory", _last_kv + r" .* \(its last byte"),
+    (SHORT_KV, "from_engine", _last_kv + r" .* \(its last byte"),
+    (
+        UNREGISTERED_AUX,
+        "factory",
+        r"aux_data_ptrs\[0\] .* not registered with the Mooncake engine of",
+    ),
+    (UNREGISTERED_AUX, "from_engine", r"aux_data_ptrs\[0\] .* not registered with this Mooncake"),
+    (WRONG_SESSION, "factory", r"no buffer kv_args names could be read through .*'127.0.0.1:1'"),
+    (UNREGISTERED, "from_engine_session", _last_kv),
+    (SHORT_KV, "from_engine_session", _last_kv + r" .* \(its last byte"),
+    (UNREGISTERED_AUX, "from_engine_session", r"aux_data_ptrs\[0\] .* not registered with the"),
+    (
+        WRONG_SESSION,
+        "from_engine_session",
+        r"no buffer kv_args names could be read through .*'127.0.0.1:1'",
+    ),
+    (UNREGISTERED, "constructor", r"MooncakeBackend\(\.\.\.\) is not a public constructor"),
+    (WRONG_SESSION, "constructor", r"MooncakeBackend\(\.\.\.\) is not a public constructor"),
+]
+
+
+@pytest.mark.parametrize(
+    ("mistake", "path", "message"),
+    MOONCAKE_REFUSALS,
+    ids=[f"{m}-{p}" for m, p, _ in MOONCAKE_REFUSALS],
+)
+def test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after(
+    mooncake_prefill: RealPrefill,
+    sglang_mooncake_decode: Any,
+    mistake: str,
+    path: str,
+    message: str,
 ) -> None:
-    """``MooncakeBackend.factory`` cannot read a session's registrations back without a
-    transfer of its own, so it accepts these mistakes (``from_engine`` refuses the unregistered
-    buffer, ``test_real_bytes.py``). Measured here: SGLang's real Mooncake prefill reports the
-    mistaken decode's room Failed, the request ends typed well inside its waiting timeout, and
-    SGLang's own decode completes against the same prefill after it (its bootstrap thread
-    survives): the mistake costs only the decode that made it."""
-    from statemachine.completion import KVPoll
-    from statemachine.errors import BootstrapError
+    """Before (issue 32, measured on main before this check): ``factory`` accepted the KV
+    buffer unregistered and the wrong session; SGLang's prefill reported every room of that
+    decode Failed (``TransferFailed`` within 0.03 s) and the decode blamed the prefill. Now
+    each is refused typed before a manager exists, so no frame is built."""
+    decode = MooncakeDecode(mooncake_prefill, mistake)
+    with pytest.raises(InvalidArgument, match=message):
+        getattr(decode, path)()
+    sglang_decode_completes(mooncake_prefill, sglang_mooncake_decode)
 
-    decode = MooncakeByFactory(mooncake_prefill, mistake)
+
+def test_sgw12_mooncake_correct_engine_passes_both_paths_and_is_served(
+    mooncake_prefill: RealPrefill, sglang_mooncake_decode: Any
+) -> None:
+    """The control: the read-back refuses only mistakes. A correct decode's ``factory`` and
+    ``from_engine`` build the same registration, and a manager on ``factory`` is served by
+    SGLang's prefill, every page right; SGLang's own decode completes after it. Prints what
+    each path's check costs (once per decode process)."""
+    from statemachine import DecodeLayout, DecodeManager
+    from statemachine.completion import KVPoll
+    from statemachine.pool import RankInfo
+
+    decode = MooncakeDecode(mooncake_prefill, None)
+    started = time.monotonic()
+    by_factory = decode.factory()
+    factory_s = time.monotonic() - started
+    started = time.monotonic()
+    by_engine = decode.from_engine()
+    engine_s = time.monotonic() - started
+    print(f"factory's read-back {factory_s:.3f} s, from_engine's {engine_s:.4f} s")
+    rank = RankInfo("127.0.0.1", 1, 0)
+    assert by_factory("127.0.0.1", 5555).register_frames(rank) == by_engine(
+        "127.0.0.1", 5555
+    ).register_frames(rank)
+    g = mooncake_prefill.layout.side(1)
+    manager = DecodeManager(
+        layout=DecodeLayout(
+            tp_rank=0,
+            tp_size=1,
+            page_size=g.page_size,
+            kv_cache_dtype="bfloat16",
+            is_mla=mooncake_prefill.layout.mla,
+        ),
+        backend_factory=by_factory,
+        ack_ip="127.0.0.1",
+        waiting_timeout_s=30.0,
+    )
     try:
         room = next(_rooms)
         mooncake_prefill.transfer(room, SRC, aux_index=3)
-        receiver = decode.manager.receiver(mooncake_prefill.address, room, prefill_dp_rank=0)
+        receiver = manager.receiver(mooncake_prefill.address, room, prefill_dp_rank=0)
         assert receiver.init() == KVPoll.WaitingForInput
         receiver.send_metadata(DST, 7)
-        started = time.monotonic()
+        deadline = time.monotonic() + 40.0
         while (state := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
-            assert time.monotonic() - started < 40.0, "neither Success nor Failed"
+            assert time.monotonic() < deadline, "neither Success nor Failed"
             time.sleep(0.001)
-        assert state == KVPoll.Failed
-        assert isinstance(receiver.failure, BootstrapError), receiver.failure
-        print(f"{mistake}: {type(receiver.failure).__name__} after "
-              f"{time.monotonic() - started:.2f} s: {receiver.failure}")  # fmt: skip
+        assert state == KVPoll.Success, receiver.failure
+        assert wrong_pages(decode, room, DST, 7, None) == []
     finally:
-        decode.manager.close()
+        manager.close()
     sglang_decode_completes(mooncake_prefill, sglang_mooncake_decode)

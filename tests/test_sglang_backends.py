@@ -22,7 +22,11 @@ from statemachine.sglang.v0_5_23 import DecodeKVArgs, MooncakeBackend, NixlBacke
 from statemachine.sglang.v0_5_23.control import MAX_REASON_CHARS
 from statemachine.sglang.v0_5_23.mooncake import METADATA_FRAMES as MOONCAKE_METADATA
 from statemachine.sglang.v0_5_23.mooncake import REGISTRATION_FRAMES as MOONCAKE_REGISTRATION
-from statemachine.sglang.v0_5_23.nixl import GUARD
+from statemachine.sglang.v0_5_23.mooncake import (
+    unverified_mooncake_backend,
+    unverified_mooncake_factory,
+)
+from statemachine.sglang.v0_5_23.nixl import GUARD, unverified_nixl_backend
 from statemachine.sglang.v0_5_23.nixl import METADATA_FRAMES as NIXL_METADATA
 from statemachine.sglang.v0_5_23.nixl import REGISTRATION_FRAMES as NIXL_REGISTRATION
 from statemachine.wire.metadata import MetadataRequest
@@ -46,7 +50,7 @@ def mooncake(**kwargs: Any) -> MooncakeBackend:
         "session_id": "10.0.0.1:17001",
         "kv_args": KV,
     }
-    return MooncakeBackend(**{**args, **kwargs})
+    return unverified_mooncake_backend(**{**args, **kwargs})
 
 
 def nixl(**kwargs: Any) -> NixlBackend:
@@ -57,7 +61,7 @@ def nixl(**kwargs: Any) -> NixlBackend:
         "agent_metadata": b"\x00meta",
         "kv_args": KV,
     }
-    return NixlBackend(**{**args, **kwargs})
+    return unverified_nixl_backend(**{**args, **kwargs})
 
 
 # --- SGW-1, SGW-2: every bad input is typed, before any frame exists ------------------------
@@ -169,13 +173,24 @@ def test_sgw7_abort_frames(backend: Any) -> None:
     assert backend.abort_frames(REAL, 9, abort_seq=4, instance_id="x")[4:] == [b"4"]
 
 
+def test_sgw12_the_constructors_are_closed() -> None:
+    """Only the verified paths (and the unverified_* functions, for stand-in engines) hold
+    the constructors' witness; anything else is refused, whatever it passes
+    (test_public_path_mistakes.py shows it against SGLang's real prefills)."""
+    with pytest.raises(InvalidArgument, match=r"MooncakeBackend\(\.\.\.\) is not a public"):
+        MooncakeBackend("127.0.0.1", 5555, "10.0.0.1:17001", KV)
+    with pytest.raises(InvalidArgument, match=r"NixlBackend\(\.\.\.\) is not a public"):
+        NixlBackend("127.0.0.1", 5555, "agent-1", b"m", KV, _witness=object())
+
+
 def test_manager_accepts_the_backends_through_its_factory() -> None:
     """The manager builds them with its ack listener's endpoint (and checks their methods)."""
     for factory in (
-        MooncakeBackend.factory("10.0.0.1:17001", KV),
-        # NixlBackend.factory reads a real agent's metadata back (test_public_path_mistakes.py);
-        # here the manager's side only: any callable of (ip, port) building the backend.
-        lambda ip, port: NixlBackend(ip, port, "agent-1", b"m", KV),
+        # The public factories read a real engine's or agent's buffers back
+        # (test_public_path_mistakes.py); here the manager's side only, with no engine behind
+        # the session: any callable of (ip, port) building the backend.
+        unverified_mooncake_factory("10.0.0.1:17001", KV),
+        lambda ip, port: unverified_nixl_backend(ip, port, "agent-1", b"m", KV),
     ):
         manager = DecodeManager(backend_factory=factory, health_probes=False)
         try:

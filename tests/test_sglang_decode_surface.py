@@ -251,6 +251,29 @@ def test_a_memory_release_leaves_no_room_held_and_the_room_serves_again_after_re
         assert again.waiting_for_input and again.req.finished_reason is None
 
 
+def test_sgw12_mooncake_manager_reads_its_buffers_back_before_any_frame() -> None:
+    """The drop-in manager registers the buffers SGLang hands it with SGLang's shared engine,
+    then builds its backend only once that engine read each of them back through its own
+    session (SGW-12, as ``MooncakeBackend.from_engine`` does). An engine that lost one
+    registration (as a real one whose ``batch_register`` failed for a buffer would) fails the
+    manager's construction typed, naming the buffer, before any prefill is contacted.
+    Stand-in: SGLang's shared engine (``StandInMooncakeEngine``, answering reads as Mooncake
+    does: ``test_public_path_mistakes.py`` runs the same read-back on a real engine)."""
+    from statemachine.errors import InvalidArgument
+
+    class LosesTheLastBuffer(StandInMooncakeEngine):
+        def batch_register(self, ptrs: list[int], lens: list[int]) -> int:
+            return super().batch_register(ptrs[:-1], lens[:-1])
+
+    with (
+        decode_worker.install(["mooncake"]),
+        mooncake_engine(LosesTheLastBuffer()),
+        pytest.raises(InvalidArgument, match=r"aux_data_ptrs\[0\] .* is not registered"),
+        decode_queues("mooncake"),
+    ):
+        pass
+
+
 def test_nixl_registrations_after_a_resume_carry_the_agents_metadata_of_then() -> None:
     """A real NIXL agent (UCX over TCP, DRAM buffers) against SGLang's real NIXL prefill in its
     own processes (tests/real_prefill). decode.py cannot build its queues around NIXL on CPU

@@ -35,8 +35,9 @@ from statemachine.completion import (
 )
 from statemachine.errors import ConfigurationError
 from statemachine.pool import RankInfo
-from statemachine.sglang.v0_5_23 import DecodeKVArgs, MooncakeBackend, NixlBackend
-from statemachine.sglang.v0_5_23.nixl import GUARD
+from statemachine.sglang.v0_5_23 import DecodeKVArgs
+from statemachine.sglang.v0_5_23.mooncake import unverified_mooncake_backend
+from statemachine.sglang.v0_5_23.nixl import GUARD, unverified_nixl_backend
 from statemachine.wire.metadata import MetadataRequest
 from statemachine.wire.reference import SimpleBackend
 
@@ -96,8 +97,8 @@ REQUESTS = {
 
 def ours(backend: str, kv_args: DecodeKVArgs, ip: str = LOOPBACK, port: int = 5555) -> Any:
     if backend == "mooncake":
-        return MooncakeBackend(ip, port, SESSION_ID, kv_args)
-    return NixlBackend(ip, port, AGENT, AGENT_METADATA, kv_args)
+        return unverified_mooncake_backend(ip, port, SESSION_ID, kv_args)
+    return unverified_nixl_backend(ip, port, AGENT, AGENT_METADATA, kv_args)
 
 
 def prefill_parse(backend: str, frames: list[bytes], kind: str) -> Any:
@@ -393,7 +394,7 @@ KILLERS = {
         REAL, MetadataRequest(1, (), 0)
     ),
     # SGW-6: BOOTSTRAP is for a prefill_complete Mooncake prefill only; any other dies of it.
-    "BOOTSTRAP to an early prefill": lambda port: MooncakeBackend(
+    "BOOTSTRAP to an early prefill": lambda port: unverified_mooncake_backend(
         LOOPBACK, port, SESSION_ID, HARNESS_KV
     ).bootstrap_frames(REAL, 1),
 }

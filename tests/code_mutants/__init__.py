@@ -750,6 +750,57 @@ MUTANTS: tuple[CodeMutant, ...] = (
         ),
         "NIXL registrations after a memory release carry the metadata taken at construction",
     ),
+    CodeMutant(
+        "mooncake_factory_skips_the_read_back",
+        "statemachine/sglang/v0_5_23/mooncake.py",
+        (("            _verify_session(reader, session_id, kv_args)\n", "            pass\n"),),
+        (
+            "tests/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
+        ),
+        "MooncakeBackend.factory lets an unregistered buffer or a wrong session through",
+    ),
+    CodeMutant(
+        "mooncake_engine_paths_skip_the_read_back",
+        "statemachine/sglang/v0_5_23/mooncake.py",
+        (("        _verify_session(engine, session_id, kv_args)\n", "        pass\n"),),
+        (
+            "tests/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
+            "tests/test_sglang_decode_surface.py::test_sgw12_mooncake_manager_reads_its_buffers_back_before_any_frame",
+        ),
+        "from_engine and the drop-in manager accept buffers their engine does not serve",
+    ),
+    CodeMutant(
+        "mooncake_read_back_skips_the_last_byte",
+        "statemachine/sglang/v0_5_23/mooncake.py",
+        (
+            (
+                "        for offset in ((0, length - 1) if length > 1 else (0,))\n",
+                "        for offset in (0,)\n",
+            ),
+        ),
+        (
+            "tests/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
+        ),
+        "a buffer registered shorter than kv_args claims passes the read-back",
+    ),
+    CodeMutant(
+        "mooncake_constructor_takes_no_witness",
+        "statemachine/sglang/v0_5_23/mooncake.py",
+        (("        if _witness is not _VERIFIED:\n", "        if False:\n"),),
+        (
+            "tests/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
+        ),
+        "MooncakeBackend(...) builds a registration nobody read back",
+    ),
+    CodeMutant(
+        "nixl_constructor_takes_no_witness",
+        "statemachine/sglang/v0_5_23/nixl.py",
+        (("        if _witness is not _VERIFIED:\n", "        if False:\n"),),
+        (
+            "tests/test_public_path_mistakes.py::test_sgw12_nixl_constructor_is_refused_and_sglangs_decode_completes_after",
+        ),
+        "NixlBackend(...) sends metadata nobody read back, which can end a prefill's bootstrap thread",
+    ),
 )
 
 BY_NAME = {m.name: m for m in MUTANTS}

@@ -7,15 +7,25 @@ BOOTSTRAP, SGW-7 ABORT, SGW-8/SGW-9 what comes back). The builders follow
 and ``TransferInfo.from_zmq`` (``mooncake/conn.py:119-229``) on a bootstrap thread that dies on
 the first exception, so every input is checked here, at construction or per call, and refused
 with :class:`~statemachine.validation.InvalidArgument`.
+
+A registration naming memory the decode's engine does not serve (a buffer not registered with
+it, or a session id that is not its own) survives the prefill's parser but fails every transfer
+to this decode, reported as the prefill's failure. The public ways to make a backend
+(:meth:`MooncakeBackend.from_engine`, :meth:`~MooncakeBackend.from_engine_session`,
+:meth:`~MooncakeBackend.factory`) therefore read one byte at each end of every claimed buffer
+through the claimed session first (SGW-12); the constructor takes a witness only they (and
+:func:`unverified_mooncake_backend`, for tests whose engine is a stand-in) hold.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from statemachine.completion import PrefillEvent
-from statemachine.errors import InvalidArgument
+from statemachine.errors import ConfigurationError, InvalidArgument
 from statemachine.pool import RankInfo
 from statemachine.sglang.v0_5_23.control import (
     abort_message,
@@ -34,6 +44,16 @@ REGISTRATION_FRAMES = 20
 #: Mooncake's register_memory result for memory an earlier registration already covers.
 _ALREADY_REGISTERED = -7
 METADATA_FRAMES = 10
+
+
+class _Verified:
+    """The type of :data:`_VERIFIED`: the constructor's witness that its inputs were read back
+    through the engine (or that the caller said, by name, that its engine is a stand-in)."""
+
+    __slots__ = ()
+
+
+_VERIFIED: Final = _Verified()
 
 
 def check_session_id(session_id: object) -> bytes:
@@ -65,8 +85,21 @@ class MooncakeBackend:
     __slots__ = ("_endpoint", "_prefix", "_registration", "kv_args", "session_id")
 
     def __init__(
-        self, decode_ip: str, decode_port: int, session_id: str, kv_args: DecodeKVArgs
+        self,
+        decode_ip: str,
+        decode_port: int,
+        session_id: str,
+        kv_args: DecodeKVArgs,
+        *,
+        _witness: object = None,
     ) -> None:
+        if _witness is not _VERIFIED:
+            raise InvalidArgument(
+                "MooncakeBackend(...) is not a public constructor: it cannot tell whether the "
+                "session serves the buffers kv_args names. Use MooncakeBackend.from_engine(engine, "
+                "host, kv_args), from_engine_session(engine, session_id, kv_args) or "
+                "factory(session_id, kv_args), which read them back through the session first"
+            )
         if not isinstance(kv_args, DecodeKVArgs):
             raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
         self._endpoint = decode_endpoint(decode_ip, decode_port)
@@ -79,15 +112,28 @@ class MooncakeBackend:
 
     @classmethod
     def factory(
-        cls, session_id: str, kv_args: DecodeKVArgs
+        cls, session_id: str, kv_args: DecodeKVArgs, *, protocol: str = "tcp", device: str = ""
     ) -> Callable[[str, int], MooncakeBackend]:
         """A ``backend_factory`` for :class:`~statemachine.decode.manager.DecodeManager`, which
-        calls it with its ack listener's ip and port (the decode's own PULL endpoint)."""
+        calls it with its ack listener's ip and port (the decode's own PULL endpoint).
 
-        def build(ip: str, port: int) -> MooncakeBackend:
-            return cls(ip, port, session_id, kv_args)
-
-        return build
+        Every buffer ``kv_args`` names is read back first through ``session_id`` as a prefill
+        would reach it: a Mooncake engine of this call's own (on the session's host, with
+        ``protocol`` and ``device``: the ones the decode's engine uses) reads one byte at each
+        end of every KV and state buffer and the first byte of every aux buffer. A buffer the
+        session's engine does not serve, or a session that is not the decode's engine, is
+        refused here; a prefill would otherwise fail every transfer to this decode. Costs one
+        engine's start and stop, once per decode process (``docs/sglang-interop.md``); needs
+        Mooncake installed. :meth:`from_engine` reads through the decode's engine itself."""
+        session = check_session_id(session_id)
+        _check_kv_args(kv_args)
+        host = session.rpartition(b":")[0].decode("ascii")
+        reader = _reading_engine(host, protocol, device)
+        try:
+            _verify_session(reader, session_id, kv_args)
+        finally:
+            del reader  # the engine's own threads stop here, not at the next collection
+        return cls._builder(session_id, kv_args)
 
     @classmethod
     def from_engine(
@@ -99,15 +145,18 @@ class MooncakeBackend:
         registered with this engine here unless it already is. Aux buffers carry no length in
         ``kv_args``, so they must be registered already. A write into memory the engine does not
         know fails on the prefill, which then reports the room Failed and refuses this session
-        for later rooms, so all of it is checked before anything is sent."""
-        if not isinstance(kv_args, DecodeKVArgs):
-            raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
+        for later rooms, so all of it is read back through the session (the engine reading
+        from itself, as :meth:`factory` does with an engine of its own) before anything is
+        sent."""
+        _check_kv_args(kv_args)
         port = engine.get_rpc_port()
         if type(port) is not int or not 0 < port <= 65535:
             raise InvalidArgument(
                 f"the Mooncake engine reports rpc port {port!r}: call engine.initialize(host, "
                 "'P2PHANDSHAKE', protocol, device) first (it returns 0 once the engine runs)"
             )
+        session_id = f"{host}:{port}"
+        check_session_id(session_id)
         regions = [
             (f"kv_data_ptrs[{i}]", ptr, length)
             for i, (ptr, length) in enumerate(
@@ -140,7 +189,33 @@ class MooncakeBackend:
                     f"aux_data_ptrs[{i}] ({ptr:#x}) is not registered with this Mooncake engine: "
                     "register each aux buffer first with engine.register_memory(ptr, nbytes)"
                 )
-        return cls.factory(f"{host}:{port}", kv_args)
+        return cls.from_engine_session(engine, session_id, kv_args)
+
+    @classmethod
+    def from_engine_session(
+        cls, engine: Any, session_id: str, kv_args: DecodeKVArgs
+    ) -> Callable[[str, int], MooncakeBackend]:
+        """A ``backend_factory`` from the decode's Mooncake engine (a
+        ``mooncake.engine.TransferEngine``) and the session id a prefill reaches it by, for a
+        caller that registered every buffer itself and holds the id already (SGLang's
+        ``MooncakeTransferEngine.get_session_id()``; the drop-in manager's path). Registers
+        nothing: the engine reads every buffer back through ``session_id``, as
+        :meth:`from_engine` does, before anything is sent."""
+        check_session_id(session_id)
+        _check_kv_args(kv_args)
+        _verify_session(engine, session_id, kv_args)
+        return cls._builder(session_id, kv_args)
+
+    @classmethod
+    def _builder(
+        cls, session_id: str, kv_args: DecodeKVArgs
+    ) -> Callable[[str, int], MooncakeBackend]:
+        """The factory proper, once the caller's inputs were verified."""
+
+        def build(ip: str, port: int) -> MooncakeBackend:
+            return cls(ip, port, session_id, kv_args, _witness=_VERIFIED)
+
+        return build
 
     def _build_registration(self) -> list[bytes]:
         args = self.kv_args
@@ -212,3 +287,122 @@ class MooncakeBackend:
     def decode_message(self, frames: Sequence[bytes]) -> PrefillEvent | None:
         """Mooncake statuses are untagged ``[room, status, prefill rank]`` (SGW-8)."""
         return decode_prefill_message(frames, None)
+
+
+def _check_kv_args(kv_args: object) -> None:
+    if not isinstance(kv_args, DecodeKVArgs):
+        raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
+
+
+def _probes(kv_args: DecodeKVArgs) -> list[tuple[str, int, int]]:
+    """(what, pointer, offset) of the bytes to read back: both ends of every KV and state
+    buffer whose length is known, the first byte of the others (aux buffers carry no length
+    in kv_args).
+    Mooncake serves a read only inside one registered buffer, so a buffer registered shorter
+    than claimed fails its last byte."""
+    buffers = [
+        (f"kv_data_ptrs[{i}]", ptr, length)
+        for i, (ptr, length) in enumerate(
+            zip(
+                kv_args.kv_data_ptrs,
+                [*kv_args.kv_data_lens, *[1] * len(kv_args.kv_data_ptrs)],
+                strict=False,
+            )
+        )
+    ]
+    buffers += [(f"aux_data_ptrs[{i}]", ptr, 1) for i, ptr in enumerate(kv_args.aux_data_ptrs)]
+    for t, (ptrs, lens) in enumerate(
+        zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=False)
+    ):
+        buffers += [
+            (f"state_data_ptrs[{t}][{i}]", ptr, length)
+            for i, (ptr, length) in enumerate(zip(ptrs, lens, strict=False))
+        ]
+    return [
+        (what, ptr, offset)
+        for what, ptr, length in buffers
+        for offset in ((0, length - 1) if length > 1 else (0,))
+    ]
+
+
+def _reading_engine(host: str, protocol: str, device: str) -> Any:
+    """A Mooncake engine of :meth:`MooncakeBackend.factory`'s own, to read the session with."""
+    try:
+        transfer_engine = importlib.import_module("mooncake.engine").TransferEngine
+    except ImportError as exc:
+        raise ConfigurationError(
+            "MooncakeBackend.factory reads the buffers back through the session with a Mooncake "
+            "engine of its own, and Mooncake is not installed: install it (as for SGLang's "
+            "Mooncake backend), or use MooncakeBackend.from_engine(engine, host, kv_args)"
+        ) from exc
+    engine = transfer_engine()
+    rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+    if rc != 0:
+        raise InvalidArgument(
+            f"a Mooncake engine on {host!r} with protocol {protocol!r} and device {device!r} "
+            f"could not start (initialize returned {rc}) to read the session back: the session "
+            "id's host must be an address of this machine (the decode's engine runs here), and "
+            "factory(..., protocol=..., device=...) the ones the decode's engine uses"
+        )
+    return engine
+
+
+def _verify_session(engine: Any, session_id: str, kv_args: DecodeKVArgs) -> None:
+    """Read every probe of ``kv_args`` through ``session_id`` with ``engine`` into a scratch
+    byte of its own; refuse what fails. A read is served only by the session's engine, from
+    memory registered with it; nothing is written anywhere but the scratch byte."""
+    scratch = ctypes.create_string_buffer(1)
+    local = ctypes.addressof(scratch)
+    rc = engine.register_memory(local, 1)
+    if rc != 0:
+        raise ConfigurationError(
+            f"the Mooncake engine refused a one-byte scratch buffer (register_memory returned "
+            f"{rc}): it cannot read the session back"
+        )
+    try:
+        probes = _probes(kv_args)
+        failed = [
+            (what, ptr, offset)
+            for what, ptr, offset in probes
+            if engine.transfer_sync_read(session_id, local, ptr + offset, 1) != 0
+        ]
+    finally:
+        engine.unregister_memory(local)
+    if not failed:
+        return
+    if len(failed) == len(probes):
+        raise InvalidArgument(
+            f"no buffer kv_args names could be read through Mooncake session {session_id!r}: "
+            "pass the decode's own engine's session, f\"{host}:{engine.get_rpc_port()}\" with "
+            "the host it was initialized with, after registering every buffer with it"
+        )
+    what, ptr, offset = failed[0]
+    others = sorted({w for w, _, _ in failed} - {what})
+    also = f" (also: {', '.join(others)})" if others else ""
+    where = "its last byte" if offset else "its first byte"
+    raise InvalidArgument(
+        f"{what} ({ptr:#x}) is not registered with the Mooncake engine of session "
+        f"{session_id!r} ({where} could not be read back){also}: a prefill's writes there "
+        "would fail. Register every buffer first with engine.register_memory(ptr, nbytes), "
+        "at its full length (unregister a shorter registration first: Mooncake keeps it)"
+    )
+
+
+def unverified_mooncake_backend(
+    decode_ip: str, decode_port: int, session_id: str, kv_args: DecodeKVArgs
+) -> MooncakeBackend:
+    """A :class:`MooncakeBackend` whose session nobody read back (the form of its inputs is
+    checked): for tests and benchmarks with no Mooncake engine behind the session (a wire
+    test comparing frames, a benchmark of the bootstrap path against sinks), never for a
+    decode that talks to a prefill. Not exported from :mod:`statemachine.sglang.v0_5_23`."""
+    return MooncakeBackend(decode_ip, decode_port, session_id, kv_args, _witness=_VERIFIED)
+
+
+def unverified_mooncake_factory(
+    session_id: str, kv_args: DecodeKVArgs
+) -> Callable[[str, int], MooncakeBackend]:
+    """A ``backend_factory`` of :func:`unverified_mooncake_backend`: the same use, the same
+    warning."""
+    check_session_id(session_id)
+    _check_kv_args(kv_args)
+    return MooncakeBackend._builder(session_id, kv_args)

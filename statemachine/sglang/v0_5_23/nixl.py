@@ -7,6 +7,10 @@ BOOTSTRAP, SGW-7 ABORT, SGW-8/SGW-9 what comes back). The builders follow
 frame: NIXL's prefill bootstrap thread asserts it (``nixl/conn.py:3379-3382``), strips it, and
 parses the rest with ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq``
 (``nixl/conn.py:302-456``); an exception there ends the thread, so inputs are checked here.
+An agent name or metadata that does not describe the buffers ``kv_args`` names ends it too
+(``NIXL_ERR_NOT_FOUND``), so the public ways to make a backend (:meth:`NixlBackend.from_agent`,
+:meth:`NixlBackend.factory`) read them back first (SGW-12); the constructor takes a witness
+only they (and :func:`unverified_nixl_backend`, for tests whose agent is a stand-in) hold.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import importlib
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from statemachine.completion import PrefillEvent
 from statemachine.errors import ConfigurationError, InvalidArgument, TopologyMismatch
@@ -52,6 +56,16 @@ METADATA_FRAMES = 11
 _DUMMY = {False: b"0", True: b"1"}
 
 
+class _Verified:
+    """The type of :data:`_VERIFIED`: the constructor's witness that its agent name and
+    metadata were read back (or that the caller said, by name, that its agent is a stand-in)."""
+
+    __slots__ = ()
+
+
+_VERIFIED: Final = _Verified()
+
+
 class NixlBackend:
     """The decode side of SGLang 0.5.23's NIXL transfer backend.
 
@@ -73,7 +87,16 @@ class NixlBackend:
         agent_name: str,
         agent_metadata: bytes,
         kv_args: DecodeKVArgs,
+        *,
+        _witness: object = None,
     ) -> None:
+        if _witness is not _VERIFIED:
+            raise InvalidArgument(
+                "NixlBackend(...) is not a public constructor: it cannot tell whether the agent's "
+                "metadata describes the buffers kv_args names, and a prefill's bootstrap thread "
+                "ends on one that does not. Use NixlBackend.from_agent(agent, kv_args) or "
+                "NixlBackend.factory(agent_name, agent_metadata, kv_args), which read them back"
+            )
         if not isinstance(kv_args, DecodeKVArgs):
             raise InvalidArgument(f"kv_args must be a DecodeKVArgs, got {type(kv_args).__name__}")
         if not isinstance(agent_metadata, bytes):
@@ -150,7 +173,7 @@ class NixlBackend:
         """The factory proper, once the caller's inputs were checked."""
 
         def build(ip: str, port: int) -> NixlBackend:
-            return cls(ip, port, agent_name, agent_metadata, kv_args)
+            return cls(ip, port, agent_name, agent_metadata, kv_args, _witness=_VERIFIED)
 
         return build
 
@@ -261,6 +284,18 @@ class NixlBackend:
     def decode_message(self, frames: Sequence[bytes]) -> PrefillEvent | None:
         """NIXL statuses are ``[KV_STATUS, room, status, prefill rank, reason]`` (SGW-8)."""
         return decode_prefill_message(frames, KV_STATUS_TAG)
+
+
+def unverified_nixl_backend(
+    decode_ip: str, decode_port: int, agent_name: str, agent_metadata: bytes, kv_args: DecodeKVArgs
+) -> NixlBackend:
+    """A :class:`NixlBackend` whose metadata nobody read back (the form of its inputs is
+    checked): for tests with no NIXL agent behind the name (a wire test comparing frames),
+    never for a decode that talks to a prefill (metadata that does not describe the buffers
+    ends a NIXL prefill's bootstrap thread). Not exported from the package."""
+    return NixlBackend(
+        decode_ip, decode_port, agent_name, agent_metadata, kv_args, _witness=_VERIFIED
+    )
 
 
 def _regions(kv_args: DecodeKVArgs) -> list[tuple[str, int, int, str]]:

@@ -97,7 +97,12 @@ class MooncakeKVManager(DecodeKVManagerBase):
         return str(self.engine.get_session_id())
 
     def _backend_factory(self) -> Callable[[str, int], KVBackend]:
-        return MooncakeBackend.factory(self.get_session_id(), self.decode_kv_args)
+        """Verified as :meth:`MooncakeBackend.from_engine` verifies: SGLang's engine (its
+        ``mooncake.engine.TransferEngine``, the wrapper's ``engine``) reads every buffer back
+        through its own session before a registration is built."""
+        return MooncakeBackend.from_engine_session(
+            self.engine.engine, self.get_session_id(), self.decode_kv_args
+        )
 
     def _register_buffers(self) -> None:
         regions = _regions(self.kv_args)
