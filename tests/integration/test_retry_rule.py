@@ -74,7 +74,7 @@ def test_on_etcd_a_request_after_a_crash_is_retryable_until_the_new_registration
     assert isinstance(source, EtcdBootstrapSource)
     key = PoolKey(addr, 0, 0, 0)
     try:
-        old = launch(etcd, ttl=30)  # the store lists it long after the kill
+        old = launch(etcd, cluster, ttl=30)  # the store lists it long after the kill
         assert wait_until(lambda: visible(source, addr) == old.expected(), BOUND)
         assert run(manager, addr, 1).state == life.DONE
         _kill_and_wait_for_the_verdict(manager, [r.port for r in old.ranks], old.kill, key)

@@ -37,7 +37,7 @@ def test_a_raising_on_change_does_not_stop_the_fan_out(
     the killed rank are still failed (RankDead) by the same fan-out, the error is counted
     once per raise and logged once. Before: 0 of the 9 others were failed by the fan-out."""
     with manager_for(waiting_timeout_s=300.0) as manager:
-        receivers = in_flight_waiting(manager, range(1, 11))
+        receivers = in_flight_waiting(manager, slow_prefill, range(1, 11))
         broken, others = receivers[0], receivers[1:]
         woken = WakeCounter(others)
         broken.on_change = _raise
@@ -66,7 +66,7 @@ def test_another_requests_send_never_raises_the_callbacks_error(slow_prefill: Pr
     transport = UnmonitoredTransport(send_timeout_ms=300)
     try:
         with manager_for(transport=transport, waiting_timeout_s=300.0) as manager:
-            victims = in_flight_waiting(manager, range(1, 5))
+            victims = in_flight_waiting(manager, slow_prefill, range(1, 5))
             for victim in victims:
                 victim.on_change = _raise
             slow_prefill.ranks[1].kill()
