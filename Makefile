@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@echo "installed into $(VENV)."
 
-# SGLang's wheel is cp311 only; elsewhere the interop tests skip (tests/sglang_support.py says
+# SGLang's wheel is cp311 only; elsewhere the interop tests skip (tests/support/sglang_support.py says
 # why) and this target only says so. PIP_CONSTRAINT replaces any constraint file pip's global
 # config names (this machine has /etc/xdg/pip), so the install resolves the same everywhere.
 # --no-compile: the wheel holds ~6,400 files and the tests import a few hundred of them; byte-
@@ -134,7 +134,7 @@ typecheck: $(STAMP)
 pytest: $(STAMP) $(SGLANG_STAMP) $(ENGINES_STAMP) $(TORCH_STAMP) netns-tools
 	$(PY) -m pytest
 
-# The network-namespace tests and benchmark (tests/netns_support.py) need `ip` (iproute2) and
+# The network-namespace tests and benchmark (tests/support/netns_support.py) need `ip` (iproute2) and
 # `nft` (nftables: this machine kind's kernel has no netem qdisc, but nftables' hooks). As root
 # with apt-get, what is missing is installed; otherwise those tests skip and say why.
 netns-tools:
@@ -182,7 +182,7 @@ bench: $(STAMP) netns-tools
 # TLC is not installable from the registries CI reaches; run it where a user has the jar
 # (TLA2TOOLS_JAR=/path/to/tla2tools.jar make tlc): every cfg, MCLarge included, and every spec
 # mutation, compared with the mirror. Without the variable it says TLC was skipped. `make test`
-# runs the same comparison without MCLarge (tests/test_model_tlc.py) when the variable is set.
+# runs the same comparison without MCLarge (tests/model/test_model_tlc.py) when the variable is set.
 tlc: $(STAMP)
 	$(PY) -m statemachine.model.tlc
 

@@ -8,8 +8,8 @@ thread, with ``time.thread_time()`` around the queue calls; the classes' own bac
 counted, on either side.
 
 Both sides run SGLang's ``DecodePreallocQueue`` and ``DecodeTransferQueue`` of the 0.5.23
-wheel, built by their own constructors as ``tests/test_sglang_decode_queues.py`` builds them
-(``tests/sglang_decode_support.py``: stand-ins only for the GPU pools, the scheduler and a
+wheel, built by their own constructors as ``tests/sglang/test_sglang_decode_queues.py`` builds them
+(``tests/support/sglang_decode_support.py``: stand-ins only for the GPU pools, the scheduler and a
 one-rank group; SGLang's shared Mooncake engine is a stand-in too, so no byte moves: a transfer
 engine's work is on its own threads, not the scheduler's). One decode's queues get their
 classes through ``get_kv_class`` with ``statemachine.sglang.v0_5_23.decode_worker.install()``
@@ -62,7 +62,7 @@ from typing import Any
 
 import zmq
 
-_TESTS = Path(__file__).resolve().parent.parent / "tests"
+_REPO = Path(__file__).resolve().parent.parent  # the repository: tests.support, tests.real_prefill
 
 ROUNDS = 11
 BATCH = 32  # requests per timed batch, all in flight at once
@@ -86,8 +86,8 @@ SUCCESS = 4  # KVPoll.Success, the same value in SGLang and this library
 
 def sglang_unavailable() -> str | None:
     """Why SGLang's wheel cannot run here (not installed, another version, not Python 3.11)."""
-    sys.path.insert(0, str(_TESTS))
-    support = importlib.import_module("sglang_support")
+    sys.path.insert(0, str(_REPO))
+    support = importlib.import_module("tests.support.sglang_support")
     reason: str | None = support.sglang_unavailable()
     return reason
 
@@ -213,9 +213,9 @@ def run_batch(decode: Decode, prefill: Prefill, support: Any) -> None:
 
 @contextmanager
 def decodes(stack: ExitStack) -> Iterator[tuple[Prefill, list[Decode]]]:
-    sys.path.insert(0, str(_TESTS))
-    support = importlib.import_module("sglang_decode_support")
-    sglang_support = importlib.import_module("sglang_support")
+    sys.path.insert(0, str(_REPO))
+    support = importlib.import_module("tests.support.sglang_decode_support")
+    sglang_support = importlib.import_module("tests.support.sglang_support")
     decode_worker = importlib.import_module("statemachine.sglang.v0_5_23.decode_worker")
     sglang_support.import_sglang()
     prefill = Prefill(stack, sglang_support)
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("sglang").setLevel(logging.ERROR)
     with ExitStack() as stack:
         prefill, built = stack.enter_context(decodes(stack))
-        support = importlib.import_module("sglang_decode_support")
+        support = importlib.import_module("tests.support.sglang_decode_support")
         for decode in built:  # the first request of each: topology fetch and registration
             run_batch(decode, prefill, support)
             decode.seconds.clear()

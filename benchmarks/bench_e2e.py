@@ -56,25 +56,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_TESTS = Path(__file__).resolve().parent.parent / "tests"
+_REPO = Path(__file__).resolve().parent.parent  # the repository: tests.support, tests.real_prefill
 SIZES = (1, 8, 64)
 SUCCESS, FAILED = 4, 0  # KVPoll values, the same in SGLang and this library
 
 
 @contextmanager
 def _tests_on_path() -> Iterator[None]:
-    sys.path.insert(0, str(_TESTS))
+    sys.path.insert(0, str(_REPO))
     try:
         yield
     finally:
-        sys.path.remove(str(_TESTS))
+        sys.path.remove(str(_REPO))
 
 
 def unavailable(backend: str) -> str | None:
     """Why the benchmark cannot run ``backend`` here, or None."""
     with _tests_on_path():
-        from real_prefill.engines import engine_unavailable
-        from sglang_support import sglang_unavailable
+        from tests.real_prefill.engines import engine_unavailable
+        from tests.support.sglang_support import sglang_unavailable
 
         return sglang_unavailable() or engine_unavailable(backend)
 
@@ -141,9 +141,9 @@ class Bench:
 
     def __init__(self, backend: str, batch: int) -> None:
         with _tests_on_path():
-            from real_prefill.harness import Layout, LibraryDecode, RealPrefill
-            from real_prefill.pattern import Geometry
-            from real_prefill.sglang_decode import SGLangDecode
+            from tests.real_prefill.harness import Layout, LibraryDecode, RealPrefill
+            from tests.real_prefill.pattern import Geometry
+            from tests.real_prefill.sglang_decode import SGLangDecode
 
         self.backend, self.batch = backend, batch
         slots = batch * max(SIZES)
@@ -168,7 +168,7 @@ class Bench:
         import numpy as np
 
         with _tests_on_path():
-            from real_prefill import engines
+            from tests.real_prefill import engines
 
         g = self.layout.side(1)
         self.floor_engine, _ = engines.mooncake_engine()

@@ -8,7 +8,8 @@ same run: the same source process against a healthy stand-in gateway.
    refused (or, without a cap, read), against the same process that listed a small reply.
 
 The source runs in a child process (its CPU and RSS are its own); the stand-in gateway is the
-test suite's (``tests/etcd_gateway_support.py``), so the benchmark measures what the tests check.
+test suite's (``tests/support/etcd_gateway_support.py``), so the benchmark measures what the tests
+check.
 
     .venv/bin/python -m benchmarks bench_etcd_hostile [--seconds 3] [--reply-mb 150]
 """
@@ -25,9 +26,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 
-from etcd_gateway_support import FakeGateway, created, hold_open, line, range_reply
+from tests.support.etcd_gateway_support import FakeGateway, created, hold_open, line, range_reply
 
 PREFIX = "/bench/ranks"
 

@@ -52,7 +52,7 @@ from statemachine.prefill.readiness import read_ready
 from statemachine.prefill.registration import register_rank
 from statemachine.wire.http import route_payload
 
-_TESTS = Path(__file__).resolve().parent.parent / "tests"
+_REPO = Path(__file__).resolve().parent.parent  # the repository: tests.support, tests.real_prefill
 TOKEN = "bench-fleet"
 HOST = "127.0.0.1"
 RANK = {"dp_rank": 0, "cp_rank": 0, "tp_rank": 0, "pp_rank": 0}
@@ -147,8 +147,8 @@ def serve(kind: str, soft: int, hard: int | None) -> int:
         stats["rss_mb"] = _rss_mb()
         server.stop()
     else:
-        sys.path.insert(0, str(_TESTS))
-        support = importlib.import_module("sglang_support")
+        sys.path.insert(0, str(_REPO))
+        support = importlib.import_module("tests.support.sglang_support")
         conn = support.import_sglang()
         importlib.import_module("sglang.srt.utils.common").set_ulimit()  # as its launcher does
         port = support.free_port()
@@ -541,9 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = tuple(s for s in settings if s.clients in args.clients)
     seconds, deadline = (1.5, 1.0) if args.smoke else (args.seconds, 5.0)
     kinds = ["ours"]
-    sys.path.insert(0, str(_TESTS))
-    reason = importlib.import_module("sglang_support").sglang_unavailable()
-    sys.path.remove(str(_TESTS))
+    sys.path.insert(0, str(_REPO))
+    reason = importlib.import_module("tests.support.sglang_support").sglang_unavailable()
+    sys.path.remove(str(_REPO))
     if reason is None:
         kinds.append("sglang")
     else:

@@ -14,8 +14,9 @@
    ZMTP handshake and stay silent (issue 17): CPU share, whether it can still open a file,
    and the acks of a live sender delivered; baseline: the same process without the flood.
 
-Loopback only. The attack and trickle tools are the test suite's (``tests/attack_support.py``,
-``tests/http_support.py``), imported from the tests directory so that the benchmark measures
+Loopback only. The attack and trickle tools are the test suite's
+(``tests/support/attack_support.py``,
+``tests/support/http_support.py``), imported from the tests directory so that the benchmark measures
 exactly what the tests check.
 """
 
@@ -30,11 +31,7 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from ack_flood_support import ListenerProcess, SilentHandshakes
-from attack_support import AttackProcess, ServerProcess, rss_after_one_message
-from http_support import TrickleServer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 
 from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
@@ -44,6 +41,9 @@ from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.prefill.registration import register_rank
 from statemachine.wire.http import route_payload
 from statemachine.wire.reference import SimpleBackend
+from tests.support.ack_flood_support import ListenerProcess, SilentHandshakes
+from tests.support.attack_support import AttackProcess, ServerProcess, rss_after_one_message
+from tests.support.http_support import TrickleServer
 
 TOKEN = "bench-hostile-token"
 

@@ -2,8 +2,8 @@
 
 The reference prefill (bootstrap server + 2 tp ranks), or with ``--prefill sglang`` SGLang
 0.5.23's bootstrap server and one rank (its statuses through SGLang's own status sockets, a
-stand-in answering for its transfer engine: ``tests/sglang_netns_prefill.py``), runs as
-processes in a network namespace this benchmark creates (``tests/netns_support.py``; needs
+stand-in answering for its transfer engine: ``tests/support/sglang_netns_prefill.py``), runs as
+processes in a network namespace this benchmark creates (``tests/support/netns_support.py``; needs
 root, ``ip`` and ``nft``). A ``DecodeManager`` on the host side issues a request every 20 ms
 through its public API (``receiver`` → ``init`` → ``send_metadata`` → ``poll``), and a fault
 lasts ``--fault-s``:
@@ -59,9 +59,14 @@ from statemachine.decode.plan import RankPlan
 from statemachine.decode.ranks.transport import ZmqTransport
 from statemachine.decode.receiver import BootstrapReceiver
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 
-from netns_support import NetNamespace, NetnsPrefill, SGLangNetnsPrefill, netns_unavailable
+from tests.support.netns_support import (
+    NetNamespace,
+    NetnsPrefill,
+    SGLangNetnsPrefill,
+    netns_unavailable,
+)
 
 #: The reference prefill's two tp ranks; SGLang's (``--prefill sglang``) has one.
 PLANS = {"reference": RankPlan(tp_ranks=(0, 1)), "sglang": RankPlan(tp_ranks=(0,))}
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("reference", "sglang"),
         default="reference",
         help="the reference prefill, or SGLang 0.5.23's bootstrap server and rank answering "
-        "each transfer through SGLang's own status sockets (tests/sglang_netns_prefill.py)",
+        "each transfer through SGLang's own status sockets (tests/support/sglang_netns_prefill.py)",
     )
     parser.add_argument(
         "--no-in-flight", action="store_true", help="skip the statuses-in-flight table"

@@ -2,7 +2,8 @@
 
 SGLang's side is the real release wheel (``sglang==0.5.23`` in ``.venv``, installed by
 ``make .venv/.sglang``) imported on CPU with the stand-ins the interop tests use
-(``tests/sglang_support.py``, ``tests/sglang_stubs``): a decode-mode ``CommonKVManager`` with
+(``tests/support/sglang_support.py``, ``tests/sglang_stubs``): a decode-mode ``CommonKVManager``
+with
 Mooncake's frame builders and Mooncake's deferred KV release (as ``mooncake/conn.py`` has them),
 and its ``MooncakeKVReceiver``. Ours is a :class:`DecodeManager` speaking SGLang's Mooncake wire
 (:class:`~statemachine.sglang.v0_5_23.MooncakeBackend`, built with
@@ -70,7 +71,7 @@ from statemachine.sglang.v0_5_23 import DecodeKVArgs
 from statemachine.sglang.v0_5_23.mooncake import unverified_mooncake_factory
 from statemachine.wire.http import route_payload
 
-_TESTS = Path(__file__).resolve().parent.parent / "tests"
+_REPO = Path(__file__).resolve().parent.parent  # the repository: tests.support, tests.real_prefill
 
 ROUNDS = 11
 #: requests per timed batch: in flight at once, and below the PUSH sockets' HWM of 1000
@@ -127,11 +128,11 @@ def prefills() -> Iterator[dict[int, str]]:
 
 def sglang_unavailable() -> str | None:
     """Why SGLang's wheel cannot run here (not installed, another version, not Python 3.11)."""
-    sys.path.insert(0, str(_TESTS))
+    sys.path.insert(0, str(_REPO))
     try:
-        support = importlib.import_module("sglang_support")
+        support = importlib.import_module("tests.support.sglang_support")
     finally:
-        sys.path.remove(str(_TESTS))
+        sys.path.remove(str(_REPO))
     reason: str | None = support.sglang_unavailable()
     return reason
 
@@ -140,8 +141,8 @@ class SGLangDecode:
     """SGLang 0.5.23's decode manager (Mooncake's builders, as the interop tests build it)."""
 
     def __init__(self, stack: ExitStack, addrs: dict[int, str]) -> None:
-        sys.path.insert(0, str(_TESTS))
-        support = importlib.import_module("sglang_support")
+        sys.path.insert(0, str(_REPO))
+        support = importlib.import_module("tests.support.sglang_support")
         conn = support.import_sglang()
         mooncake = importlib.import_module("sglang.srt.disaggregation.mooncake.conn")
         self.KVPoll = importlib.import_module("sglang.srt.disaggregation.base.conn").KVPoll

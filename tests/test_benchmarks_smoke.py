@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from netns_support import netns_unavailable
-from real_prefill.engines import engine_unavailable
-from sglang_support import sglang_unavailable
 
 from statemachine.discovery.local_server import find_etcd_binary
+from tests.real_prefill.engines import engine_unavailable
+from tests.support.netns_support import netns_unavailable
+from tests.support.sglang_support import sglang_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -190,7 +190,8 @@ def _masked(text: str) -> list[str]:
 
 EXAMPLE_PAGES = [p for p in PAGES if any(b.lang in RUN and not b.skip for b in blocks(p))]
 #: Pages whose examples run SGLang 0.5.23's own code: its wheel is imported on CPU with the test
-#: stubs first (tests/sglang_support.py), and the page skips, saying why, where it cannot run.
+#: stubs first (tests/support/sglang_support.py), and the page skips, saying why, where it cannot
+#: run.
 NEEDS_SGLANG = {"sglang-decode.md"}
 MARKED = [b for p in PAGES for b in blocks(p) if b.lang in RUN and b.skip]
 
@@ -198,7 +199,7 @@ MARKED = [b for p in PAGES for b in blocks(p) if b.lang in RUN and b.skip]
 @pytest.mark.parametrize("page", EXAMPLE_PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_examples_run_as_printed(page: Path) -> None:
     if page.name in NEEDS_SGLANG:
-        from sglang_support import import_sglang
+        from tests.support.sglang_support import import_sglang
 
         import_sglang()
     terminal = Page()

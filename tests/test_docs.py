@@ -89,7 +89,7 @@ def test_every_sglang_interop_test_file_is_listed() -> None:
     page = (REPO / "docs" / "sglang-interop.md").read_text()
     interop = [
         path.relative_to(REPO).as_posix()
-        for path in sorted((REPO / "tests").glob("test_*.py"))
+        for path in sorted((REPO / "tests").rglob("test_*.py"))
         if path.name != Path(__file__).name  # this test names the markers too
         and re.search(r"\b(requires_sglang|import_sglang)\b", path.read_text())
     ]

@@ -5,7 +5,7 @@ exact text rewrite of the spec (applied to a temporary copy, never to ``TLA/``) 
 the same change in the mirror (``BootstrapCache(constants, mutation=name)``), the CI config
 it runs on, and the property it must violate there. ``make tlc`` runs the mutated text
 through TLC and the flagged mirror on the same cfg and requires the same verdicts and the
-same distinct-state counts; ``tests/test_model_mutations.py`` checks the mirror side in CI,
+same distinct-state counts; ``tests/model/test_model_mutations.py`` checks the mirror side in CI,
 and that every rewrite still applies (a refactor of the spec that silently disarms a mutation
 fails there).
 """

@@ -9,7 +9,7 @@ This module is the application: the server's lifecycle, its accept loop, the mid
 routes. What the routes store and how a body is checked is the registry's
 (:mod:`statemachine.prefill.registry`): bad input never crashes a handler, every body and
 parameter is checked and rejected with a 4xx (HTTP-60..66); the generated-junk tests in
-``tests/test_server.py`` hold this. How each connection is watched is the guard's
+``tests/integration/test_server.py`` hold this. How each connection is watched is the guard's
 (:mod:`statemachine.prefill.guard`, HTTP-70..74). ``pd-bootstrap serve`` is
 :mod:`statemachine.prefill.serve`.
 

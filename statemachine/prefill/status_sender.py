@@ -39,7 +39,7 @@ MAX_PEERS = 1024
 MAX_QUEUED_ACKS = 1024
 #: The project's one bound on silence, as the decode's default sets it
 #: (``statemachine.decode.liveness_bound``; the reference prefill never imports the decode side,
-#: tests/test_prefill_rank.py keeps the two equal).
+#: tests/integration/test_prefill_rank.py keeps the two equal).
 DEFAULT_LIVENESS_TIMEOUT_S = 3.0
 #: One reconnect attempt into a silent path gives up after this long, and the next follows at
 #: most this long later (the decode's ``RECONNECT_ATTEMPT_MS``, kept equal the same way).

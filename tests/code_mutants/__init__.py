@@ -83,7 +83,7 @@ HOLDS = "statemachine/decode/holds.py"
 RETENTION = "statemachine/decode/retention.py"
 ROOMS = "statemachine/decode/rooms.py"
 
-T_MANAGER = "tests/test_manager.py::"
+T_MANAGER = "tests/integration/test_manager.py::"
 T_KILL = T_MANAGER + "test_mgr_1_kill_one_rank_fails_every_request_in_flight_on_it"
 T_SEND = T_MANAGER + "test_mgr_1_a_failed_send_fails_every_request_in_flight_on_that_rank"
 T_VERDICT = T_MANAGER + "test_mgr_1_a_transport_verdict_fails_the_requests_on_that_endpoint"
@@ -93,16 +93,16 @@ T_ACKED = T_MANAGER + "test_mgr_1_a_room_whose_acks_all_arrived_succeeds_despite
 T_ENTRY = T_MANAGER + "test_mgr_2_fail_address_and_fail_generations_entry_points"
 T_FLIGHT64 = T_MANAGER + "test_mgr_3_64_racing_misses_make_one_fetch"
 T_FLIGHT_FAIL = T_MANAGER + "test_mgr_3_a_failed_fetch_fails_every_follower_with_its_reason"
-T_PLAN = "tests/test_plan.py::"
+T_PLAN = "tests/integration/test_plan.py::"
 T_PLAN_TABLE = T_PLAN + "test_plan_3_to_5_tp_rule_matches_the_worked_table"
 T_PLAN_RANK1 = T_PLAN + "test_plan_5_decode_rank_1_of_a_smaller_tp_pulls_its_own_prefill_ranks"
-T_FAULTS = "tests/test_transport_faults.py::"
+T_FAULTS = "tests/integration/test_transport_faults.py::"
 T_HOLD = T_FAULTS + "test_zmq20_a_remembered_verdict_expires_after_down_hold_ms"
-T_LIVE = "tests/test_liveness.py::"
-T_ETCD = "tests/test_etcd_receiver.py::"
+T_LIVE = "tests/unit/test_liveness.py::"
+T_ETCD = "tests/integration/test_etcd_receiver.py::"
 T_MARK = T_ETCD + "test_a_watch_event_marks_a_held_generation_no_longer_in_the_pool"
 T_LISTEN = T_ETCD + "test_a_watch_event_fails_a_transfer_on_a_generation_no_longer_in_the_pool"
-T_FAST = "tests/test_health_fast_path.py::"
+T_FAST = "tests/integration/test_health_fast_path.py::"
 
 MUTANTS: tuple[CodeMutant, ...] = (
     # --- manager: failure fan-out -------------------------------------------------------------
@@ -136,7 +136,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
             ),
         ),
         (
-            "tests/test_complete_before_death.py::"
+            "tests/integration/test_complete_before_death.py::"
             "test_mgr_14_a_transfer_complete_before_its_prefill_died_stays_success",
         ),
         "poll weighs the fan-out's evidence before the responses: a transfer whose every status"
@@ -310,7 +310,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         (
             T_FLIGHT64,
             T_FLIGHT_FAIL,
-            "tests/test_receiver.py::test_restart_on_new_ports_fails_fast_invalidates_and_next_request_refetches",
+            "tests/integration/test_receiver.py::test_restart_on_new_ports_fails_fast_invalidates_and_next_request_refetches",
         ),
         "a finished flight stays registered: later misses follow it and adopt its old result",
     ),
@@ -398,7 +398,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         SOCKETS,
         (("            socket.setsockopt(zmq.IMMEDIATE, 1)\n", "            pass\n"),),
         (
-            "tests/test_transport.py::test_zmq2_immediate_first_send_to_dead_endpoint_fails_and_evicts",
+            "tests/integration/test_transport.py::test_zmq2_immediate_first_send_to_dead_endpoint_fails_and_evicts",
         ),
         "sends to a dead rank queue silently (the SGLang stale-port bug)",
     ),
@@ -475,7 +475,9 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "repeat_ack_counts_twice",
         ACKS,
         (("            if event.prefill_rank in pending.ranks:\n", "            if False:\n"),),
-        ("tests/test_transport.py::test_zmq12_callback_fires_once_after_n_distinct_rank_acks",),
+        (
+            "tests/integration/test_transport.py::test_zmq12_callback_fires_once_after_n_distinct_rank_acks",
+        ),
         "a rank acking twice completes a room that needs two distinct ranks",
     ),
     CodeMutant(
@@ -488,7 +490,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
             ),
         ),
         (
-            "tests/test_hostile_acks.py::test_ack2_too_many_frames_cuts_the_sender_and_the_listener_serves_on",
+            "tests/integration/test_hostile_acks.py::test_ack2_too_many_frames_cuts_the_sender_and_the_listener_serves_on",
         ),
         "a sender of a many-frame message is never cut (memory grows with its frames)",
     ),
@@ -498,7 +500,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         (("            elif prefill_rank in responses:\n                return False\n", ""),),
         (
             T_MANAGER + "test_mgr_13_a_repeated_report_counts_once_and_complete_says_so",
-            "tests/test_sglang_receiver.py::test_mgr_13_completion_needs_every_distinct_prefill_rank_and_a_repeat_counts_once",
+            "tests/sglang/test_sglang_receiver.py::test_mgr_13_completion_needs_every_distinct_prefill_rank_and_a_repeat_counts_once",
         ),
         "a repeated Success is taken as new: complete() says True (MGR-13; the count is a set)",
     ),
@@ -564,8 +566,8 @@ MUTANTS: tuple[CodeMutant, ...] = (
             ),
         ),
         (
-            "tests/test_user_callbacks.py::test_a_raising_on_change_does_not_stop_the_fan_out",
-            "tests/test_user_callbacks.py::"
+            "tests/integration/test_user_callbacks.py::test_a_raising_on_change_does_not_stop_the_fan_out",
+            "tests/integration/test_user_callbacks.py::"
             "test_another_requests_send_never_raises_the_callbacks_error",
         ),
         "a raising on_change stops the fan-out and surfaces in another request's send (MGR-18)",
@@ -585,9 +587,9 @@ MUTANTS: tuple[CodeMutant, ...] = (
             ),
         ),
         (
-            "tests/test_retry_rule.py::"
+            "tests/integration/test_retry_rule.py::"
             "test_on_etcd_a_request_after_a_crash_is_retryable_until_the_new_registration",
-            "tests/test_retry_rule.py::test_on_http_the_same_request_fails_the_same_way",
+            "tests/integration/test_retry_rule.py::test_on_http_the_same_request_fails_the_same_way",
         ),
         "a request that meets ranks known dead fails with SendFailed (not retryable) on etcd "
         "where HTTP retries (MGR-19)",
@@ -603,7 +605,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
             ),
         ),
         (
-            "tests/test_kv_release.py::"
+            "tests/integration/test_kv_release.py::"
             "test_mgr_15_a_silence_verdict_is_no_proof_the_room_waits_for_the_timeout",
         ),
         "every dead verdict counts as the rank's exit: a heartbeat expiry of a stopped rank "
@@ -618,7 +620,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
                 "elif any(writer in self._proofs for writer in hold.writers):",
             ),
         ),
-        ("tests/test_kv_release.py::test_mgr_15_one_live_rank_keeps_the_room_held",),
+        ("tests/integration/test_kv_release.py::test_mgr_15_one_live_rank_keeps_the_room_held",),
         "one rank of the room proven gone releases it while another still runs and may write "
         "(the model's ReleaseOnOneRankGone)",
     ),
@@ -628,7 +630,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "statemachine/decode/silent.py",
         (("            silent = self._silent.get(addr)\n", "            silent = None\n"),),
         (
-            "tests/test_liveness_bound.py::"
+            "tests/integration/test_liveness_bound.py::"
             "test_mgr22_a_request_for_an_address_judged_silent_fails_at_once_until_it_answers",
         ),
         "after the probes judged a bootstrap server dead, each request still fetches from it and "
@@ -639,7 +641,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "statemachine/decode/health.py",
         (("        if was_dead and self._on_alive is not None:\n", "        if False:\n"),),
         (
-            "tests/test_health.py::"
+            "tests/integration/test_health.py::"
             "test_health6_a_dead_address_is_rechecked_at_once_and_its_answer_reported",
         ),
         "an answer of a bootstrap server judged dead is not reported (HEALTH-6)",
@@ -648,7 +650,9 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "end_of_silence_by_an_answer_not_reported",
         "statemachine/decode/health.py",
         (("        if was_silent and self._on_heard is not None:\n", "        if False:\n"),),
-        ("tests/test_health.py::test_health7_a_silent_address_that_answers_is_heard_then_alive",),
+        (
+            "tests/integration/test_health.py::test_health7_a_silent_address_that_answers_is_heard_then_alive",
+        ),
         "a silent bootstrap server stays held off after it answers again (HEALTH-7)",
     ),
     CodeMutant(
@@ -661,11 +665,11 @@ MUTANTS: tuple[CodeMutant, ...] = (
             ),
         ),
         (
-            "tests/test_health.py::"
+            "tests/integration/test_health.py::"
             "test_health7_silence_and_its_end_are_reported_refusals_are_not_silence",
-            "tests/test_liveness_bound.py::"
+            "tests/integration/test_liveness_bound.py::"
             "test_mgr22_a_request_for_an_address_judged_silent_fails_at_once_until_it_answers",
-            "tests/test_liveness_bound.py::"
+            "tests/integration/test_liveness_bound.py::"
             "test_mgr22_an_address_that_refuses_connections_is_judged_dead_but_not_held_off",
         ),
         "a bootstrap server whose port refuses is held off until the next recheck: requests sent "
@@ -681,7 +685,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
             ),
         ),
         (
-            "tests/test_health.py::"
+            "tests/integration/test_health.py::"
             "test_health6_a_dead_address_is_rechecked_at_once_and_its_answer_reported",
         ),
         "a server judged dead is probed only every interval_s: its return is seen late (HEALTH-6)",
@@ -691,7 +695,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "bool_is_an_int",
         REGISTRY,
         ((" or (kind is int and isinstance(value, bool)) or ", " or "),),
-        ("tests/test_server.py::test_http63_json_true_is_not_an_integer_field",),
+        ("tests/integration/test_server.py::test_http63_json_true_is_not_an_integer_field",),
         'the server takes "page_size": true as page size 1 and pins it for the address',
     ),
     # --- server: the /health fast path (HTTP-74) -------------------------------------------------
@@ -728,7 +732,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
             ),
         ),
         (
-            "tests/test_sglang_decode_surface.py::test_a_memory_release_leaves_no_room_held_and_the_room_serves_again_after_resume",
+            "tests/sglang/test_sglang_decode_surface.py::test_a_memory_release_leaves_no_room_held_and_the_room_serves_again_after_resume",
         ),
         "SGLang drops its queues at a memory release without clear(): the rooms stay held",
     ),
@@ -737,7 +741,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "statemachine/sglang/v0_5_23/decode_worker/kv_receiver.py",
         (("            live.mark_lost(error)\n", ""),),
         (
-            "tests/test_sglang_decode_surface.py::test_prefill_complete_a_duplicate_room_fails_both_requests_as_sglang_does",
+            "tests/sglang/test_sglang_decode_surface.py::test_prefill_complete_a_duplicate_room_fails_both_requests_as_sglang_does",
         ),
         "under prefill_complete a duplicate room fails only the newcomer, unlike SGLang",
     ),
@@ -746,7 +750,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "statemachine/sglang/v0_5_23/decode_worker/conn.py",
         (("        backend.refresh_agent_metadata(self.agent_metadata())\n", "        pass\n"),),
         (
-            "tests/test_sglang_decode_surface.py::test_nixl_registrations_after_a_resume_carry_the_agents_metadata_of_then",
+            "tests/sglang/test_sglang_decode_surface.py::test_nixl_registrations_after_a_resume_carry_the_agents_metadata_of_then",
         ),
         "NIXL registrations after a memory release carry the metadata taken at construction",
     ),

@@ -1,6 +1,7 @@
 """SGLang 0.5.23's real prefill, in its own processes, moving real KV bytes to a decode.
 
-The harness the end-to-end tests (``tests/test_real_bytes.py``, ``tests/test_real_restart.py``),
+The harness the end-to-end tests (``tests/sglang/test_real_bytes.py``,
+``tests/sglang/test_real_restart.py``),
 ``pd-bootstrap demo --prefill sglang`` and ``benchmarks/bench_e2e.py`` share:
 
 * :class:`~real_prefill.harness.RealPrefill` (``backend``, ``tp_size``, ``layout``,

@@ -16,7 +16,7 @@ sglang|installed`` by :class:`real_prefill.multirank.DecodeRanks`. What is SGLan
 * the requests reaching every rank of a group: ``broadcast_pyobj`` over the tp group
   (request_receiver.py:204-210), or with dp attention ``attn_cp_tp_broadcast_pyobj`` for the
   work and ``broadcast_pyobj`` over the whole tp group for control (request_receiver.py:171-199);
-* the queues, built by their constructors (tests/sglang_decode_support.py), whose
+* the queues, built by their constructors (tests/support/sglang_decode_support.py), whose
   ``_update_handshake_waiters`` (decode.py:1143-1145), ``pop_transferred`` (decode.py:2785-2790,
   2959-2963) and ``resolve_deferred_releases`` (decode.py:3069-3071) reduce over
   ``attn_tp_group.cpu_group`` (decode.py:421, 2545) with ``all_reduce_flags``
@@ -26,7 +26,8 @@ sglang|installed`` by :class:`real_prefill.multirank.DecodeRanks`. What is SGLan
   receivers ``get_kv_class`` hands the prealloc queue: SGLang's, or the library's after
   ``decode_worker.install(["mooncake"])``.
 
-Stand-ins (what a CPU process cannot have), as in tests/sglang_decode_support.py: numpy KV and
+Stand-ins (what a CPU process cannot have), as in tests/support/sglang_decode_support.py: numpy KV
+and
 aux buffers, the scheduler object, and ``pop_preallocated``'s allocation (decode.py:1448-1651),
 replayed as the restart test replays it; the first-token read of ``_commit_transfer_to_req``
 (decode.py:2600-2773) is replaced by the byte check. The model's forward and the rest of the
@@ -57,7 +58,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-_TESTS = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 #: where ``make .venv/.torch`` puts the real torch: beside the venv's site-packages, not in them
 REAL_TORCH = Path(sys.prefix) / "real-torch"
 PAGES_PER_REQUEST = 4
@@ -75,17 +76,16 @@ class Rank:
         import torch  # the real CPU build: first, before the stubs go on sys.path
 
         self.torch = torch
-        sys.path.insert(0, str(_TESTS))
-        from real_prefill.engines import loopback_environment
+        sys.path.insert(0, str(_ROOT))
+        from tests.real_prefill.engines import loopback_environment
 
         loopback_environment()
         os.environ["SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"] = "30"
-        from sglang_support import import_sglang, stoppable_worker_threads
+        from tests.support.sglang_support import import_sglang, stoppable_worker_threads
 
         import_sglang()
-        import sglang_decode_support as support
-
-        from real_prefill.harness import Layout, wrong_pages
+        import tests.support.sglang_decode_support as support
+        from tests.real_prefill.harness import Layout, wrong_pages
 
         self.support, self.wrong_pages = support, wrong_pages
         self.mode, self.rank = mode, rank

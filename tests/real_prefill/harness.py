@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from http_support import free_port
 
-from real_prefill import engines
-from real_prefill.pattern import Geometry, aux_bytes, page_bytes, state_bytes
-from real_prefill.prefill_process import RoomReport, has_state
 from statemachine.prefill.readiness import READY, read_prefixed_line
+from tests.real_prefill import engines
+from tests.real_prefill.pattern import Geometry, aux_bytes, page_bytes, state_bytes
+from tests.real_prefill.prefill_process import RoomReport, has_state
+from tests.support.http_support import free_port
 
-_TESTS = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 _names = itertools.count()
 _NOTHING_REPORTED = RoomReport()
 
@@ -91,7 +91,7 @@ class RealPrefill:
     def command(self, tp_rank: int) -> list[str]:
         g = self.layout.geometry
         cmd = [
-            sys.executable, "-m", "real_prefill.prefill_process",
+            sys.executable, "-m", "tests.real_prefill.prefill_process",
             "--backend", self.backend,
             "--bootstrap-port", str(self.port),
             "--tp-size", str(self.tp_size),
@@ -118,7 +118,7 @@ class RealPrefill:
         self._warm = warm
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(_TESTS), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
         }
         self.procs, self.ready = [], []
         for rank in range(self.tp_size):

@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from http_support import free_port
+from tests.real_prefill.decode_rank import PAGES_PER_REQUEST, REAL_TORCH
+from tests.real_prefill.harness import Layout, RealPrefill
+from tests.support.http_support import free_port
 
-from real_prefill.decode_rank import PAGES_PER_REQUEST, REAL_TORCH
-from real_prefill.harness import Layout, RealPrefill
-
-_TESTS = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 #: how long the requests started after the new prefill's READY are watched
 OBSERVE_S = 10.0
 LAYOUT = Layout()
@@ -94,12 +93,12 @@ class DecodeRanks:
         init_port = free_port()
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(_TESTS), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
         }
         self.procs: list[subprocess.Popen[str]] = []
         for rank in (0, 1):
             command = [
-                sys.executable, "-m", "real_prefill.decode_rank", "--mode", mode,
+                sys.executable, "-m", "tests.real_prefill.decode_rank", "--mode", mode,
                 "--rank", str(rank), "--init-port", str(init_port), "--classes", classes,
             ]  # fmt: skip
             with open(log_dir / f"decode-{mode}-{classes}-rank{rank}.log", "w") as log:

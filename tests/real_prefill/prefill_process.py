@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from real_prefill.pattern import Geometry, aux_bytes, page_bytes, state_bytes
+from tests.real_prefill.pattern import Geometry, aux_bytes, page_bytes, state_bytes
 
-_TESTS = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
+_TESTS = _ROOT / "tests"
 STATE_FIELDS = (
     "state_types",
     "state_data_ptrs",
@@ -82,7 +83,7 @@ def _environment(backend: str) -> None:
         os.environ["UCX_MODULES"] = "^ib"  # the wheel's bundled libnl crashes at exit otherwise
         os.environ["UCX_HANDLE_ERRORS"] = "none"  # no NAME.btr crash files in the cwd
     sys.path.insert(0, str(_TESTS / "sglang_stubs"))
-    sys.path.insert(0, str(_TESTS))
+    sys.path.insert(0, str(_ROOT))
 
 
 def _wait_listening(port: int, timeout: float) -> None:

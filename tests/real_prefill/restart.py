@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from real_prefill.harness import Layout, LibraryDecode, RealPrefill
-from real_prefill.pattern import Geometry
-from real_prefill.prefill_process import RoomReport
+from tests.real_prefill.harness import Layout, LibraryDecode, RealPrefill
+from tests.real_prefill.pattern import Geometry
+from tests.real_prefill.prefill_process import RoomReport
 
 PAGES = 4
 #: Room numbers: the two decodes never share one.
@@ -342,7 +342,7 @@ def run_restart(
     """One run; returns the reports (the library's first) and the timeline (seconds from start).
     ``log_dir``: where the prefill's rank processes write their logs (``killed/`` and
     ``replacement/`` in it; default: a new temporary directory each)."""
-    from real_prefill.sglang_decode import SGLangDecode
+    from tests.real_prefill.sglang_decode import SGLangDecode
 
     layout = Layout(geometry=RESTART_GEOMETRY)
     killed_logs = replacement_logs = None

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from real_prefill import engines
-from real_prefill.harness import Layout
-from real_prefill.prefill_process import has_state
+from tests.real_prefill import engines
+from tests.real_prefill.harness import Layout
+from tests.real_prefill.prefill_process import has_state
 
 #: decode.py's topology retry: once a second, 15 tries (``decode.py:1181-1223``).
 TOPOLOGY_TRIES = 15
@@ -87,7 +87,7 @@ class SGLangDecode:
         waiting_timeout_s: int = 300,
         heartbeat_interval_s: int = 2,
     ) -> None:
-        from sglang_support import (
+        from tests.support.sglang_support import (
             import_sglang,
             set_sglang_ranks,
             sglang_server_args,
@@ -171,7 +171,7 @@ class SGLangDecode:
 
     def wrong_pages(self, room: int, dst_pages: Sequence[int], aux_index: int,
                     state_index: int | None = None) -> list[str]:  # fmt: skip
-        from real_prefill.harness import wrong_pages
+        from tests.real_prefill.harness import wrong_pages
 
         return wrong_pages(self, room, dst_pages, aux_index, state_index)
 
@@ -184,7 +184,7 @@ class SGLangDecode:
         }
 
     def close(self) -> None:
-        from sglang_support import retire_sglang_manager
+        from tests.support.sglang_support import retire_sglang_manager
 
         retire_sglang_manager(self.manager)
         self._args_override.__exit__(None, None, None)

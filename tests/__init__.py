@@ -1,0 +1,2 @@
+"""Tests of this repository: the `statemachine` package and the repository around it (docs, layout,
+benchmarks)."""

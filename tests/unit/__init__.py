@@ -1,0 +1,1 @@
+"""Fast tests of one part, in-process: no servers, sockets or processes."""
