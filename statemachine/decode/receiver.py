@@ -190,6 +190,11 @@ class BootstrapReceiver:
         self._end(error)
         return KVPoll.Failed
 
+    @property
+    def lost(self) -> BootstrapError | None:
+        """The evidence this request is lost, stored and not yet acted on (or ``None``)."""
+        return self._lost
+
     def window(self) -> call_deadline.Until:
         """This init() call's deadline window: opened at its first question to the source,
         ``fetch_deadline_s`` long, shared by every question after it (MGR-21)."""
