@@ -18,7 +18,7 @@ from typing import Any
 
 from statemachine.decode.rooms import distinct_ranks
 from statemachine.decode.source import NothingToReport
-from statemachine.errors import BootstrapError, SendFailed
+from statemachine.errors import BootstrapError, PeerLost, SendFailed
 from statemachine.pool import Generation, PoolKey, RankInfo
 from statemachine.validation import RouteReply, Topology
 from statemachine.wire.endpoint import Endpoint, endpoint_url
@@ -172,8 +172,6 @@ class FakeSource(NothingToReport):
         return published
 
     def refusal(self, addr: str, generation: Generation) -> BootstrapError:
-        from statemachine.errors import PeerLost
-
         return PeerLost(f"{addr}: the fake source's watermark refused this fetch", addr=addr)
 
 

@@ -64,7 +64,7 @@ def test_mgr20_an_answer_from_another_instance_forgets_the_topology_and_plan() -
 
 
 def test_forget_with_a_topology_spares_a_newer_one() -> None:
-    part, source, _ = routes()
+    part, _, _ = routes()
     part.address_plan(ADDR)
     part.forget(ADDR, topology())  # an equal but other object: not what is cached
     assert ADDR in part.known
