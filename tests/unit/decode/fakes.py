@@ -250,16 +250,20 @@ def _b(text: str | None) -> bytes:
 
 
 class ManualBackground:
-    """``Background`` whose submitted calls run only when the test calls :meth:`run`."""
+    """``Background`` whose submitted calls run only when the test calls :meth:`run` (or, with
+    ``at_once``, inside ``submit``, as if a worker had finished before the caller looked)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, at_once: bool = False) -> None:
         self.pending: list[tuple[Future[Any], Callable[..., Any], tuple[object, ...]]] = []
         self.submitted = 0
+        self.at_once = at_once
 
     def submit(self, call: Callable[..., Any], *args: object) -> Future[Any]:
         future: Future[Any] = Future()
         self.pending.append((future, call, args))
         self.submitted += 1
+        if self.at_once:
+            self.run()
         return future
 
     def run(self) -> int:

@@ -83,3 +83,12 @@ def test_mgr15_the_hold_takes_each_ranks_endpoint_and_acks_release_it() -> None:
     assert part.dropped == 1
     assert part.on_event(AbortAck(7, 1, seq))
     assert part.holds.released(7)
+
+
+def test_a_status_the_decode_does_not_act_on_is_taken_and_ignored() -> None:
+    part, rooms, _ = completions()
+    receiver = FakeReceiver(7)
+    rooms.by_room[7] = receiver
+    assert part.on_event(PrefillStatus(7, KVPoll.Transferring, 0))
+    assert (receiver.succeeded, receiver.prefill_failures, receiver.ready) == ([], [], 0)
+    assert part.dropped == 0

@@ -12,8 +12,8 @@ from statemachine.errors import TransportFailure
 from .fakes import ADDR, OTHER_ADDR, FakeReceiver, FakeSource, ManualBackground
 
 
-def queries() -> tuple[DpRankQueries, FakeSource, ManualBackground]:
-    source, background = FakeSource(), ManualBackground()
+def queries(*, at_once: bool = False) -> tuple[DpRankQueries, FakeSource, ManualBackground]:
+    source, background = FakeSource(), ManualBackground(at_once=at_once)
     return DpRankQueries(source, background), source, background  # type: ignore[arg-type]
 
 
@@ -86,3 +86,21 @@ def test_a_source_bug_is_not_swallowed() -> None:
     background.run()
     with pytest.raises(RuntimeError, match="source bug"):
         part.step()
+
+
+def test_mgr8_step_with_wait_applies_the_answers_of_the_queries_it_started() -> None:
+    part, source, _ = queries(at_once=True)
+    receiver = FakeReceiver(1)
+    source.dp_answers[ADDR] = {1: 1}
+    part.wait_for(receiver)
+    assert part.step(wait=True) == 1
+    assert receiver.dp_ranks == [1] and part.counts() == (0, 0, 1)
+
+
+def test_close_drops_the_queries_in_flight() -> None:
+    part, _, background = queries()
+    part.wait_for(FakeReceiver(1))
+    part.step()
+    part.close()
+    background.run()
+    assert part.step() == 0 and part.counts()[1] == 1  # the room is asked again, anew

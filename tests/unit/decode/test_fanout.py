@@ -207,3 +207,13 @@ def test_close_forgets_the_keys_known_dead() -> None:
     )
     s.fanout.close()
     assert len(s.fanout.dead_keys) == 0
+
+
+def test_invalidations_are_counted_by_cause_and_release_what_nothing_uses() -> None:
+    s = setup()
+    dropped = generation(5001)
+    s.retention.retain(dropped)  # published by us, then dropped by a lifecycle event
+    s.fanout.invalidated({key(0): dropped}, 1, "Clear")
+    s.fanout.invalidated({}, 0, "Clear")
+    assert s.fanout.invalidations == {"Clear": 1}
+    assert s.transport.released == [("127.0.0.1", 5001)]

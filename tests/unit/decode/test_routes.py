@@ -12,7 +12,7 @@ import pytest
 from statemachine.decode.config import PREFILL_COMPLETE
 from statemachine.decode.plan import DEFAULT_PLAN, DecodeLayout, RankPlan
 from statemachine.decode.routes import PREPARING, AddressPlan, Routes
-from statemachine.errors import TopologyMismatch
+from statemachine.errors import TopologyMismatch, TransportFailure
 from statemachine.validation import Topology
 
 from .fakes import ADDR, FakeSource, ManualBackground, key, topology
@@ -154,3 +154,18 @@ def test_mgr16_a_given_plan_without_a_layout_is_checked_once_the_topology_is_kno
     part.topology(ADDR)  # learnt by some other path
     with pytest.raises(TopologyMismatch):
         part.route(ADDR, plan, window=window)
+
+
+def test_a_failed_background_resolution_is_not_kept_and_the_next_request_resolves_it() -> None:
+    part, source, background = routes()
+    failure = TransportFailure("refused", addr=ADDR)
+    source.failing[ADDR] = failure
+    future = part.prepare(ADDR)
+    background.run()
+    assert future.exception() is failure
+    window = Window()
+    with pytest.raises(TransportFailure):
+        part.route(ADDR, None, window=window)  # no longer PREPARING: asked inside its window
+    assert window.opened == 1
+    del source.failing[ADDR]
+    assert part.route(ADDR, None, window=window) == DEFAULT_PLAN
