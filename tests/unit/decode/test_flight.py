@@ -23,7 +23,7 @@ def test_mgr3_first_claim_leads_every_key() -> None:
 def test_mgr3_claim_is_all_or_none_a_key_in_flight_is_followed_and_nothing_claimed() -> None:
     flights = Flights()
     leader, _ = flights.claim([K0])
-    led, followed = flights.claim([K0, K1])
+    led, followed = flights.claim([K1, K0])  # the key in flight need not come first
     assert led == {} and followed == [leader[K0]]
     assert len(flights) == 1  # K1 was not claimed: the follower looks again after the wait
     assert flights.followed == 1 and leader[K0].followers == 1
