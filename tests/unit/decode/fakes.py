@@ -285,3 +285,25 @@ class FakeHealth:
 
     def watch(self, addr: str, *, instance_id: str | None, baseline_now: bool) -> None:
         self.watched.append((addr, instance_id, baseline_now))
+
+
+class FakeSocketMonitor:
+    """``SocketMonitor`` as the socket cache uses it: takes each monitor socket it is handed
+    and closes it on ``unwatch`` (what the monitor thread does), reading no event."""
+
+    def __init__(self) -> None:
+        self.watched: dict[object, Any] = {}
+        self.unwatched: list[object] = []
+
+    def watch(self, key: object, monitor_socket: Any, liveness: object) -> None:
+        self.watched[key] = monitor_socket
+
+    def unwatch(self, key: object) -> None:
+        self.unwatched.append(key)
+        socket = self.watched.pop(key, None)
+        if socket is not None:
+            socket.close(linger=0)
+
+    def close(self) -> None:
+        for key in list(self.watched):
+            self.unwatch(key)
