@@ -25,7 +25,7 @@ def completions(*, prefill_complete: bool = False) -> tuple[Completions, Rooms, 
     return part, rooms, clock
 
 
-def test_mgr13_a_success_is_stored_on_the_room_per_distinct_rank() -> None:
+def test_mgr_13_a_success_is_stored_on_the_room_per_distinct_rank() -> None:
     part, rooms, _ = completions()
     receiver = rooms.by_room.setdefault(7, FakeReceiver(7))
     assert part.on_event(PrefillStatus(7, KVPoll.Success, 0))
@@ -35,7 +35,7 @@ def test_mgr13_a_success_is_stored_on_the_room_per_distinct_rank() -> None:
     assert isinstance(receiver, FakeReceiver) and receiver.succeeded == [0, 1]
 
 
-def test_mgr14_a_failed_status_fails_the_room_with_the_prefills_reason() -> None:
+def test_mgr_14_a_failed_status_fails_the_room_with_the_prefills_reason() -> None:
     part, rooms, clock = completions()
     receiver = FakeReceiver(7)
     rooms.by_room[7] = receiver
@@ -47,7 +47,7 @@ def test_mgr14_a_failed_status_fails_the_room_with_the_prefills_reason() -> None
     assert "retry the request" in str(error)
 
 
-def test_mgr14_a_failed_status_without_a_reason_carries_sglangs_default() -> None:
+def test_mgr_14_a_failed_status_without_a_reason_carries_sglangs_default() -> None:
     part, rooms, _ = completions()
     receiver = FakeReceiver(7)
     rooms.by_room[7] = receiver
@@ -56,7 +56,7 @@ def test_mgr14_a_failed_status_without_a_reason_carries_sglangs_default() -> Non
     assert part.fail_room(8, "no such room", prefill_rank=0) is False
 
 
-def test_mgr16_waiting_for_input_answers_the_handshake_only_under_prefill_complete() -> None:
+def test_mgr_16_waiting_for_input_answers_the_handshake_only_under_prefill_complete() -> None:
     early, early_rooms, _ = completions()
     late, late_rooms, _ = completions(prefill_complete=True)
     early_receiver, late_receiver = FakeReceiver(7), FakeReceiver(7)
@@ -66,14 +66,14 @@ def test_mgr16_waiting_for_input_answers_the_handshake_only_under_prefill_comple
     assert (early_receiver.ready, late_receiver.ready) == (0, 1)
 
 
-def test_mgr13_a_status_for_a_room_not_in_flight_is_dropped_and_counted() -> None:
+def test_mgr_13_a_status_for_a_room_not_in_flight_is_dropped_and_counted() -> None:
     part, _, _ = completions()
     assert part.on_event(PrefillStatus(99, KVPoll.Success, 0)) is False
     assert part.complete(99, 0) is False
     assert part.dropped == 1
 
 
-def test_mgr15_the_hold_takes_each_ranks_endpoint_and_acks_release_it() -> None:
+def test_mgr_15_the_hold_takes_each_ranks_endpoint_and_acks_release_it() -> None:
     part, _, _ = completions()
     held = generation(5001, 5002)
     seq = part.hold(7, [(held, rank) for rank in held.ranks])

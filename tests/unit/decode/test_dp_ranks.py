@@ -17,7 +17,7 @@ def queries(*, at_once: bool = False) -> tuple[DpRankQueries, FakeSource, Manual
     return DpRankQueries(source, background), source, background  # type: ignore[arg-type]
 
 
-def test_mgr8_one_batched_query_per_address_with_every_pending_room() -> None:
+def test_mgr_8_one_batched_query_per_address_with_every_pending_room() -> None:
     part, source, background = queries()
     for room in (1, 2):
         part.wait_for(FakeReceiver(room, ADDR))
@@ -28,7 +28,7 @@ def test_mgr8_one_batched_query_per_address_with_every_pending_room() -> None:
     assert sorted(source.dp_calls) == [(ADDR, (1, 2)), (OTHER_ADDR, (3,))]
 
 
-def test_mgr8_no_second_query_while_one_is_in_flight_for_the_address() -> None:
+def test_mgr_8_no_second_query_while_one_is_in_flight_for_the_address() -> None:
     part, _, background = queries()
     part.wait_for(FakeReceiver(1))
     part.step()
@@ -37,7 +37,7 @@ def test_mgr8_no_second_query_while_one_is_in_flight_for_the_address() -> None:
     assert background.submitted == 1
 
 
-def test_mgr8_answers_are_applied_by_the_next_step_on_its_thread() -> None:
+def test_mgr_8_answers_are_applied_by_the_next_step_on_its_thread() -> None:
     part, source, background = queries()
     answered, unknown = FakeReceiver(1), FakeReceiver(2)
     source.dp_answers[ADDR] = {1: 3}
@@ -53,7 +53,7 @@ def test_mgr8_answers_are_applied_by_the_next_step_on_its_thread() -> None:
     assert source.dp_calls[-1] == (ADDR, (2,))  # and is asked again
 
 
-def test_mgr8_a_failed_query_leaves_the_rooms_pending_for_the_next_step() -> None:
+def test_mgr_8_a_failed_query_leaves_the_rooms_pending_for_the_next_step() -> None:
     part, source, background = queries()
     receiver = FakeReceiver(1)
     source.failing[ADDR] = TransportFailure("refused", addr=ADDR)
@@ -67,7 +67,7 @@ def test_mgr8_a_failed_query_leaves_the_rooms_pending_for_the_next_step() -> Non
     assert part.step() == 1 and receiver.dp_ranks == [0]
 
 
-def test_mgr8_a_forgotten_room_is_not_answered() -> None:
+def test_mgr_8_a_forgotten_room_is_not_answered() -> None:
     part, source, background = queries()
     receiver = FakeReceiver(1)
     source.dp_answers[ADDR] = {1: 2}
@@ -88,7 +88,7 @@ def test_a_source_bug_is_not_swallowed() -> None:
         part.step()
 
 
-def test_mgr8_step_with_wait_applies_the_answers_of_the_queries_it_started() -> None:
+def test_mgr_8_step_with_wait_applies_the_answers_of_the_queries_it_started() -> None:
     part, source, _ = queries(at_once=True)
     receiver = FakeReceiver(1)
     source.dp_answers[ADDR] = {1: 1}

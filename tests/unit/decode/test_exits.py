@@ -46,7 +46,7 @@ def held(holds: AbortHolds, room: int, told: Generation) -> None:
     holds.hold(room, [(f"tcp://{r.ip}:{r.port}", told) for r in told.ranks])
 
 
-def test_mgr15_a_proven_exit_releases_a_room_whose_only_writer_exited() -> None:
+def test_mgr_15_a_proven_exit_releases_a_room_whose_only_writer_exited() -> None:
     part, _, holds = exits()
     told = generation(5001)
     held(holds, 7, told)
@@ -54,7 +54,7 @@ def test_mgr15_a_proven_exit_releases_a_room_whose_only_writer_exited() -> None:
     assert holds.released(7) and holds.stats().released_by_proof == 1
 
 
-def test_zmq26_the_other_ranks_of_the_generation_are_asked_at_once(listening_port: int) -> None:
+def test_zmq_26_the_other_ranks_of_the_generation_are_asked_at_once(listening_port: int) -> None:
     part, pool, holds = exits()
     gone, alive = closed_port(), listening_port
     both_gone = generation(5001, gone)
@@ -68,7 +68,7 @@ def test_zmq26_the_other_ranks_of_the_generation_are_asked_at_once(listening_por
     assert not holds.released(2)  # the other rank answers: it may still write
 
 
-def test_mgr15_silence_releases_nothing() -> None:
+def test_mgr_15_silence_releases_nothing() -> None:
     part, _, holds = exits()
     held(holds, 7, generation(5001))
     part.trace_silence("tcp://127.0.0.1:5001")

@@ -78,7 +78,7 @@ def setup(*, hold_off_dead: bool = True, health_by_probes: bool = True) -> Setup
     return Setup(fanout, pool, rooms, routes, source, transport, retention, clock)
 
 
-def test_mgr1_every_receiver_using_a_doomed_generation_fails_and_only_those() -> None:
+def test_mgr_1_every_receiver_using_a_doomed_generation_fails_and_only_those() -> None:
     s = setup()
     doomed, healthy = generation(5001), generation(5002)
     users = [s.receiver(1, doomed), s.receiver(2, healthy, doomed)]
@@ -90,7 +90,7 @@ def test_mgr1_every_receiver_using_a_doomed_generation_fails_and_only_those() ->
     assert s.fanout.failed == {"PeerLost": 2}
 
 
-def test_mgr1_generations_are_invalidated_by_identity_a_newer_one_is_kept() -> None:
+def test_mgr_1_generations_are_invalidated_by_identity_a_newer_one_is_kept() -> None:
     s = setup()
     doomed = generation(5001)
     newer = generation(5001)  # the same ports, another fetch
@@ -101,7 +101,7 @@ def test_mgr1_generations_are_invalidated_by_identity_a_newer_one_is_kept() -> N
     assert s.fanout.invalidations == {"PeerLost": 1}
 
 
-def test_pool6_the_finder_is_spared() -> None:
+def test_pool_6_the_finder_is_spared() -> None:
     s = setup()
     doomed = generation(5001)
     finder, other = s.receiver(1, doomed), s.receiver(2, doomed)
@@ -109,7 +109,7 @@ def test_pool6_the_finder_is_spared() -> None:
     assert finder.lost == [] and len(other.lost) == 1
 
 
-def test_mgr10_sockets_of_dropped_generations_are_released() -> None:
+def test_mgr_10_sockets_of_dropped_generations_are_released() -> None:
     s = setup()
     doomed = generation(5001)
     s.pool.publish(key(0), doomed)
@@ -118,7 +118,7 @@ def test_mgr10_sockets_of_dropped_generations_are_released() -> None:
     assert s.transport.released == [("127.0.0.1", 5001)]
 
 
-def test_mgr1_a_dead_endpoint_fails_its_users_with_rank_dead_and_holds_the_key_off() -> None:
+def test_mgr_1_a_dead_endpoint_fails_its_users_with_rank_dead_and_holds_the_key_off() -> None:
     s = setup()
     dead = generation(5001)
     s.pool.publish(key(0), dead)
@@ -131,21 +131,21 @@ def test_mgr1_a_dead_endpoint_fails_its_users_with_rank_dead_and_holds_the_key_o
     assert s.pool.get(key(0)) is None
 
 
-def test_mgr1_an_endpoint_nothing_uses_fails_nothing() -> None:
+def test_mgr_1_an_endpoint_nothing_uses_fails_nothing() -> None:
     s = setup()
     s.receiver(1, generation(5002))
     assert s.fanout.endpoint_dead(URL, "dead") == 0
     assert s.fanout.failed == {}
 
 
-def test_mgr1_a_source_that_reports_deaths_itself_is_never_held_off() -> None:
+def test_mgr_1_a_source_that_reports_deaths_itself_is_never_held_off() -> None:
     s = setup(health_by_probes=False)
     s.receiver(1, generation(5001))
     s.fanout.endpoint_dead(URL, "dead")
     assert len(s.fanout.dead_keys) == 0
 
 
-def test_mgr19_a_send_failure_and_a_dead_verdict_are_evidence_an_alive_one_forgets() -> None:
+def test_mgr_19_a_send_failure_and_a_dead_verdict_are_evidence_an_alive_one_forgets() -> None:
     s = setup()
     first = s.receiver(1, generation(5001))
     second = s.receiver(2, generation(5002), addr=OTHER_ADDR)  # another key
@@ -157,7 +157,7 @@ def test_mgr19_a_send_failure_and_a_dead_verdict_are_evidence_an_alive_one_forge
     assert len(s.fanout.dead_keys) == 1  # the endpoint answers again: its key is news again
 
 
-def test_mgr1_a_dead_address_fails_its_receivers_and_forgets_its_route() -> None:
+def test_mgr_1_a_dead_address_fails_its_receivers_and_forgets_its_route() -> None:
     s = setup()
     s.source.topologies[ADDR] = topology()
     s.routes.address_plan(ADDR)
@@ -169,7 +169,7 @@ def test_mgr1_a_dead_address_fails_its_receivers_and_forgets_its_route() -> None
     assert ADDR not in s.routes.known and s.pool.get(key(0)) is None
 
 
-def test_mgr20_a_restart_fails_only_what_the_old_instance_served() -> None:
+def test_mgr_20_a_restart_fails_only_what_the_old_instance_served() -> None:
     s = setup()
     old, new = generation(5001), generation(5002, instance_id="instance-b")
     stale_user, fresh_user = s.receiver(1, old), s.receiver(2, new)
@@ -182,7 +182,7 @@ def test_mgr20_a_restart_fails_only_what_the_old_instance_served() -> None:
     assert len(s.fanout.dead_keys) == 0  # a new instance: every registration is new
 
 
-def test_pool6_an_instance_replaced_mid_fetch_retires_the_old_id_and_spares_the_finder() -> None:
+def test_pool_6_an_instance_replaced_mid_fetch_retires_the_old_id_and_spares_the_finder() -> None:
     s = setup()
     old = generation(5001)
     s.pool.publish(key(0), old)
@@ -192,7 +192,7 @@ def test_pool6_an_instance_replaced_mid_fetch_retires_the_old_id_and_spares_the_
     assert finder.lost == [] and isinstance(other.lost[0], PrefillRestarted)
 
 
-def test_mgr19_ranks_named_dead_again_hold_the_key_off_only_with_the_hold_off_on() -> None:
+def test_mgr_19_ranks_named_dead_again_hold_the_key_off_only_with_the_hold_off_on() -> None:
     error = RanksUnreachable("named again", addr=ADDR, endpoint=URL)
     for hold_off, remembered in ((True, 1), (False, 0)):
         s = setup(hold_off_dead=hold_off)

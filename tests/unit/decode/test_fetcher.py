@@ -112,7 +112,7 @@ def lead(s: Setup, *keys: PoolKey) -> Claim:
     return claim
 
 
-def test_mgr3_a_miss_claims_fetches_registers_and_publishes() -> None:
+def test_mgr_3_a_miss_claims_fetches_registers_and_publishes() -> None:
     s = setup()
     claim = lead(s, K0)
     assert claim.missing == [K0] and set(claim.led) == {K0}
@@ -130,7 +130,7 @@ def test_mgr3_a_miss_claims_fetches_registers_and_publishes() -> None:
     assert claim.led[K0].wait(0.0) is fresh and len(s.fetcher.flights) == 0
 
 
-def test_mgr21_the_address_is_health_watched_once_with_the_fetched_instance_as_baseline() -> None:
+def test_mgr_21_the_address_is_health_watched_once_with_the_fetched_instance_as_baseline() -> None:
     s = setup()
     for _ in range(2):
         claim = lead(s, K0)
@@ -148,7 +148,7 @@ def test_plan_fetches_every_tp_rank_and_flags_dummy_ranks() -> None:
     assert s.source.rank_calls == [(ADDR, 0, 0, 0), (ADDR, 0, 1, 0)]
 
 
-def test_mgr3_a_key_published_between_lookup_and_claim_is_taken_from_the_pool() -> None:
+def test_mgr_3_a_key_published_between_lookup_and_claim_is_taken_from_the_pool() -> None:
     s = setup()
     winner = generation(5000)
     s.pool.publish(K0, winner)
@@ -159,7 +159,7 @@ def test_mgr3_a_key_published_between_lookup_and_claim_is_taken_from_the_pool() 
     assert len(s.fetcher.flights) == 1
 
 
-def test_mgr3_a_follower_adopts_what_the_leader_published() -> None:
+def test_mgr_3_a_follower_adopts_what_the_leader_published() -> None:
     s = setup()
     leader = lead(s, K0)
     flight = leader.led[K0]
@@ -184,14 +184,14 @@ def test_mgr3_a_follower_adopts_what_the_leader_published() -> None:
     assert s.source.rank_calls == [(ADDR, 0, 0, 0)]  # one fetch for both requests
 
 
-def test_mgr3_a_follower_past_its_deadline_answers_the_typed_error_without_waiting() -> None:
+def test_mgr_3_a_follower_past_its_deadline_answers_the_typed_error_without_waiting() -> None:
     s = setup()
     lead(s, K0)
     answer = s.fetcher.claim([K0], {}, s.clock())  # the deadline is now
     assert isinstance(answer, FetchWaitTimeout)
 
 
-def test_mgr23_keys_answered_by_two_instances_are_never_accepted_together() -> None:
+def test_mgr_23_keys_answered_by_two_instances_are_never_accepted_together() -> None:
     s = setup()
     s.source.instances = ["instance-a", "instance-b"]  # restarted between the two keys
     claim = lead(s, K0, K1)
@@ -209,7 +209,7 @@ def test_one_keys_ranks_answered_by_two_instances_fail_the_fetch() -> None:
     assert isinstance(answer, BootstrapHTTPError) and "restarted" in str(answer)
 
 
-def test_mgr19_a_rank_the_transport_judged_dead_is_refused_and_the_key_held_off() -> None:
+def test_mgr_19_a_rank_the_transport_judged_dead_is_refused_and_the_key_held_off() -> None:
     s = setup()
     s.transport.down.add(("127.0.0.1", 5000))
     claim = lead(s, K0)
@@ -221,7 +221,7 @@ def test_mgr19_a_rank_the_transport_judged_dead_is_refused_and_the_key_held_off(
     assert s.transport.sends == []  # nothing of this request was sent
 
 
-def test_mgr22_a_fetch_that_failed_while_its_server_was_judged_silent_says_so() -> None:
+def test_mgr_22_a_fetch_that_failed_while_its_server_was_judged_silent_says_so() -> None:
     s = setup()
     cause = TransportFailure("timed out", addr=ADDR)
     s.source.failing[ADDR] = cause
@@ -234,7 +234,7 @@ def test_mgr22_a_fetch_that_failed_while_its_server_was_judged_silent_says_so() 
     assert claim.led[K0].error is answer
 
 
-def test_mgr19_a_failed_register_is_evidence_for_the_others_and_retryable_for_this_one() -> None:
+def test_mgr_19_a_failed_register_is_evidence_for_the_others_and_retryable_for_this_one() -> None:
     s = setup()
     s.transport.failing.add(("127.0.0.1", 5000))
     other = FakeReceiver(2, entries={K1: generation(5000)})
@@ -260,7 +260,7 @@ def test_a_publish_the_source_refuses_fails_the_flights_with_its_reason() -> Non
     assert s.transport.retained == {}
 
 
-def test_mgr3_a_concurrent_winner_is_adopted_and_its_sockets_not_retained_again() -> None:
+def test_mgr_3_a_concurrent_winner_is_adopted_and_its_sockets_not_retained_again() -> None:
     s = setup()
     claim = lead(s, K0)
     fetched = s.fetcher.fetch(ADDR, DEFAULT_PLAN, claim, room=1, adopted={})
@@ -272,7 +272,7 @@ def test_mgr3_a_concurrent_winner_is_adopted_and_its_sockets_not_retained_again(
     assert s.transport.retained == {}
 
 
-def test_mgr3_abandon_fails_the_flights_nobody_resolved() -> None:
+def test_mgr_3_abandon_fails_the_flights_nobody_resolved() -> None:
     s = setup()
     claim = lead(s, K0, K1)
     s.fetcher.flights.resolve({K0: claim.led[K0]}, {K0: generation(5000)})
@@ -286,7 +286,7 @@ def test_mgr3_abandon_fails_the_flights_nobody_resolved() -> None:
     assert again.led[K1].error is reason
 
 
-def test_pool6_an_answer_from_a_new_instance_retires_the_adopted_old_one() -> None:
+def test_pool_6_an_answer_from_a_new_instance_retires_the_adopted_old_one() -> None:
     s = setup()
     old = generation(5000)  # instance-a
     s.pool.publish(K0, old)

@@ -13,14 +13,14 @@ from .fakes import generation, key
 K0, K1 = key(0), key(1)
 
 
-def test_mgr3_first_claim_leads_every_key() -> None:
+def test_mgr_3_first_claim_leads_every_key() -> None:
     flights = Flights()
     led, followed = flights.claim([K0, K1])
     assert set(led) == {K0, K1} and followed == []
     assert len(flights) == 2 and flights.led == 2
 
 
-def test_mgr3_claim_is_all_or_none_a_key_in_flight_is_followed_and_nothing_claimed() -> None:
+def test_mgr_3_claim_is_all_or_none_a_key_in_flight_is_followed_and_nothing_claimed() -> None:
     flights = Flights()
     leader, _ = flights.claim([K0])
     led, followed = flights.claim([K1, K0])  # the key in flight need not come first
@@ -29,7 +29,7 @@ def test_mgr3_claim_is_all_or_none_a_key_in_flight_is_followed_and_nothing_claim
     assert flights.followed == 1 and leader[K0].followers == 1
 
 
-def test_mgr3_followers_adopt_the_generation_the_leader_published() -> None:
+def test_mgr_3_followers_adopt_the_generation_the_leader_published() -> None:
     flights = Flights()
     led, _ = flights.claim([K0])
     _, followed = flights.claim([K0])
@@ -39,7 +39,7 @@ def test_mgr3_followers_adopt_the_generation_the_leader_published() -> None:
     assert len(flights) == 0
 
 
-def test_mgr3_followers_fail_with_the_leaders_reason() -> None:
+def test_mgr_3_followers_fail_with_the_leaders_reason() -> None:
     flights = Flights()
     led, _ = flights.claim([K0])
     _, followed = flights.claim([K0])
@@ -52,7 +52,7 @@ def test_mgr3_followers_fail_with_the_leaders_reason() -> None:
 
 
 @pytest.mark.parametrize("timeout", [0.0, -5.0])
-def test_mgr3_a_follower_waits_no_longer_than_its_deadline(timeout: float) -> None:
+def test_mgr_3_a_follower_waits_no_longer_than_its_deadline(timeout: float) -> None:
     flights = Flights()
     led, _ = flights.claim([K0])
     with pytest.raises(FetchWaitTimeout, match="retry the request"):
@@ -60,7 +60,7 @@ def test_mgr3_a_follower_waits_no_longer_than_its_deadline(timeout: float) -> No
     assert not led[K0].done
 
 
-def test_mgr3_a_resolved_flight_is_not_failed_afterwards() -> None:
+def test_mgr_3_a_resolved_flight_is_not_failed_afterwards() -> None:
     flights = Flights()
     led, _ = flights.claim([K0])
     published = generation(5001)
@@ -69,7 +69,7 @@ def test_mgr3_a_resolved_flight_is_not_failed_afterwards() -> None:
     assert led[K0].wait(0.0) is published and led[K0].error is None
 
 
-def test_mgr3_an_old_leader_never_ends_a_newer_flight_of_the_same_key() -> None:
+def test_mgr_3_an_old_leader_never_ends_a_newer_flight_of_the_same_key() -> None:
     flights = Flights()
     first, _ = flights.claim([K0])
     flights.fail(first, PeerLost("first leader failed"))

@@ -14,7 +14,7 @@ GEN = generation(5001, 5002)
 WRITERS = [(URL_A, GEN), (URL_B, GEN)]
 
 
-def test_mgr15_each_hold_arms_a_new_abort_sequence_number() -> None:
+def test_mgr_15_each_hold_arms_a_new_abort_sequence_number() -> None:
     holds = AbortHolds(30.0, ManualClock())
     first = holds.hold(7, WRITERS)
     second = holds.hold(7, WRITERS)  # replaces the first
@@ -22,7 +22,7 @@ def test_mgr15_each_hold_arms_a_new_abort_sequence_number() -> None:
     assert holds.stats().held == 1
 
 
-def test_mgr15_released_when_every_writer_acked_the_current_number() -> None:
+def test_mgr_15_released_when_every_writer_acked_the_current_number() -> None:
     holds = AbortHolds(30.0, ManualClock())
     seq = holds.hold(7, WRITERS)
     assert holds.acked(AbortAck(7, 0, seq))
@@ -34,7 +34,7 @@ def test_mgr15_released_when_every_writer_acked_the_current_number() -> None:
     assert holds.abort_seq(7) is None  # a released room is forgotten
 
 
-def test_mgr15_stale_acks_are_ignored_and_counted() -> None:
+def test_mgr_15_stale_acks_are_ignored_and_counted() -> None:
     holds = AbortHolds(30.0, ManualClock())
     old = holds.hold(7, WRITERS)
     new = holds.hold(7, WRITERS)
@@ -46,7 +46,7 @@ def test_mgr15_stale_acks_are_ignored_and_counted() -> None:
     assert not holds.released(7)
 
 
-def test_mgr15_released_at_the_timeout_not_before() -> None:
+def test_mgr_15_released_at_the_timeout_not_before() -> None:
     clock = ManualClock()
     holds = AbortHolds(30.0, clock)
     holds.hold(7, WRITERS)
@@ -56,7 +56,7 @@ def test_mgr15_released_at_the_timeout_not_before() -> None:
     assert holds.released(7) and holds.stats().released_by_timeout == 1
 
 
-def test_mgr15_released_when_every_writer_is_proven_gone() -> None:
+def test_mgr_15_released_when_every_writer_is_proven_gone() -> None:
     holds = AbortHolds(30.0, ManualClock())
     holds.hold(7, WRITERS)
     holds.proven_gone(URL_A, [], RESET_SEEN)
@@ -65,7 +65,7 @@ def test_mgr15_released_when_every_writer_is_proven_gone() -> None:
     assert holds.released(7) and holds.stats().released_by_proof == 1
 
 
-def test_mgr15_an_ack_and_a_proof_are_never_mixed() -> None:
+def test_mgr_15_an_ack_and_a_proof_are_never_mixed() -> None:
     holds = AbortHolds(30.0, ManualClock())
     seq = holds.hold(7, WRITERS)
     holds.acked(AbortAck(7, 0, seq))
@@ -73,7 +73,7 @@ def test_mgr15_an_ack_and_a_proof_are_never_mixed() -> None:
     assert not holds.released(7)  # acks name no endpoint: waits for the timeout
 
 
-def test_mgr15_a_proof_covers_a_room_held_later_on_the_same_generation_only() -> None:
+def test_mgr_15_a_proof_covers_a_room_held_later_on_the_same_generation_only() -> None:
     holds = AbortHolds(30.0, ManualClock())
     old = generation(5001)
     newer = generation(5001, instance_id="instance-b")  # a new process at the same endpoint
@@ -84,7 +84,7 @@ def test_mgr15_a_proof_covers_a_room_held_later_on_the_same_generation_only() ->
     assert not holds.released(2)
 
 
-def test_mgr15_bounded_the_oldest_hold_is_given_up() -> None:
+def test_mgr_15_bounded_the_oldest_hold_is_given_up() -> None:
     holds = AbortHolds(30.0, ManualClock(), max_rooms=2)
     for room in (1, 2, 3):
         holds.hold(room, WRITERS)
@@ -94,7 +94,7 @@ def test_mgr15_bounded_the_oldest_hold_is_given_up() -> None:
     assert not holds.released(2) and not holds.released(3)
 
 
-def test_mgr15_generations_at_names_the_held_writers_at_an_endpoint() -> None:
+def test_mgr_15_generations_at_names_the_held_writers_at_an_endpoint() -> None:
     holds = AbortHolds(30.0, ManualClock())
     other = generation(5003)
     holds.hold(1, WRITERS)

@@ -19,7 +19,7 @@ def retention() -> tuple[SocketRetention, BootstrapPool, Rooms, FakeTransport]:
     return part, pool, rooms, transport
 
 
-def test_zmq20_a_published_generation_retains_its_endpoints_once() -> None:
+def test_zmq_20_a_published_generation_retains_its_endpoints_once() -> None:
     part, _, _, transport = retention()
     published = generation(5001, 5002)
     part.retain(published)
@@ -27,7 +27,7 @@ def test_zmq20_a_published_generation_retains_its_endpoints_once() -> None:
     assert transport.retained == {A: 1, B: 1} and part.endpoints_retained() == 2
 
 
-def test_mgr10_sockets_stay_while_the_pool_or_a_receiver_uses_the_generation() -> None:
+def test_mgr_10_sockets_stay_while_the_pool_or_a_receiver_uses_the_generation() -> None:
     part, pool, rooms, transport = retention()
     published = generation(5001)
     pool.publish(key(0), published)
@@ -42,7 +42,7 @@ def test_mgr10_sockets_stay_while_the_pool_or_a_receiver_uses_the_generation() -
     assert part.reconcile() == 0
 
 
-def test_zmq20_close_releases_every_retained_socket() -> None:
+def test_zmq_20_close_releases_every_retained_socket() -> None:
     part, pool, _, transport = retention()
     for port in (5001, 5002):
         published = generation(port)

@@ -26,7 +26,7 @@ def admitted(rooms: Rooms, receiver: FakeReceiver) -> FakeReceiver:
     return receiver
 
 
-def test_mgr7_refuse_says_why_the_receiver_was_not_admitted() -> None:
+def test_mgr_7_refuse_says_why_the_receiver_was_not_admitted() -> None:
     rooms = Rooms(ManualClock())
     admitted(rooms, FakeReceiver(7))
     with pytest.raises(InvalidRoom, match="already in flight"):
@@ -48,7 +48,7 @@ def test_ended_forgets_only_the_receiver_that_ended_and_counts_how() -> None:
     assert rooms.counts() == (2, {"RankDead": 2}, 0)
 
 
-def test_mgr12_detection_time_is_measured_from_the_evidence() -> None:
+def test_mgr_12_detection_time_is_measured_from_the_evidence() -> None:
     clock = ManualClock()
     rooms = Rooms(clock)
     error = RankDead("gone", endpoint="tcp://127.0.0.1:5001")
@@ -61,7 +61,7 @@ def test_mgr12_detection_time_is_measured_from_the_evidence() -> None:
     assert rooms.detection_max_s == pytest.approx(0.25)
 
 
-def test_mgr18_a_raising_callback_is_counted_and_logged_once(
+def test_mgr_18_a_raising_callback_is_counted_and_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     rooms = Rooms(ManualClock())

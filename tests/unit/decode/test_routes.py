@@ -42,7 +42,7 @@ def routes(
     return part, source, background
 
 
-def test_mgr20_an_address_is_resolved_once_and_kept_in_known() -> None:
+def test_mgr_20_an_address_is_resolved_once_and_kept_in_known() -> None:
     part, source, _ = routes(topology(dp_size=2))
     resolved = part.address_plan(ADDR)
     assert part.address_plan(ADDR) is resolved and part.known[ADDR] is resolved
@@ -51,7 +51,7 @@ def test_mgr20_an_address_is_resolved_once_and_kept_in_known() -> None:
     assert dict(resolved.keys) == {0: (key(0),), 1: (key(1),)}
 
 
-def test_mgr20_an_answer_from_another_instance_forgets_the_topology_and_plan() -> None:
+def test_mgr_20_an_answer_from_another_instance_forgets_the_topology_and_plan() -> None:
     part, source, _ = routes()
     part.address_plan(ADDR)
     part.answered_by(ADDR, "instance-a")  # the same instance: kept
@@ -72,7 +72,7 @@ def test_forget_with_a_topology_spares_a_newer_one() -> None:
     assert ADDR not in part.known
 
 
-def test_mgr21_route_asks_the_source_only_inside_the_window_and_only_once() -> None:
+def test_mgr_21_route_asks_the_source_only_inside_the_window_and_only_once() -> None:
     part, source, _ = routes()
     window = Window()
     assert part.route(ADDR, None, window=window) == DEFAULT_PLAN
@@ -102,12 +102,12 @@ def test_route_is_pending_while_the_address_is_prepared_in_the_background() -> N
         (topology(dp_size=4, follow_bootstrap_room=False), 7, None),  # the batched query
     ],
 )
-def test_mgr8_dp_rank_in_sglangs_order(prefill: Topology, room: int, dp_rank: int | None) -> None:
+def test_mgr_8_dp_rank_in_sglangs_order(prefill: Topology, room: int, dp_rank: int | None) -> None:
     part, _, _ = routes(prefill)
     assert part.dp_rank(ADDR, room, window=Window()) == dp_rank
 
 
-def test_plan9_without_a_layout_only_a_one_rank_prefill_is_planned_and_a_refusal_forgets() -> None:
+def test_plan_9_without_a_layout_only_a_one_rank_prefill_is_planned_and_a_refusal_forgets() -> None:
     part, source, _ = routes(topology(tp_size=2))
     for _ in range(2):
         with pytest.raises(TopologyMismatch):
@@ -116,14 +116,14 @@ def test_plan9_without_a_layout_only_a_one_rank_prefill_is_planned_and_a_refusal
     assert source.topology_calls == [ADDR, ADDR]  # not remembered past its deployment
 
 
-def test_mgr16_a_prefill_complete_prefill_is_refused_by_a_decode_of_the_default_policy() -> None:
+def test_mgr_16_a_prefill_complete_prefill_is_refused_by_a_decode_of_the_default_policy() -> None:
     part, _, _ = routes(topology(decode_allocation_policy=PREFILL_COMPLETE))
     with pytest.raises(TopologyMismatch, match="allocation policy mismatch"):
         part.address_plan(ADDR)
     assert ADDR not in part.known
 
 
-def test_mgr16_equal_policies_pass_and_the_backends_own_check_runs_with_the_layout() -> None:
+def test_mgr_16_equal_policies_pass_and_the_backends_own_check_runs_with_the_layout() -> None:
     layout = DecodeLayout(decode_allocation_policy=PREFILL_COMPLETE)
     checked: list[tuple[str, DecodeLayout]] = []
     source, background = FakeSource(), ManualBackground()
@@ -139,13 +139,13 @@ def test_mgr16_equal_policies_pass_and_the_backends_own_check_runs_with_the_layo
     assert checked == [(ADDR, layout)]
 
 
-def test_mgr17_staging_is_refused_where_it_would_be_used() -> None:
+def test_mgr_17_staging_is_refused_where_it_would_be_used() -> None:
     part, _, _ = routes(topology(tp_size=2), layout=DecodeLayout(tp_size=1), staging=True)
     with pytest.raises(TopologyMismatch, match="staging"):
         part.check_prefill(ADDR)
 
 
-def test_mgr16_a_given_plan_without_a_layout_is_checked_once_the_topology_is_known() -> None:
+def test_mgr_16_a_given_plan_without_a_layout_is_checked_once_the_topology_is_known() -> None:
     part, source, _ = routes(topology(decode_allocation_policy=PREFILL_COMPLETE))
     plan = RankPlan()
     window = Window()

@@ -9,12 +9,12 @@ from statemachine.errors import PrefillSilent
 from .fakes import ADDR, OTHER_ADDR, ManualClock
 
 
-def test_mgr22_nothing_judged_silent_refuses_nothing() -> None:
+def test_mgr_22_nothing_judged_silent_refuses_nothing() -> None:
     silent = SilentAddresses(clock=ManualClock())
     assert silent.refusal(ADDR) is None and silent.refused == 0
 
 
-def test_mgr22_a_silent_address_is_refused_at_once_saying_for_how_long() -> None:
+def test_mgr_22_a_silent_address_is_refused_at_once_saying_for_how_long() -> None:
     clock = ManualClock()
     silent = SilentAddresses(clock=clock)
     silent.judged_silent(ADDR, "3 probes timed out")
@@ -26,13 +26,13 @@ def test_mgr22_a_silent_address_is_refused_at_once_saying_for_how_long() -> None
     assert silent.refused == 1 and len(silent) == 1
 
 
-def test_mgr22_only_the_silent_address_is_refused() -> None:
+def test_mgr_22_only_the_silent_address_is_refused() -> None:
     silent = SilentAddresses(clock=ManualClock())
     silent.judged_silent(ADDR, "unanswered")
     assert silent.refusal(OTHER_ADDR) is None and silent.refused == 0
 
 
-def test_health7_a_heard_probe_lifts_the_hold_off() -> None:
+def test_health_7_a_heard_probe_lifts_the_hold_off() -> None:
     silent = SilentAddresses(clock=ManualClock())
     silent.judged_silent(ADDR, "unanswered")
     silent.heard(ADDR)

@@ -19,7 +19,7 @@ def outbox() -> tuple[Outbox, FakeTransport]:
     return Outbox(transport, FakeBackend()), transport  # type: ignore[arg-type]
 
 
-def test_zmq14_register_goes_to_every_rank_dummy_ranks_included() -> None:
+def test_zmq_14_register_goes_to_every_rank_dummy_ranks_included() -> None:
     box, transport = outbox()
     fetched = Generation((rank(5001), rank(5002, dummy=True)), "instance-a")
     box.register(fetched)
@@ -29,7 +29,7 @@ def test_zmq14_register_goes_to_every_rank_dummy_ranks_included() -> None:
     ]
 
 
-def test_zmq14_register_stops_at_the_first_failed_send() -> None:
+def test_zmq_14_register_stops_at_the_first_failed_send() -> None:
     box, transport = outbox()
     transport.failing.add(("127.0.0.1", 5001))
     with pytest.raises(SendFailed):
@@ -37,14 +37,14 @@ def test_zmq14_register_stops_at_the_first_failed_send() -> None:
     assert transport.sends == []
 
 
-def test_zmq14_metadata_goes_to_every_rank_of_the_generation() -> None:
+def test_zmq_14_metadata_goes_to_every_rank_of_the_generation() -> None:
     box, transport = outbox()
     box.metadata(generation(5001, 5002), MetadataRequest(7, [1, 2], 0))
     assert transport.sent_to() == [("127.0.0.1", 5001), ("127.0.0.1", 5002)]
     assert all(frames[0] == b"metadata" for _, frames in transport.sends)
 
 
-def test_mgr16_bootstrap_is_told_to_every_rank_and_a_failed_send_propagates() -> None:
+def test_mgr_16_bootstrap_is_told_to_every_rank_and_a_failed_send_propagates() -> None:
     box, transport = outbox()
     held = generation(5001, 5002)
     box.bootstrap(7, [(held, r) for r in held.ranks])
@@ -57,7 +57,7 @@ def test_mgr16_bootstrap_is_told_to_every_rank_and_a_failed_send_propagates() ->
         box.bootstrap(7, [(held, r) for r in held.ranks])
 
 
-def test_mgr15_abort_is_best_effort_skipping_dead_ranks_and_carrying_the_sequence_number() -> None:
+def test_mgr_15_abort_is_best_effort_skipping_dead_ranks_and_carrying_the_sequence_number() -> None:
     box, transport = outbox()
     held = generation(5001, 5002, 5003)
     transport.down.add(("127.0.0.1", 5001))  # judged dead: not even tried
@@ -68,7 +68,7 @@ def test_mgr15_abort_is_best_effort_skipping_dead_ranks_and_carrying_the_sequenc
     ]
 
 
-def test_mgr15_a_legacy_abort_carries_no_sequence_number() -> None:
+def test_mgr_15_a_legacy_abort_carries_no_sequence_number() -> None:
     box, transport = outbox()
     held = generation(5001)
     box.abort(7, [(held, held.ranks[0])], abort_seq=None)

@@ -77,7 +77,7 @@ def endpoints() -> tuple[tuple[str, int], ...]:
     return tuple(("127.0.0.1", closed_port()) for _ in range(3))
 
 
-def test_zmq1_one_socket_per_endpoint(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_zmq_1_one_socket_per_endpoint(context: zmq.Context[zmq.Socket[bytes]]) -> None:
     s = make(context)
     a = ("127.0.0.1", closed_port())
     entry = s.cache.open(a)
@@ -88,7 +88,7 @@ def test_zmq1_one_socket_per_endpoint(context: zmq.Context[zmq.Socket[bytes]]) -
     s.monitor.close()
 
 
-def test_zmq20_a_socket_lives_while_a_generation_retains_it(
+def test_zmq_20_a_socket_lives_while_a_generation_retains_it(
     context: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[tuple[str, int], ...]
 ) -> None:
     s = make(context)
@@ -106,7 +106,7 @@ def test_zmq20_a_socket_lives_while_a_generation_retains_it(
     s.monitor.close()
 
 
-def test_zmq19_a_remembered_verdict_refuses_without_making_a_socket(
+def test_zmq_19_a_remembered_verdict_refuses_without_making_a_socket(
     context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     s = make(context)
@@ -119,7 +119,7 @@ def test_zmq19_a_remembered_verdict_refuses_without_making_a_socket(
 
 
 @pytest.mark.parametrize("host", ["localhost", "0.0.0.0", "255.255.255.255"])
-def test_zmq17_only_peer_ip_literals_get_a_socket(
+def test_zmq_17_only_peer_ip_literals_get_a_socket(
     context: zmq.Context[zmq.Socket[bytes]], host: str
 ) -> None:
     s = make(context)
@@ -128,7 +128,7 @@ def test_zmq17_only_peer_ip_literals_get_a_socket(
     assert s.cache.created == 0 and s.failures.value() == 1
 
 
-def test_zmq20_the_bound_evicts_the_least_recently_used_unretained_socket(
+def test_zmq_20_the_bound_evicts_the_least_recently_used_unretained_socket(
     context: zmq.Context[zmq.Socket[bytes]], endpoints: tuple[tuple[str, int], ...]
 ) -> None:
     s = make(context, max_sockets=2)

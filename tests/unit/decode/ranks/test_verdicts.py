@@ -10,7 +10,7 @@ from statemachine.decode.ranks.verdicts import Listeners, Verdict
 A = ("127.0.0.1", 5001)
 
 
-def test_zmq16_both_listener_forms_hear_each_verdict() -> None:
+def test_zmq_16_both_listener_forms_hear_each_verdict() -> None:
     listeners = Listeners()
     plain: list[tuple[object, bool, str]] = []
     whole: list[Verdict] = []
@@ -22,7 +22,7 @@ def test_zmq16_both_listener_forms_hear_each_verdict() -> None:
     assert whole == [verdict] and whole[0].exit_proven  # the typed flag, not a phrase
 
 
-def test_zmq26_exit_listeners_hear_proven_exits() -> None:
+def test_zmq_26_exit_listeners_hear_proven_exits() -> None:
     listeners = Listeners()
     exits: list[tuple[object, str]] = []
     listeners.subscribe_exits(lambda endpoint, reason: exits.append((endpoint, reason)))
