@@ -750,6 +750,21 @@ MUTANTS: tuple[CodeMutant, ...] = (
         ),
         "NIXL registrations after a memory release carry the metadata taken at construction",
     ),
+    CodeMutant(
+        "kill_window_retried_by_class",
+        "statemachine/demo/loops.py",
+        (
+            (
+                "                    and failure.retryable\n",
+                "                    and type(failure).__name__ in ('NotReady', 'TransportFailure')\n",
+            ),
+        ),
+        (
+            "tests/test_kill_window.py::test_a_request_started_while_the_prefill_is_down_retries_on_every_source",
+        ),
+        "the demo's router retries a failed bootstrap by two error classes, HTTP's: etcd's "
+        "RanksUnreachable in the kill window fails the request (MGR-24)",
+    ),
 )
 
 BY_NAME = {m.name: m for m in MUTANTS}
