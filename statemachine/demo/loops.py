@@ -162,14 +162,11 @@ class RequestLoops:
                 if receiver.init() != KVPoll.Failed:
                     break
                 failure = receiver.failure
-                if (
-                    # MGR-24: the same test on every source (the error's own ``retryable``);
-                    # a failed init() sent nothing, so the retry is safe
-                    failure is not None
-                    and failure.retryable
-                    and clock() < deadline
-                    and not self.stop_event.wait(RETRY_BACKOFF_S)
-                ):
+                # MGR-24: the same test on every source (the error's own ``retryable``); a
+                # failed init() sent nothing, so the retry is safe
+                if failure is not None and failure.retryable and clock() < deadline:
+                    if self.stop_event.wait(RETRY_BACKOFF_S):
+                        return  # the run is over; not a failure of the prefill (not counted)
                     retries += 1
                     continue
                 self._finish(index, start, receiver, None, retries)

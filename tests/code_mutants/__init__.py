@@ -755,8 +755,8 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "statemachine/demo/loops.py",
         (
             (
-                "                    and failure.retryable\n",
-                "                    and type(failure).__name__ in ('NotReady', 'TransportFailure')\n",
+                "if failure is not None and failure.retryable and clock() < deadline:\n",
+                "if type(failure).__name__ in ('NotReady', 'TransportFailure') and clock() < deadline:\n",
             ),
         ),
         (
