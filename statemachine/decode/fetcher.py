@@ -175,7 +175,9 @@ class Fetcher:
             fresh = self._fetch(addr, plan, claim.missing, room=room, adopted=adopted)
             # One retry rule on every source (MGR-19): ranks the transport already judged
             # dead, answered again (a store still listing a crashed prefill, a server that
-            # kept a dead rank's port), fail this request as retryable, in microseconds.
+            # kept a dead rank's port), fail this request as retryable, in microseconds -
+            # as a refused or unready HTTP server does: one kill-window rule (MGR-24), the
+            # caller's retry is served by the replacement.
             try:
                 _refuse_known_dead(addr, self._transport, fresh.values())
             except RanksUnreachable as error:

@@ -7,11 +7,14 @@ then ``poll`` until the prefill ranks' acks arrive, the manager's fan-out fails 
 the prefill it depends on is gone) or the waiting timeout does. The receiver's ``on_change``
 wakes the loop at once in the first two cases.
 
-A bootstrap server that is unreachable or not ready yet (connection refused, 503) means the
-prefill is down: no cache design can help, so such a bootstrap is retried with a new receiver
-for the same room until the request's deadline (like a router retrying), and counted as a
-retry rather than a failure. Every other failure - a send to a dead rank, a waiting timeout -
-fails the request: those are the cost of a stale cache that the demo measures.
+A bootstrap (``init``) that fails with a retryable error sent nothing of the request: the
+prefill is down or between instances (a bootstrap server refusing or not ready, ranks the
+transport already judged dead that the source still lists, a fetch answered by two instances).
+No cache design can help, so such a bootstrap is retried with a new receiver for the same room
+until the request's deadline (like a router retrying), and counted as a retry rather than a
+failure: the one kill-window rule, the same on every source (``spec/manager.md`` MGR-24).
+Every failure after the bootstrap - a send to a dead rank, a waiting timeout - fails the
+request: those are the cost of a stale cache that the demo measures.
 """
 
 from __future__ import annotations
@@ -26,14 +29,12 @@ from statemachine.completion import KVPoll
 from statemachine.decode.client import BootstrapClient
 from statemachine.decode.manager import DecodeManager
 from statemachine.decode.receiver import BootstrapReceiver, RankPlan
-from statemachine.errors import NotReady, TransportFailure
 from statemachine.pool import PoolStats
 
 #: Pause before retrying a bootstrap against a server that is down or not ready.
 RETRY_BACKOFF_S = 0.05
 #: Longest single wait for acks, so a stopping run is noticed quickly.
 _WAIT_SLICE_S = 0.1
-_RETRYABLE = (NotReady, TransportFailure)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +161,12 @@ class RequestLoops:
                 receiver.on_change = done.set
                 if receiver.init() != KVPoll.Failed:
                     break
-                if (
-                    isinstance(receiver.failure, _RETRYABLE)
-                    and clock() < deadline
-                    and not self.stop_event.wait(RETRY_BACKOFF_S)
-                ):
+                failure = receiver.failure
+                # MGR-24: the same test on every source (the error's own ``retryable``); a
+                # failed init() sent nothing, so the retry is safe
+                if failure is not None and failure.retryable and clock() < deadline:
+                    if self.stop_event.wait(RETRY_BACKOFF_S):
+                        return  # the run is over; not a failure of the prefill (not counted)
                     retries += 1
                     continue
                 self._finish(index, start, receiver, None, retries)

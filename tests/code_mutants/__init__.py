@@ -759,7 +759,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "statemachine/sglang/v0_5_23/mooncake.py",
         (("            _verify_session(reader, session_id, kv_args)\n", "            pass\n"),),
         (
-            "tests/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
+            "tests/sglang/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
         ),
         "MooncakeBackend.factory lets an unregistered buffer or a wrong session through",
     ),
@@ -768,8 +768,8 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "statemachine/sglang/v0_5_23/mooncake.py",
         (("        _verify_session(engine, session_id, kv_args)\n", "        pass\n"),),
         (
-            "tests/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
-            "tests/test_sglang_decode_surface.py::test_sgw12_mooncake_manager_reads_its_buffers_back_before_any_frame",
+            "tests/sglang/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
+            "tests/sglang/test_sglang_decode_surface.py::test_sgw12_mooncake_manager_reads_its_buffers_back_before_any_frame",
         ),
         "from_engine and the drop-in manager accept buffers their engine does not serve",
     ),
@@ -783,7 +783,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
             ),
         ),
         (
-            "tests/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
+            "tests/sglang/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
         ),
         "a buffer registered shorter than kv_args claims passes the read-back",
     ),
@@ -792,7 +792,7 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "statemachine/sglang/v0_5_23/mooncake.py",
         (("        if _witness is not _VERIFIED:\n", "        if False:\n"),),
         (
-            "tests/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
+            "tests/sglang/test_public_path_mistakes.py::test_sgw12_mooncake_mistake_is_refused_locally_and_sglangs_decode_completes_after",
         ),
         "MooncakeBackend(...) builds a registration nobody read back",
     ),
@@ -801,9 +801,24 @@ MUTANTS: tuple[CodeMutant, ...] = (
         "statemachine/sglang/v0_5_23/nixl.py",
         (("        if _witness is not _VERIFIED:\n", "        if False:\n"),),
         (
-            "tests/test_public_path_mistakes.py::test_sgw12_nixl_constructor_is_refused_and_sglangs_decode_completes_after",
+            "tests/sglang/test_public_path_mistakes.py::test_sgw12_nixl_constructor_is_refused_and_sglangs_decode_completes_after",
         ),
         "NixlBackend(...) sends metadata nobody read back, which can end a prefill's bootstrap thread",
+    ),
+    CodeMutant(
+        "kill_window_retried_by_class",
+        "statemachine/demo/loops.py",
+        (
+            (
+                "if failure is not None and failure.retryable and clock() < deadline:\n",
+                "if type(failure).__name__ in ('NotReady', 'TransportFailure') and clock() < deadline:\n",
+            ),
+        ),
+        (
+            "tests/integration/test_kill_window.py::test_a_request_started_while_the_prefill_is_down_retries_on_every_source",
+        ),
+        "the demo's router retries a failed bootstrap by two error classes, HTTP's: etcd's "
+        "RanksUnreachable in the kill window fails the request (MGR-24)",
     ),
 )
 
