@@ -88,9 +88,9 @@ def main(args: argparse.Namespace) -> int:
     if reason is not None:
         print(f"error: --prefill sglang: {reason}; {NEEDS}", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(_TESTS))
-    engines: Any = importlib.import_module("real_prefill.engines")
-    restart: Any = importlib.import_module("real_prefill.restart")
+    sys.path.insert(0, str(_TESTS.parent))  # the checkout's root: the harness is tests.real_prefill
+    engines: Any = importlib.import_module("tests.real_prefill.engines")
+    restart: Any = importlib.import_module("tests.real_prefill.restart")
     wanted = args.engine or list(engines.BACKENDS)
     backends = [b for b in wanted if engines.engine_unavailable(b) is None]
     kinds = args.replacement or ["warm", "cold"]

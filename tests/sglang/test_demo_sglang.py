@@ -119,7 +119,7 @@ def test_the_table_shows_failures_by_type_under_each_row() -> None:
 
 def test_the_json_report_holds_the_table_and_every_failure(tmp_path: Path) -> None:
     reports, timeline = sample_reports()
-    restart = sys.modules["real_prefill.restart"]
+    restart = sys.modules["tests.real_prefill.restart"]
     entry = sglang_report.run_report(
         restart, "mooncake", "cold", reports, timeline, ([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]),
         table("title", reports),

@@ -68,7 +68,7 @@ def test_sglang_example_against_sglangs_server_parsers_and_status_sender(
     reason = engine_unavailable("mooncake")
     if reason is not None:
         pytest.skip(reason)
-    from real_prefill import engines
+    from tests.real_prefill import engines
 
     conn, mooncake = import_sglang(), mooncake_module()
     code = example()
